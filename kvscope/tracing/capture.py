@@ -1,0 +1,355 @@
+"""Attention capture through transformers' ``AttentionInterface`` (SPEC §2).
+
+kvscope registers one attention function per fast kernel (``kvscope_fused`` for sdpa,
+``kvscope_eager``, ``kvscope_fa2`` for flash_attention_2) together with the matching
+``AttentionMaskInterface`` entry. The function computes the layer output with the
+kernel the user chose and, when a :class:`AttentionRecorder` is active, recomputes the
+probabilities of the *new query rows only* in fp32::
+
+    a = softmax(mask(softcap(q · kᵀ · scaling)))          # [batch, head, q, kv]
+
+with KV heads repeated for GQA. Nothing model-specific is hooked: the function sees the
+real post-RoPE q/k/v of every model that routes through ``AttentionInterface``.
+
+Key slots are mapped to absolute positions: the keys handed to the function are always
+the last ``kv`` slots of the sequence (dynamic layers return every slot, sliding-window
+layers the window), so slot ``s = seq_len − kv + j`` and position ``p = s − pad[b]``
+under left padding.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
+
+KERNELS = ("sdpa", "eager", "flash_attention_2")
+HEAD_MODES = ("all", "kv", "mean")
+
+_ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar(
+    "kvscope_active_recorder", default=None
+)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[batch, kv_head, T, D] -> [batch, kv_head·n_rep, T, D] (query-head order)."""
+    if n_rep == 1:
+        return x
+    b, h_kv, t, d = x.shape
+    return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, q_offset: int) -> torch.Tensor:
+    """Mask fp32 scores [batch, head, q, kv] in place of the kernel's own masking.
+
+    ``mask`` is transformers' mask (bool: True = attend; float: additive) for the full
+    query length; ``q_offset`` selects the rows of this block. ``None`` with more than one
+    query row means sdpa's upper-left causal alignment (SPEC appendix).
+    """
+    q_len, kv_len = scores.shape[-2], scores.shape[-1]
+    if mask is None:
+        if q_len == 1 and q_offset == 0 and kv_len >= 1:
+            return scores
+        rows = torch.arange(q_offset, q_offset + q_len, device=scores.device)[:, None]
+        cols = torch.arange(kv_len, device=scores.device)[None, :]
+        return scores.masked_fill(cols > rows, float("-inf"))
+    block = mask[..., q_offset : q_offset + q_len, :]
+    if block.dtype == torch.bool:
+        return scores.masked_fill(~block, float("-inf"))
+    return scores + block.to(torch.float32)
+
+
+def attention_probs(
+    query: torch.Tensor,  # [batch, head, q, D]
+    key: torch.Tensor,  # [batch, kv_head, kv, D]
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    q_offset: int = 0,
+    full_q_len: int | None = None,
+) -> torch.Tensor:
+    """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key``.
+
+    GQA without copying keys: the heads of a group are stacked as extra query rows,
+    ``[batch, kv_head, group·q, D] @ [batch, kv_head, D, kv]``. Rows whose every key is
+    masked (left-padding query rows) come out as zeros, not NaN.
+    """
+    b, h, r, d = query.shape
+    n_kv, kv = key.shape[1], key.shape[2]
+    q = query.to(torch.float32).reshape(b, n_kv, (h // n_kv) * r, d)
+    scores = torch.matmul(q, key.to(torch.float32).transpose(-1, -2)).view(b, h, r, kv)
+    scores.mul_(scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = _apply_mask(scores, mask, q_offset)
+    elif (full_q_len or r) > 1:
+        scores = _apply_mask(scores, None, q_offset)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None and r > 1:
+        probs = torch.nan_to_num_(probs, nan=0.0)
+    return probs
+
+
+@dataclass
+class ForwardContext:
+    """What the recorder must know about the forward pass about to run."""
+
+    seq_len: int  # sequence slots after this forward (cache + new tokens)
+    pad: torch.Tensor  # [batch] left padding of each row, in slots
+    prefill: bool  # True for the prompt forward (many query rows)
+
+    def __post_init__(self):
+        self.padded = bool(self.pad.any())
+
+
+@dataclass
+class LayerCapture:
+    """What one layer yields for one forward pass (shapes at ``heads`` resolution Hs)."""
+
+    colsum: torch.Tensor | None = None  # [batch, Hs, seq_len] prefill column sums
+    tail: torch.Tensor | None = None  # [batch, Hs, obs, seq_len] last obs_window prefill rows
+    q: torch.Tensor | None = None  # [batch, head, q, D] post-RoPE queries of the new rows
+    k: torch.Tensor | None = None  # [batch, kv_head, q, D] post-RoPE keys of the new slots
+    v: torch.Tensor | None = None  # [batch, kv_head, q, D]
+
+
+@dataclass
+class AttentionRecorder:
+    """Collects the probabilities of the new query rows, per layer, for one forward.
+
+    ``heads``: ``all`` keeps every query head, ``kv`` averages the heads that share a KV
+    head (a kv-group row, still sums to 1), ``mean`` averages all heads (one row).
+    """
+
+    n_layers: int
+    n_stored_heads: int  # Hs
+    heads: str = "kv"
+    obs_window: int = 32
+    record_qkv: bool = False
+    row_block: int = 256
+    enabled: bool = True
+    ctx: ForwardContext | None = None
+    layers: dict[int, LayerCapture] = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # [batch, layer, Hs, seq_len] last query row of each layer, by absolute pos
+
+    def begin(self, ctx: ForwardContext) -> None:
+        self.ctx = ctx
+        self.layers = {}
+        self.rows = None
+
+    def active(self) -> "_Activation":
+        return _Activation(self)
+
+    # -- reductions --------------------------------------------------------------
+    def _reduce_heads(self, x: torch.Tensor, n_kv: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, head, ...] -> [batch, Hs, ...], written into ``out`` when given."""
+        if self.heads == "all":
+            return x if out is None else out.copy_(x)
+        if self.heads == "mean":
+            return x.mean(dim=1, keepdim=True) if out is None else torch.mean(x, dim=1, keepdim=True, out=out)
+        b, h = x.shape[:2]
+        grouped = x.reshape(b, n_kv, h // n_kv, *x.shape[2:])
+        return grouped.mean(dim=2) if out is None else torch.mean(grouped, dim=2, out=out)
+
+    def _to_positions(self, x: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Scatter key slots (last dim, length kv) onto absolute positions [.., seq_len]."""
+        ctx = self.ctx
+        if kv_len == ctx.seq_len and not ctx.padded:
+            return x
+        slots = torch.arange(ctx.seq_len - kv_len, ctx.seq_len, device=x.device)
+        pos = slots[None, :] - ctx.pad.to(x.device)[:, None]  # [batch, kv]
+        bshape = (pos.shape[0],) + (1,) * (x.dim() - 2) + (kv_len,)
+        index = pos.clamp(min=0).view(bshape).expand_as(x)
+        src = torch.where((pos >= 0).view(bshape), x, torch.zeros((), dtype=x.dtype, device=x.device))
+        out = torch.zeros((*x.shape[:-1], ctx.seq_len), dtype=x.dtype, device=x.device)
+        return out.scatter_add_(-1, index, src)
+
+    # -- the hook ------------------------------------------------------------------
+    def observe(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,  # [batch, head, q, D]
+        key: torch.Tensor,  # [batch, kv_head, kv, D]
+        value: torch.Tensor,  # [batch, kv_head, kv, D]
+        mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None,
+    ) -> None:
+        ctx = self.ctx
+        if ctx is None or not self.enabled:
+            return
+        layer = int(module.layer_idx)
+        b, h, q_len, _ = query.shape
+        n_kv, kv_len = key.shape[1], key.shape[2]
+        if kv_len > ctx.seq_len:
+            raise RuntimeError(
+                f"layer {layer}: {kv_len} keys for a sequence of {ctx.seq_len} slots; "
+                "kvscope traces with a DynamicCache only"
+            )
+        if q_len == 1:
+            probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
+            if self.rows is None:
+                self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
+            if kv_len == ctx.seq_len and not ctx.padded:
+                self._reduce_heads(probs, n_kv, out=self.rows[:, layer])
+            else:
+                self.rows[:, layer] = self._to_positions(self._reduce_heads(probs, n_kv), kv_len)
+            cap = LayerCapture()
+        else:
+            cap = LayerCapture()
+            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv)
+            if self.rows is None:
+                self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
+            self.rows[:, layer] = self._to_positions(row, kv_len)
+        if self.record_qkv:
+            cap.q = query.detach().to(torch.float32)
+            cap.k = key[:, :, -q_len:].detach().to(torch.float32)
+            cap.v = value[:, :, -q_len:].detach().to(torch.float32)
+        self.layers[layer] = cap
+
+    def _prefill(self, query, key, mask, scaling, softcap, n_kv):
+        """Column sums, last ``obs_window`` rows and the last row, block by block."""
+        ctx = self.ctx
+        b, h, q_len, _ = query.shape
+        kv_len = key.shape[2]
+        first_slot = ctx.seq_len - q_len  # slot of query row 0
+        pad = ctx.pad.to(query.device)
+        n_obs = self.obs_window
+        colsum = torch.zeros((b, h, kv_len), dtype=torch.float32, device=query.device)
+        tail = torch.zeros((b, h, n_obs, kv_len), dtype=torch.float32, device=query.device)
+        for r0 in range(0, q_len, self.row_block):
+            r1 = min(q_len, r0 + self.row_block)
+            # causal: rows r0..r1-1 see no key beyond slot (kv_len - q_len) + r1 - 1
+            kv_end = kv_len - q_len + r1
+            block_mask = None if mask is None else mask[..., :kv_end]
+            probs = attention_probs(
+                query[:, :, r0:r1], key[:, :, :kv_end], block_mask, scaling, softcap, q_offset=r0, full_q_len=q_len
+            )  # [batch, head, rows, kv_end]
+            if ctx.padded:
+                slots = torch.arange(first_slot + r0, first_slot + r1, device=query.device)
+                real = (slots[None, :] >= pad[:, None]).to(torch.float32)  # [batch, rows]
+                colsum[..., :kv_end] += torch.einsum("bhrk,br->bhk", probs, real)
+            else:
+                colsum[..., :kv_end] += probs.sum(2)
+            # tail row o holds query slot seq_len - n_obs + o
+            t0 = max(r0, q_len - n_obs)
+            if t0 < r1:
+                o0 = t0 - (q_len - n_obs)
+                tail[:, :, o0 : o0 + (r1 - t0), :kv_end] = probs[:, :, t0 - r0 :]
+        # query positions before the start of a (left-padded) prompt are not rows
+        tail_slots = torch.arange(ctx.seq_len - n_obs, ctx.seq_len, device=query.device)
+        tail = tail.masked_fill((tail_slots[None, :] < pad[:, None])[:, None, :, None], float("nan"))
+        tail = self._reduce_heads(tail, n_kv)
+        return (
+            self._to_positions(self._reduce_heads(colsum, n_kv), kv_len),
+            self._to_positions(tail, kv_len),
+            tail[:, :, -1],  # [batch, Hs, kv] the last prompt row = step 0, by key slot
+        )
+
+
+class _Activation:
+    def __init__(self, recorder: AttentionRecorder):
+        self.recorder = recorder
+        self.token = None
+
+    def __enter__(self):
+        self.token = _ACTIVE.set(self.recorder)
+        return self.recorder
+
+    def __exit__(self, *exc):
+        _ACTIVE.reset(self.token)
+
+
+# -- registered attention functions ---------------------------------------------------
+
+
+def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, training=False):
+    """Generic eager attention (the math of transformers' per-model eager functions)."""
+    n_rep = query.shape[1] // key.shape[1]
+    k = repeat_kv(key, n_rep)
+    v = repeat_kv(value, n_rep)
+    scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    elif query.shape[2] > 1:
+        scores = _apply_mask(scores, None, 0)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout and training:
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
+    out = torch.matmul(weights, v)
+    return out.transpose(1, 2).contiguous()
+
+
+def _base_forward(kernel: str):
+    """The layer-output function of ``kernel``, resolved once (not per call)."""
+    if kernel == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fast
+    elif kernel == "flash_attention_2":
+        from transformers.integrations.flash_attention import flash_attention_forward as fast
+    else:
+        fast = None
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if fast is None or (softcap is not None and kernel == "sdpa"):
+            # eager by choice, or softcapping that sdpa refuses (SPEC appendix): eager math
+            return _eager_output(query, key, value, attention_mask, scaling, softcap, dropout, module.training)
+        if kernel == "sdpa":
+            return fast(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+        return fast(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )[0]
+
+    return forward
+
+
+def _capturing(kernel: str):
+    base = _base_forward(kernel)
+
+    def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+        out = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
+        recorder = _ACTIVE.get()
+        if recorder is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            with torch.no_grad():
+                recorder.observe(module, query, key, value, attention_mask, scale, softcap)
+        return out, None
+
+    kvscope_attention.__name__ = f"kvscope_{kernel}_attention"
+    return kvscope_attention
+
+
+_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask, "flash_attention_2": flash_attention_mask}
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``kvscope_{kernel}`` attention and mask functions (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    for kernel in KERNELS:
+        name = implementation_name(kernel)
+        AttentionInterface.register(name, _capturing(kernel))
+        AttentionMaskInterface.register(name, _MASKS[kernel])
+    _REGISTERED = True
+
+
+# transformers matches implementation names by substring ("sdpa" in name triggers its SDPA
+# support check, "flash" its kernel loader), so the registered names avoid those words.
+_NAMES = {"sdpa": "kvscope_fused", "eager": "kvscope_eager", "flash_attention_2": "kvscope_fa2"}
+
+
+def implementation_name(kernel: str) -> str:
+    """The name under which the capturing variant of ``kernel`` is registered."""
+    return _NAMES[kernel]
+

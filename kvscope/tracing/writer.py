@@ -1,0 +1,129 @@
+"""Background writer for a trace store (SPEC §2 "Writing").
+
+The decode loop hands finished blocks of steps to :class:`StoreWriter`, which writes them
+on a background thread and bumps ``steps_committed`` in the group attributes only after
+the block's chunks are written (each chunk and the group's ``zarr.json`` are replaced
+atomically by zarr's LocalStore). A killed run therefore loses at most the block in flight
+and always leaves a store that opens. Metadata is consolidated only when the trace is
+complete. An exclusive ``flock`` on ``STORE/.kvscope-lock`` refuses a second writer; the
+kernel drops it when the writer dies, even on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StoreError
+
+LOCK_NAME = ".kvscope-lock"
+
+
+class StoreLock:
+    """Exclusive writer lock on a store folder."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.handle = None
+
+    def acquire(self) -> "StoreLock":
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path / LOCK_NAME, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise StoreError(f"{self.path} is being written by another kvscope process (pid {owner})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def release(self) -> None:
+        if self.handle is not None:
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+            self.handle.close()
+            self.handle = None
+
+
+@dataclass
+class Block:
+    """One block of decode steps for the samples of one batch.
+
+    ``rows`` maps an array name to (region, data): the data is written to
+    ``array[region]``. ``commit`` maps sample index -> committed steps after this block.
+    """
+
+    writes: list[tuple[str, tuple, np.ndarray]] = field(default_factory=list)
+    commit: dict[int, int] = field(default_factory=dict)
+    done: dict[int, bool] = field(default_factory=dict)
+
+
+class StoreWriter:
+    """Writes blocks on a background thread; the main thread never blocks on I/O
+    unless a block is already queued (back-pressure), so a killed run loses at most
+    the block being written besides the steps not yet handed over."""
+
+    def __init__(self, path: Path, committed: list[int], done: list[bool], max_queue: int = 1):
+        import zarr
+
+        self.path = Path(path)
+        self.group = zarr.open_group(str(path), mode="r+")
+        self.committed = list(committed)
+        self.done = list(done)
+        self.bytes_written = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvscope-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, block: Block) -> None:
+        self._raise_if_failed()
+        self._queue.put(block)
+
+    def flush(self) -> None:
+        self._queue.join()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            block = self._queue.get()
+            try:
+                if block is None:
+                    return
+                if self._error is None:
+                    self._write(block)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block: Block) -> None:
+        for name, region, data in block.writes:
+            self.group[name][region] = data
+            self.bytes_written += data.nbytes
+        if block.commit or block.done:
+            for sample, steps in block.commit.items():
+                self.committed[sample] = int(steps)
+            for sample, flag in block.done.items():
+                self.done[sample] = bool(flag)
+            self.group.attrs.update({"steps_committed": self.committed, "samples_done": self.done})

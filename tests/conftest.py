@@ -1,0 +1,92 @@
+"""Shared fixtures: the real SmolLM2, tiny random-weight models saved as real HF folders,
+and a helper that runs the CLI in a subprocess exactly as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Tiny configs for speed; the tokenizer is SmolLM2's (real), so prompts are real text.
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=6, num_key_value_heads=2),
+    "mistral_sliding": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    "gemma2": dict(
+        model_type="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    ),
+    "llama_short": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48),
+}
+
+
+def run_cli(*args, timeout=600, check=False, env=None):
+    """Run ``python cli.py ARGS`` from the checkout; returns CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=ROOT,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvscope {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from kvscope.models import resolve
+
+    return Path(resolve("smollm2-135m").load_path)
+
+
+def build_tiny(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    spec = dict(TINY_CONFIGS[kind])
+    model_type = spec.pop("model_type")
+    spec.setdefault("max_position_embeddings", 512)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        initializer_range=0.3,  # sharp, uneven attention: a harder test than near-uniform rows
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_dir):
+    """kind -> folder of a tiny random-weight model (built once per session)."""
+    base = tmp_path_factory.mktemp("tiny-models")
+    return {kind: build_tiny(kind, base / kind, smollm2_dir) for kind in TINY_CONFIGS}

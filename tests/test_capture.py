@@ -1,0 +1,213 @@
+"""Capture correctness: stored probabilities equal eager ``output_attentions`` to 1e-5 (fp32),
+tokens and logits are unchanged by capture, padding and sliding windows are handled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvscope
+from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
+
+PROMPT = "The quick brown fox jumps over the lazy dog because it was late for dinner at home."
+SHORT = "Kiwis are birds."
+TOL = 1e-5
+
+
+def eager_attentions(model_dir, tokens) -> np.ndarray:
+    """[layer, head, T, T] fp32 probabilities from the model's own eager path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), output_attentions=True, use_cache=False)
+    return torch.stack(out.attentions, 0)[:, 0].numpy()
+
+
+def reduce_heads(a: np.ndarray, heads: str, n_kv: int) -> np.ndarray:
+    """[layer, head, ...] -> [layer, Hs, ...] as the store keeps it."""
+    if heads == "all":
+        return a
+    if heads == "mean":
+        return a.mean(1, keepdims=True)
+    L, H = a.shape[:2]
+    return a.reshape(L, n_kv, H // n_kv, *a.shape[2:]).mean(2)
+
+
+def stored_tokens(ds, sample=0) -> list[int]:
+    P = int(ds.prompt_len[sample])
+    n = int(ds.n_steps[sample])
+    return [int(t) for t in ds.tokens.values[sample, : P + n]]
+
+
+def check_against_eager(ds, model_dir, heads, sample=0):
+    tokens = stored_tokens(ds, sample)
+    ref = reduce_heads(eager_attentions(model_dir, tokens), heads, ds.attrs["model"]["config"]["n_kv_heads"])
+    P = int(ds.prompt_len[sample])
+    n = int(ds.n_steps[sample])
+    attn = ds.attn.values[sample]  # [step, layer, Hs, pos]
+    worst = 0.0
+    for t in range(n):
+        q = P - 1 + t
+        assert int(ds.query_pos.values[sample, t]) == q
+        worst = max(worst, float(np.abs(attn[t, :, :, : q + 1] - ref[:, :, q, : q + 1]).max()))
+        assert np.isnan(attn[t, :, :, q + 1 :]).all()
+    colsum = ds.prefill_colsum.values[sample]
+    worst = max(worst, float(np.abs(colsum[:, :, :P] - ref[:, :, :P, :P].sum(2)).max()))
+    tail = ds.prefill_tail.values[sample]  # [layer, Hs, obs, pos]
+    for o, q in enumerate(ds.prefill_tail_qpos.values[sample]):
+        if q >= 0:
+            worst = max(worst, float(np.abs(tail[:, :, o, : q + 1] - ref[:, :, q, : q + 1]).max()))
+        else:
+            assert np.isnan(tail[:, :, o]).all()
+    assert worst <= TOL, f"max |capture − eager| = {worst:.2e}"
+    return worst
+
+
+@pytest.mark.parametrize(
+    "kind,heads",
+    [("llama", "kv"), ("llama", "all"), ("llama", "mean"), ("qwen2", "kv"), ("mistral_sliding", "kv"), ("gemma2", "all")],
+)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_probabilities_match_eager(tmp_path, tiny_models, kind, heads, attn):
+    out = tmp_path / "t.zarr"
+    kvscope.trace(
+        PROMPT, out, model=str(tiny_models[kind]), max_new_tokens=12, heads=heads, dtype="float32",
+        obs_window=8, block_steps=5, attn=attn, stop_at_eos=False,
+    )
+    ds = kvscope.open_trace(out)
+    assert ds.attrs["status"] == "complete"
+    assert int(ds.n_steps[0]) == 12
+    check_against_eager(ds, tiny_models[kind], heads)
+
+
+def test_sliding_window_rows_are_zero_outside_the_window(tmp_path, tiny_models):
+    out = tmp_path / "t.zarr"
+    kvscope.trace(PROMPT, out, model=str(tiny_models["mistral_sliding"]), max_new_tokens=6, dtype="float32",
+                  stop_at_eos=False)
+    ds = kvscope.open_trace(out)
+    P = int(ds.prompt_len[0])
+    row = ds.attn.values[0, 5, 0, 0]  # query at P + 4, window 8: keys P-3 .. P+4
+    q = P + 4
+    assert np.all(row[: q - 7] == 0)
+    assert np.all(row[q - 7 : q + 1] > 0)
+    assert abs(row[: q + 1].sum() - 1) < 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tokens_identical_with_and_without_capture(tmp_path, tiny_models, attn):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_models["llama"]
+    out = tmp_path / "t.zarr"
+    kvscope.trace(PROMPT, out, model=str(folder), max_new_tokens=16, attn=attn, stop_at_eos=False)
+    ds = kvscope.open_trace(out)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
+    ids = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert stored_tokens(ds) == ref[0].tolist()
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_logits_bit_identical_with_capture(tiny_models, kernel):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], attn_implementation=kernel).eval()
+    ids = torch.randint(0, 1000, (1, 17), generator=torch.Generator().manual_seed(1))
+
+    def run(capture: bool):
+        model.set_attn_implementation(implementation_name(kernel) if capture else kernel)
+        recorder = AttentionRecorder(n_layers=model.config.num_hidden_layers, n_stored_heads=2)
+        cache = DynamicCache(config=model.config)
+        logits = []
+        with torch.no_grad(), recorder.active():
+            x, seq = ids, ids.shape[1]
+            for _ in range(4):
+                recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long), prefill=seq == 17))
+                out = model(input_ids=x, cache=cache, use_cache=True)
+                cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+                logits.append(out.logits[:, -1])
+                x = out.logits[:, -1:].argmax(-1)
+                seq += 1
+        if capture:
+            assert len(recorder.layers) == model.config.num_hidden_layers
+        return torch.cat(logits)
+
+    assert torch.equal(run(False), run(True))
+
+
+def test_left_padded_batch_equals_each_alone(tmp_path, tiny_models):
+    folder = str(tiny_models["llama"])
+    prompts = [PROMPT, SHORT]
+    batched = tmp_path / "batched.zarr"
+    kvscope.trace(prompts, batched, model=folder, max_new_tokens=10, batch_size=2, dtype="float32",
+                  obs_window=8, stop_at_eos=False)
+    both = kvscope.open_trace(batched)
+    assert both.prompt_len.values.tolist()[0] > both.prompt_len.values.tolist()[1]
+    for s, prompt in enumerate(prompts):
+        alone_path = tmp_path / f"alone{s}.zarr"
+        kvscope.trace(prompt, alone_path, model=folder, max_new_tokens=10, dtype="float32", obs_window=8,
+                      stop_at_eos=False)
+        alone = kvscope.open_trace(alone_path)
+        P = int(alone.prompt_len[0])
+        assert stored_tokens(both, s) == stored_tokens(alone)
+        T = P + 10
+        np.testing.assert_allclose(both.attn.values[s, :, :, :, :T], alone.attn.values[0, :, :, :, :T], atol=1e-5)
+        np.testing.assert_allclose(both.prefill_colsum.values[s, :, :, :P], alone.prefill_colsum.values[0, :, :, :P],
+                                   atol=1e-4)
+        np.testing.assert_allclose(both.prefill_tail.values[s, ..., :T], alone.prefill_tail.values[0, ..., :T],
+                                   atol=1e-5)
+        np.testing.assert_array_equal(both.prefill_tail_qpos.values[s], alone.prefill_tail_qpos.values[0])
+
+
+def test_recorded_qkv_reproduce_rows(tmp_path, tiny_models):
+    out = tmp_path / "t.zarr"
+    kvscope.trace(PROMPT, out, model=str(tiny_models["llama"]), max_new_tokens=8, dtype="float32",
+                  record_qkv=True, heads="all", stop_at_eos=False)
+    ds = kvscope.open_trace(out)
+    q = ds.q.values[0]  # [qpos, layer, head, D]
+    k = ds.k.values[0]  # [layer, kv_head, pos, D]
+    scale = ds.attrs["model"]["config"]["head_dim"] ** -0.5
+    assert ds.rope_inv_freq.shape == (2, ds.attrs["model"]["config"]["head_dim"] // 2)
+    for t in range(8):
+        qp = int(ds.query_pos.values[0, t])
+        for layer in range(2):
+            kk = np.repeat(k[layer, :, : qp + 1], 2, axis=0)  # [head, qp+1, D]
+            scores = np.einsum("hd,hpd->hp", q[qp, layer], kk) * scale
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            np.testing.assert_allclose(ds.attn.values[0, t, layer, :, : qp + 1], probs, atol=1e-5)
+
+
+def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
+    folder = str(tiny_models["llama"])
+    kvscope.trace(PROMPT, tmp_path / "tok.zarr", model=folder, max_new_tokens=6, dtype="float32", stop_at_eos=False)
+    kvscope.trace(PROMPT, tmp_path / "win.zarr", model=folder, max_new_tokens=6, dtype="float32",
+                  resolution="window", window=4, n_sink=2, stop_at_eos=False)
+    tok = kvscope.open_trace(tmp_path / "tok.zarr")
+    win = kvscope.open_trace(tmp_path / "win.zarr")
+    assert win.attrs["w"] == 4 and win.attrs["n_sink"] == 2
+    rows = np.nan_to_num(tok.attn.values[0])  # [step, layer, kv, pos]
+    np.testing.assert_allclose(win.attn_sink.values[0], rows[..., :2], atol=1e-6)
+    for j in range(win.sizes["window"]):
+        first = 2 + 4 * j
+        exists = first <= tok.query_pos.values[0]  # [step]
+        expect = rows[..., first : first + 4].sum(-1)
+        got = win.attn.values[0, ..., j]
+        np.testing.assert_allclose(got[exists], expect[exists], atol=1e-6)
+        assert np.isnan(got[~exists]).all()
+
+
+@pytest.mark.slow
+def test_smollm2_probabilities_match_eager(tmp_path, smollm2_dir):
+    out = tmp_path / "smol.zarr"
+    kvscope.trace("The capital of France is", out, model="smollm2-135m", max_new_tokens=6, dtype="float32",
+                  stop_at_eos=False)
+    ds = kvscope.open_trace(out)
+    assert ds.attrs["model"]["config"]["n_layers"] == 30
+    assert ds.sizes["kv_head"] == 3
+    check_against_eager(ds, smollm2_dir, "kv")

@@ -1,0 +1,170 @@
+"""The CLI as a user runs it (subprocesses): happy paths and bad input → one line, exit 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import kvscope
+
+from .conftest import run_cli
+
+PROMPT = "Write one sentence about the sea."
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def complete_store(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("cli") / "done.zarr"
+    kvscope.trace(PROMPT, out, model=str(tiny_models["llama"]), max_new_tokens=8, block_steps=4, stop_at_eos=False)
+    return out
+
+
+@pytest.mark.slow
+def test_trace_info_models_on_smollm2(tmp_path):
+    out = tmp_path / "smol.zarr"
+    proc = run_cli("trace", "--prompt", PROMPT, "--max-new-tokens", "12", "--out", out, "--block-steps", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "traced 1 sample(s)" in proc.stdout and str(out) in proc.stdout
+    info = run_cli("info", out, "--json", check=True)
+    doc = json.loads(info.stdout)
+    assert doc["status"] == "complete"
+    assert doc["model"] == "smollm2-135m"
+    assert doc["dims"]["layer"] == 30 and doc["dims"]["kv_head"] == 3
+    assert doc["steps_committed"][0] == len(kvscope.open_trace(out).step.where(
+        kvscope.open_trace(out).query_pos[0] >= 0, drop=True))
+    assert doc["compression_ratio"] > 1
+    table = run_cli("info", out, check=True)
+    assert "status complete" in table.stdout and "attn" in table.stdout
+    models = json.loads(run_cli("models", "--json", check=True).stdout)
+    smol = next(m for m in models["models"] if m["name"] == "smollm2-135m")
+    assert smol["installed"] and smol["gguf"].endswith(".gguf")
+
+
+def test_window_resolution_and_mean_heads_via_cli(tmp_path, tiny_models):
+    out = tmp_path / "w.zarr"
+    run_cli("trace", "--model", tiny_models["llama"], "--prompt", PROMPT, "--max-new-tokens", "5", "--out", out,
+            "--resolution", "window", "--window", "4", "--heads", "mean", "--quiet", check=True)
+    ds = kvscope.open_trace(out)
+    assert ds.attn.dims == ("sample", "step", "layer", "head", "window")
+    assert ds.sizes["head"] == 1 and ds.attrs["w"] == 4
+
+
+def _one_line_error(proc, needle: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvscope: error: ")
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "/nonexistent/model-folder"], "model not found"),
+        (["--model", "no-such-model"], "model not found: 'no-such-model'"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--heads", "some"], "--heads must be one of all, kv, mean"),
+        (["--window", "6"], "--window must be a positive multiple of 4"),
+        (["--record", "logits"], "--record accepts qkv only"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+    ],
+)
+def test_trace_bad_input(tmp_path, tiny_models, args, needle):
+    out = tmp_path / "never.zarr"
+    base = {"--model": str(tiny_models["llama"]), "--max-new-tokens": "4", "--prompt": PROMPT, "--out": str(out)}
+    flags = dict(base)
+    extra = []
+    for i in range(0, len(args), 2):
+        if args[i] in flags:
+            flags[args[i]] = args[i + 1]
+        else:
+            extra += args[i : i + 2]
+    cmd = [x for kv in flags.items() for x in kv] + extra
+    _one_line_error(run_cli("trace", *cmd), needle)
+    assert not out.exists()
+
+
+def test_prompt_longer_than_context(tmp_path, tiny_models):
+    out = tmp_path / "never.zarr"
+    proc = run_cli("trace", "--model", tiny_models["llama_short"], "--prompt", PROMPT * 8, "--max-new-tokens", "4",
+                   "--out", out)
+    _one_line_error(proc, "exceeds the model context of 48")
+    assert not out.exists()
+
+
+def test_existing_complete_store_is_not_overwritten(complete_store, tiny_models):
+    before = tree_digest(complete_store)
+    proc = run_cli("trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "4",
+                   "--out", complete_store)
+    _one_line_error(proc, "holds a complete trace; pass --force")
+    assert tree_digest(complete_store) == before
+
+
+def test_force_overwrites(tmp_path, complete_store, tiny_models):
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(complete_store, copy)
+    run_cli("trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "3", "--out", copy,
+            "--force", "--quiet", check=True)
+    assert kvscope.open_trace(copy).attrs["prompts"][0]["text"] == "Other."
+
+
+def _broken_copy(src: Path, dst: Path, how: str) -> Path:
+    shutil.copytree(src, dst)
+    if how == "garbage":
+        (dst / "zarr.json").write_bytes(b"\x00\x13garbage{{{")
+    elif how == "truncated-meta":
+        text = (dst / "zarr.json").read_text()
+        (dst / "zarr.json").write_text(text[: len(text) // 2])
+    elif how == "truncated-chunk":
+        chunk = dst / "attn" / "c" / "0" / "1" / "0" / "0" / "0"
+        chunk.write_bytes(chunk.read_bytes()[:20])
+    elif how == "missing-chunk":
+        (dst / "attn" / "c" / "0" / "1" / "1" / "0" / "0").unlink()
+    elif how == "newer":
+        doc = json.loads((dst / "zarr.json").read_text())
+        doc["attributes"]["schema_version"] = 99
+        (dst / "zarr.json").write_text(json.dumps(doc))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "how,needle",
+    [
+        ("garbage", "zarr.json is unreadable or truncated"),
+        ("truncated-meta", "zarr.json is unreadable or truncated"),
+        ("truncated-chunk", "chunk attn[sample 0, steps 4.., layer 0] is corrupt"),
+        ("missing-chunk", "chunk attn/c/0/1/1/0/0 of committed steps is missing"),
+        ("newer", "schema version 99, newer than this kvscope supports (1)"),
+    ],
+)
+def test_info_on_broken_stores(tmp_path, complete_store, how, needle):
+    broken = _broken_copy(complete_store, tmp_path / f"{how}.zarr", how)
+    before = tree_digest(broken)
+    _one_line_error(run_cli("info", broken), needle)
+    assert tree_digest(broken) == before
+
+
+def test_info_on_missing_and_non_store(tmp_path):
+    _one_line_error(run_cli("info", tmp_path / "nope.zarr"), "no trace store at")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("hello")
+    _one_line_error(run_cli("info", plain), "is not a Zarr v3 store")
+
+
+def test_unknown_command_and_missing_flag():
+    _one_line_error(run_cli("frobnicate"), "invalid choice")
+    _one_line_error(run_cli("trace", "--prompt", "x", "--out", "y.zarr"), "--max-new-tokens")
