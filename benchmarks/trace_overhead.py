@@ -123,8 +123,11 @@ def main() -> None:
                 for key, value in measured.items():
                     rows[key].append(value)
             info = store_info(out)
-            print(f"repeat {r}{' (warm-up)' if r == 0 else ''}: "
-                  + ", ".join(f"{k} {v:.2f} s" for k, v in measured.items()), file=sys.stderr)
+            print(
+                f"repeat {r}{' (warm-up)' if r == 0 else ''}: "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in measured.items()),
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -136,8 +139,9 @@ def main() -> None:
     report = {
         "model": args.model,
         "device": args.device,
-        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
-        or platform.machine(),
+        "device_name": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "attn": args.attn,
         "prompt_tokens": int(input_ids.shape[1]),

@@ -129,8 +129,13 @@ def _cmd_trace(args) -> int:
         task = bar.add_task("trace", total=None, tps=0.0, written="0 B")
 
         def on_step(p):
-            bar.update(task, completed=p.steps_done, total=p.steps_total, tps=p.tokens_per_s,
-                       written=_human_bytes(p.bytes_written))
+            bar.update(
+                task,
+                completed=p.steps_done,
+                total=p.steps_total,
+                tps=p.tokens_per_s,
+                written=_human_bytes(p.bytes_written),
+            )
 
         result = trace(prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step)
     from .store import store_info
@@ -188,8 +193,9 @@ def _cmd_info(args) -> int:
         if a["dims"] == [name]:
             continue
         r = a["logical_bytes"] / a["stored_bytes"] if a["stored_bytes"] else 0
-        table.add_row(name, ", ".join(a["dims"]), str(tuple(a["shape"])), a["dtype"], _human_bytes(a["stored_bytes"]),
-                      f"{r:.2f}×")
+        table.add_row(
+            name, ", ".join(a["dims"]), str(tuple(a["shape"])), a["dtype"], _human_bytes(a["stored_bytes"]), f"{r:.2f}×"
+        )
     console.print(table)
     return 0
 

@@ -148,17 +148,42 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
     S, T, Hs, blk = L.n_samples, L.n_pos, L.n_stored_heads, L.block_steps
     nan = float("nan")
     if L.resolution == "token":
-        arr("attn", (S, L.n_steps, L.n_layers, Hs, T), ("sample", "step", "layer", hs, "pos"), f, (1, blk, 1, Hs, T), nan)
+        arr(
+            "attn",
+            (S, L.n_steps, L.n_layers, Hs, T),
+            ("sample", "step", "layer", hs, "pos"),
+            f,
+            (1, blk, 1, Hs, T),
+            nan,
+        )
     else:
         coord("window", L.n_windows)
         coord("sink", L.n_sink)
-        arr("attn", (S, L.n_steps, L.n_layers, Hs, L.n_windows), ("sample", "step", "layer", hs, "window"), f,
-            (1, blk, 1, Hs, max(1, L.n_windows)), nan)
-        arr("attn_sink", (S, L.n_steps, L.n_layers, Hs, L.n_sink), ("sample", "step", "layer", hs, "sink"), f,
-            (1, blk, 1, Hs, L.n_sink), nan)
+        arr(
+            "attn",
+            (S, L.n_steps, L.n_layers, Hs, L.n_windows),
+            ("sample", "step", "layer", hs, "window"),
+            f,
+            (1, blk, 1, Hs, max(1, L.n_windows)),
+            nan,
+        )
+        arr(
+            "attn_sink",
+            (S, L.n_steps, L.n_layers, Hs, L.n_sink),
+            ("sample", "step", "layer", hs, "sink"),
+            f,
+            (1, blk, 1, Hs, L.n_sink),
+            nan,
+        )
     arr("prefill_colsum", (S, L.n_layers, Hs, T), ("sample", "layer", hs, "pos"), "float32", (1, 1, Hs, T), nan)
-    arr("prefill_tail", (S, L.n_layers, Hs, L.obs_window, T), ("sample", "layer", hs, "obs", "pos"), f,
-        (1, 1, Hs, L.obs_window, T), nan)
+    arr(
+        "prefill_tail",
+        (S, L.n_layers, Hs, L.obs_window, T),
+        ("sample", "layer", hs, "obs", "pos"),
+        f,
+        (1, 1, Hs, L.obs_window, T),
+        nan,
+    )
     arr("prefill_tail_qpos", (S, L.obs_window), ("sample", "obs"), "int32", (1, L.obs_window), -1)
     arr("tokens", (S, T), ("sample", "pos"), "int32", (1, T), -1)
     arr("prompt_len", (S,), ("sample",), "int32", (S,), 0)
@@ -172,13 +197,31 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
         coord("dim", L.head_dim)
         coord("rope_freq", L.rope_freqs)
         pb = L.pos_block
-        arr("q", (S, T, L.n_layers, L.n_heads, L.head_dim), ("sample", "qpos", "layer", "head", "dim"), f,
-            (1, pb, 1, L.n_heads, L.head_dim), nan)
+        arr(
+            "q",
+            (S, T, L.n_layers, L.n_heads, L.head_dim),
+            ("sample", "qpos", "layer", "head", "dim"),
+            f,
+            (1, pb, 1, L.n_heads, L.head_dim),
+            nan,
+        )
         for name in ("k", "v"):
-            arr(name, (S, L.n_layers, L.n_kv_heads, T, L.head_dim), ("sample", "layer", "kv_head", "pos", "dim"), f,
-                (1, 1, L.n_kv_heads, pb, L.head_dim), nan)
-        arr("rope_inv_freq", (L.n_layers, L.rope_freqs), ("layer", "rope_freq"), "float32",
-            (L.n_layers, max(1, L.rope_freqs)), nan)
+            arr(
+                name,
+                (S, L.n_layers, L.n_kv_heads, T, L.head_dim),
+                ("sample", "layer", "kv_head", "pos", "dim"),
+                f,
+                (1, 1, L.n_kv_heads, pb, L.head_dim),
+                nan,
+            )
+        arr(
+            "rope_inv_freq",
+            (L.n_layers, L.rope_freqs),
+            ("layer", "rope_freq"),
+            "float32",
+            (L.n_layers, max(1, L.rope_freqs)),
+            nan,
+        )
         arr("rope_attention_scaling", (L.n_layers,), ("layer",), "float32", (L.n_layers,), nan)
 
 

@@ -67,14 +67,29 @@ def check_against_eager(ds, model_dir, heads, sample=0):
 
 @pytest.mark.parametrize(
     "kind,heads",
-    [("llama", "kv"), ("llama", "all"), ("llama", "mean"), ("qwen2", "kv"), ("mistral_sliding", "kv"), ("gemma2", "all")],
+    [
+        ("llama", "kv"),
+        ("llama", "all"),
+        ("llama", "mean"),
+        ("qwen2", "kv"),
+        ("mistral_sliding", "kv"),
+        ("gemma2", "all"),
+    ],
 )
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_probabilities_match_eager(tmp_path, tiny_models, kind, heads, attn):
     out = tmp_path / "t.zarr"
     kvscope.trace(
-        PROMPT, out, model=str(tiny_models[kind]), max_new_tokens=12, heads=heads, dtype="float32",
-        obs_window=8, block_steps=5, attn=attn, stop_at_eos=False,
+        PROMPT,
+        out,
+        model=str(tiny_models[kind]),
+        max_new_tokens=12,
+        heads=heads,
+        dtype="float32",
+        obs_window=8,
+        block_steps=5,
+        attn=attn,
+        stop_at_eos=False,
     )
     ds = kvscope.open_trace(out)
     assert ds.attrs["status"] == "complete"
@@ -84,8 +99,9 @@ def test_probabilities_match_eager(tmp_path, tiny_models, kind, heads, attn):
 
 def test_sliding_window_rows_are_zero_outside_the_window(tmp_path, tiny_models):
     out = tmp_path / "t.zarr"
-    kvscope.trace(PROMPT, out, model=str(tiny_models["mistral_sliding"]), max_new_tokens=6, dtype="float32",
-                  stop_at_eos=False)
+    kvscope.trace(
+        PROMPT, out, model=str(tiny_models["mistral_sliding"]), max_new_tokens=6, dtype="float32", stop_at_eos=False
+    )
     ds = kvscope.open_trace(out)
     P = int(ds.prompt_len[0])
     row = ds.attn.values[0, 5, 0, 0]  # query at P + 4, window 8: keys P-3 .. P+4
@@ -144,30 +160,49 @@ def test_left_padded_batch_equals_each_alone(tmp_path, tiny_models):
     folder = str(tiny_models["llama"])
     prompts = [PROMPT, SHORT]
     batched = tmp_path / "batched.zarr"
-    kvscope.trace(prompts, batched, model=folder, max_new_tokens=10, batch_size=2, dtype="float32",
-                  obs_window=8, stop_at_eos=False)
+    kvscope.trace(
+        prompts,
+        batched,
+        model=folder,
+        max_new_tokens=10,
+        batch_size=2,
+        dtype="float32",
+        obs_window=8,
+        stop_at_eos=False,
+    )
     both = kvscope.open_trace(batched)
     assert both.prompt_len.values.tolist()[0] > both.prompt_len.values.tolist()[1]
     for s, prompt in enumerate(prompts):
         alone_path = tmp_path / f"alone{s}.zarr"
-        kvscope.trace(prompt, alone_path, model=folder, max_new_tokens=10, dtype="float32", obs_window=8,
-                      stop_at_eos=False)
+        kvscope.trace(
+            prompt, alone_path, model=folder, max_new_tokens=10, dtype="float32", obs_window=8, stop_at_eos=False
+        )
         alone = kvscope.open_trace(alone_path)
         P = int(alone.prompt_len[0])
         assert stored_tokens(both, s) == stored_tokens(alone)
         T = P + 10
         np.testing.assert_allclose(both.attn.values[s, :, :, :, :T], alone.attn.values[0, :, :, :, :T], atol=1e-5)
-        np.testing.assert_allclose(both.prefill_colsum.values[s, :, :, :P], alone.prefill_colsum.values[0, :, :, :P],
-                                   atol=1e-4)
-        np.testing.assert_allclose(both.prefill_tail.values[s, ..., :T], alone.prefill_tail.values[0, ..., :T],
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            both.prefill_colsum.values[s, :, :, :P], alone.prefill_colsum.values[0, :, :, :P], atol=1e-4
+        )
+        np.testing.assert_allclose(
+            both.prefill_tail.values[s, ..., :T], alone.prefill_tail.values[0, ..., :T], atol=1e-5
+        )
         np.testing.assert_array_equal(both.prefill_tail_qpos.values[s], alone.prefill_tail_qpos.values[0])
 
 
 def test_recorded_qkv_reproduce_rows(tmp_path, tiny_models):
     out = tmp_path / "t.zarr"
-    kvscope.trace(PROMPT, out, model=str(tiny_models["llama"]), max_new_tokens=8, dtype="float32",
-                  record_qkv=True, heads="all", stop_at_eos=False)
+    kvscope.trace(
+        PROMPT,
+        out,
+        model=str(tiny_models["llama"]),
+        max_new_tokens=8,
+        dtype="float32",
+        record_qkv=True,
+        heads="all",
+        stop_at_eos=False,
+    )
     ds = kvscope.open_trace(out)
     q = ds.q.values[0]  # [qpos, layer, head, D]
     k = ds.k.values[0]  # [layer, kv_head, pos, D]
@@ -186,8 +221,17 @@ def test_recorded_qkv_reproduce_rows(tmp_path, tiny_models):
 def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
     folder = str(tiny_models["llama"])
     kvscope.trace(PROMPT, tmp_path / "tok.zarr", model=folder, max_new_tokens=6, dtype="float32", stop_at_eos=False)
-    kvscope.trace(PROMPT, tmp_path / "win.zarr", model=folder, max_new_tokens=6, dtype="float32",
-                  resolution="window", window=4, n_sink=2, stop_at_eos=False)
+    kvscope.trace(
+        PROMPT,
+        tmp_path / "win.zarr",
+        model=folder,
+        max_new_tokens=6,
+        dtype="float32",
+        resolution="window",
+        window=4,
+        n_sink=2,
+        stop_at_eos=False,
+    )
     tok = kvscope.open_trace(tmp_path / "tok.zarr")
     win = kvscope.open_trace(tmp_path / "win.zarr")
     assert win.attrs["w"] == 4 and win.attrs["n_sink"] == 2
@@ -205,8 +249,9 @@ def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
 @pytest.mark.slow
 def test_smollm2_probabilities_match_eager(tmp_path, smollm2_dir):
     out = tmp_path / "smol.zarr"
-    kvscope.trace("The capital of France is", out, model="smollm2-135m", max_new_tokens=6, dtype="float32",
-                  stop_at_eos=False)
+    kvscope.trace(
+        "The capital of France is", out, model="smollm2-135m", max_new_tokens=6, dtype="float32", stop_at_eos=False
+    )
     ds = kvscope.open_trace(out)
     assert ds.attrs["model"]["config"]["n_layers"] == 30
     assert ds.sizes["kv_head"] == 3

@@ -43,8 +43,9 @@ def test_trace_info_models_on_smollm2(tmp_path):
     assert doc["status"] == "complete"
     assert doc["model"] == "smollm2-135m"
     assert doc["dims"]["layer"] == 30 and doc["dims"]["kv_head"] == 3
-    assert doc["steps_committed"][0] == len(kvscope.open_trace(out).step.where(
-        kvscope.open_trace(out).query_pos[0] >= 0, drop=True))
+    assert doc["steps_committed"][0] == len(
+        kvscope.open_trace(out).step.where(kvscope.open_trace(out).query_pos[0] >= 0, drop=True)
+    )
     assert doc["compression_ratio"] > 1
     table = run_cli("info", out, check=True)
     assert "status complete" in table.stdout and "attn" in table.stdout
@@ -55,8 +56,25 @@ def test_trace_info_models_on_smollm2(tmp_path):
 
 def test_window_resolution_and_mean_heads_via_cli(tmp_path, tiny_models):
     out = tmp_path / "w.zarr"
-    run_cli("trace", "--model", tiny_models["llama"], "--prompt", PROMPT, "--max-new-tokens", "5", "--out", out,
-            "--resolution", "window", "--window", "4", "--heads", "mean", "--quiet", check=True)
+    run_cli(
+        "trace",
+        "--model",
+        tiny_models["llama"],
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "5",
+        "--out",
+        out,
+        "--resolution",
+        "window",
+        "--window",
+        "4",
+        "--heads",
+        "mean",
+        "--quiet",
+        check=True,
+    )
     ds = kvscope.open_trace(out)
     assert ds.attn.dims == ("sample", "step", "layer", "head", "window")
     assert ds.sizes["head"] == 1 and ds.attrs["w"] == 4
@@ -100,16 +118,18 @@ def test_trace_bad_input(tmp_path, tiny_models, args, needle):
 
 def test_prompt_longer_than_context(tmp_path, tiny_models):
     out = tmp_path / "never.zarr"
-    proc = run_cli("trace", "--model", tiny_models["llama_short"], "--prompt", PROMPT * 8, "--max-new-tokens", "4",
-                   "--out", out)
+    proc = run_cli(
+        "trace", "--model", tiny_models["llama_short"], "--prompt", PROMPT * 8, "--max-new-tokens", "4", "--out", out
+    )
     _one_line_error(proc, "exceeds the model context of 48")
     assert not out.exists()
 
 
 def test_existing_complete_store_is_not_overwritten(complete_store, tiny_models):
     before = tree_digest(complete_store)
-    proc = run_cli("trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "4",
-                   "--out", complete_store)
+    proc = run_cli(
+        "trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "4", "--out", complete_store
+    )
     _one_line_error(proc, "holds a complete trace; pass --force")
     assert tree_digest(complete_store) == before
 
@@ -117,8 +137,20 @@ def test_existing_complete_store_is_not_overwritten(complete_store, tiny_models)
 def test_force_overwrites(tmp_path, complete_store, tiny_models):
     copy = tmp_path / "copy.zarr"
     shutil.copytree(complete_store, copy)
-    run_cli("trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "3", "--out", copy,
-            "--force", "--quiet", check=True)
+    run_cli(
+        "trace",
+        "--model",
+        tiny_models["llama"],
+        "--prompt",
+        "Other.",
+        "--max-new-tokens",
+        "3",
+        "--out",
+        copy,
+        "--force",
+        "--quiet",
+        check=True,
+    )
     assert kvscope.open_trace(copy).attrs["prompts"][0]["text"] == "Other."
 
 

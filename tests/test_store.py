@@ -26,8 +26,9 @@ BLOCK = 4
 
 def test_round_trip_named_dims_and_rows_sum_to_one(tmp_path, tiny_models):
     out = tmp_path / "t.zarr"
-    kvscope.trace([PROMPT, "Short one."], out, model=str(tiny_models["qwen2"]), max_new_tokens=9, block_steps=4,
-                  stop_at_eos=False)
+    kvscope.trace(
+        [PROMPT, "Short one."], out, model=str(tiny_models["qwen2"]), max_new_tokens=9, block_steps=4, stop_at_eos=False
+    )
     ds = kvscope.open_trace(out)
     assert ds.attn.dims == ("sample", "step", "layer", "kv_head", "pos")
     assert ds.prefill_tail.dims == ("sample", "layer", "kv_head", "obs", "pos")
@@ -50,9 +51,24 @@ def test_round_trip_named_dims_and_rows_sum_to_one(tmp_path, tiny_models):
 
 def _trace_cmd(model: Path, out: Path, *extra) -> list[str]:
     return [
-        sys.executable, str(ROOT / "cli.py"), "trace", "--model", str(model), "--prompt", PROMPT,
-        "--max-new-tokens", str(LONG_STEPS), "--block-steps", str(BLOCK), "--out", str(out), "--ignore-eos",
-        "--quiet", "--dtype", "float32", *extra,
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "trace",
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        str(LONG_STEPS),
+        "--block-steps",
+        str(BLOCK),
+        "--out",
+        str(out),
+        "--ignore-eos",
+        "--quiet",
+        "--dtype",
+        "float32",
+        *extra,
     ]
 
 
@@ -81,8 +97,9 @@ def test_sigkill_loses_at_most_one_block_and_resume_matches(tmp_path, tiny_model
     rng = random.Random(seed)
     target = rng.randrange(1, LONG_STEPS // BLOCK - 2) * BLOCK  # kill right after this many steps committed
     out = tmp_path / "killed.zarr"
-    proc = subprocess.Popen(_trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 300
     while _committed(out) < target and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
@@ -102,8 +119,9 @@ def test_sigkill_loses_at_most_one_block_and_resume_matches(tmp_path, tiny_model
     np.testing.assert_array_equal(ds.attn.values[0, :committed], ref.attn.values[0, :committed])
     assert int(ds.n_steps[0]) == committed
 
-    resumed = subprocess.run(_trace_cmd(tiny_models["llama"], out, "--resume"), capture_output=True, text=True,
-                             timeout=600)
+    resumed = subprocess.run(
+        _trace_cmd(tiny_models["llama"], out, "--resume"), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr
     done = kvscope.open_trace(out)
     assert done.attrs["status"] == "complete"
@@ -122,8 +140,7 @@ def test_second_writer_is_refused(tmp_path, smollm2_dir):
         while _committed(out) < BLOCK and time.time() < deadline:
             time.sleep(0.01)
         for flag in ("--resume", "--force"):
-            second = subprocess.run(_trace_cmd("smollm2-135m", out, flag), capture_output=True, text=True,
-                                    timeout=300)
+            second = subprocess.run(_trace_cmd("smollm2-135m", out, flag), capture_output=True, text=True, timeout=300)
             assert second.returncode == 2
             assert second.stderr.strip().count("\n") == 0
             assert "being written by another kvscope process" in second.stderr
@@ -136,8 +153,7 @@ def test_second_writer_is_refused(tmp_path, smollm2_dir):
 
 def test_resume_refuses_different_settings(tmp_path, tiny_models):
     out = tmp_path / "p.zarr"
-    proc = subprocess.Popen(_trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while _committed(out) < BLOCK and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)

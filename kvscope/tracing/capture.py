@@ -316,7 +316,9 @@ def _capturing(kernel: str):
     base = _base_forward(kernel)
 
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-        out = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
+        out = base(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
+        )
         recorder = _ACTIVE.get()
         if recorder is not None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -352,4 +354,3 @@ _NAMES = {"sdpa": "kvscope_fused", "eager": "kvscope_eager", "flash_attention_2"
 def implementation_name(kernel: str) -> str:
     """The name under which the capturing variant of ``kernel`` is registered."""
     return _NAMES[kernel]
-

