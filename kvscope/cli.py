@@ -200,6 +200,167 @@ def _cmd_info(args) -> int:
     return 0
 
 
+# -- analyze ------------------------------------------------------------------------
+
+ANALYSIS_NAMES = ("fmm", "lir", "churn", "peaks", "concentration", "drift")
+
+
+def _index_list(text: str | None, flag: str) -> list[int] | None:
+    """``0,3,5`` or ``2-5`` or ``all`` → list of ints (None = all)."""
+    if text is None or text == "all":
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                out += list(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise KvscopeError(f"{flag} takes indices like 0,3,5 or 2-5 (got {text!r})") from None
+    return out
+
+
+def _h_lir(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise KvscopeError(f"--h-lir takes an integer or none (got {text!r})") from None
+
+
+def _add_analyze(sub) -> None:
+    p = sub.add_parser("analyze", help="FMM, LIR, churn, peaks, concentration, drift of a trace")
+    p.add_argument("analysis", choices=ANALYSIS_NAMES)
+    p.add_argument("store")
+    p.add_argument("--window", type=int, default=None, help="window size w (default: the trace's)")
+    p.add_argument("--sinks", type=int, default=None, help="sink positions (default: the trace's)")
+    p.add_argument("--granularity", default="window", help="window | token (fmm, churn, lir)")
+    p.add_argument("--horizon", type=int, default=32, help="FMM horizon H")
+    p.add_argument("--top-frac", type=float, default=0.2, help="ρ of the history oracle")
+    p.add_argument("--local", type=int, default=64, help="protected newest tokens")
+    p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
+    p.add_argument("--no-prefill", action="store_true", help="cumulative scores without prefill mass")
+    p.add_argument("--m", type=int, default=4, dest="misses", help="LIR: misses before an episode is eligible")
+    p.add_argument("--h-lir", default="8", help="LIR: reactivation horizon in events, or none")
+    p.add_argument("--delta", type=int, default=1, help="LIR: lag of P01/P10")
+    p.add_argument("--top-k", type=int, default=8, help="peaks per row")
+    p.add_argument("--logquant-window", type=int, default=32, help="LogQuant W for coverage")
+    p.add_argument("--layers", default=None, help="e.g. 0,3,5 or 10-15 (default all)")
+    p.add_argument("--heads", default=None, help="indices of the stored head dim (default all)")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write a figure (PNG, PDF, SVG)")
+    p.set_defaults(func=_cmd_analyze)
+
+
+def run_analysis(name: str, ds, args):
+    from . import analysis
+
+    layers = _index_list(args.layers, "--layers")
+    heads = _index_list(args.heads, "--heads")
+    _check_subset(ds, layers, heads)
+    common = dict(layers=layers, heads=heads)
+    windows = dict(w=args.window, n_sink=args.sinks)
+    if args.horizon < 1:
+        raise KvscopeError(f"--horizon must be ≥ 1 (got {args.horizon})")
+    if not (0 < args.top_frac < 1):
+        raise KvscopeError(f"--top-frac must lie in (0, 1) (got {args.top_frac})")
+    sel = dict(every=args.every, top_frac=args.top_frac, local=args.local, include_prefill=not args.no_prefill,
+               granularity=args.granularity, n_boot=args.bootstrap, seed=args.seed)
+    if name == "fmm":
+        return analysis.fmm(ds, horizon=args.horizon, **sel, **windows, **common)
+    if name == "churn":
+        return analysis.churn(ds, **sel, **windows, **common)
+    if name == "lir":
+        return analysis.lir(ds, m=args.misses, h_lir=_h_lir(args.h_lir), delta=args.delta, **sel, **windows, **common)
+    if name == "peaks":
+        return analysis.peaks(ds, k=args.top_k, n_sink=args.sinks, logquant_window=args.logquant_window,
+                              n_boot=min(args.bootstrap, 200), seed=args.seed, **common)
+    if name == "concentration":
+        return analysis.concentration(ds, every=args.every, **windows, **common)
+    return analysis.drift(ds, every=args.every, top_frac=args.top_frac, local=args.local, **windows, **common)
+
+
+def _check_subset(ds, layers, heads) -> None:
+    n_layers = ds.sizes["layer"]
+    if layers and any(not 0 <= x < n_layers for x in layers):
+        raise KvscopeError(f"--layers outside 0..{n_layers - 1}")
+    hdim = "kv_head" if "kv_head" in ds["attn"].dims else "head"
+    if heads and any(not 0 <= x < ds.sizes[hdim] for x in heads):
+        raise KvscopeError(f"--heads outside 0..{ds.sizes[hdim] - 1}")
+
+
+class _DaskContext:
+    """``--dask local:N`` starts a LocalCluster; ``tcp://…`` connects to a scheduler."""
+
+    def __init__(self, spec: str | None):
+        self.spec = spec
+        self.client = self.cluster = None
+
+    def __enter__(self):
+        if not self.spec:
+            return None
+        from distributed import Client, LocalCluster
+
+        if self.spec.startswith("local:"):
+            try:
+                n = int(self.spec.split(":", 1)[1])
+            except ValueError:
+                raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
+            if n < 1:
+                raise KvscopeError("--dask local:N needs N ≥ 1")
+            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
+                                        silence_logs=50)
+            self.client = Client(self.cluster)
+        elif self.spec.startswith(("tcp://", "tls://")):
+            try:
+                self.client = Client(self.spec, timeout="10s")
+            except OSError as exc:
+                raise KvscopeError(f"cannot reach the dask scheduler at {self.spec}: {exc}") from None
+        else:
+            raise KvscopeError(f"--dask takes local:N or tcp://host:port (got {self.spec!r})")
+        return self.client
+
+    def __exit__(self, *exc):
+        if self.client is not None:
+            self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def _cmd_analyze(args) -> int:
+    from .analysis.report import summary, table_rows
+    from .store import open_trace
+
+    ds = open_trace(args.store, chunks={})
+    with _DaskContext(args.dask):
+        result = run_analysis(args.analysis, ds, args)
+    doc = summary(args.analysis, result)
+    if args.plot:
+        from .plots import PLOTS
+
+        PLOTS[args.analysis](result, args.plot)
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("quantity", "value", title=f"{args.analysis} · {args.store}")
+    for k, v in table_rows(args.analysis, doc):
+        table.add_row(k, v)
+    Console(width=max(100, Console().width)).print(table)
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
 # -- models -------------------------------------------------------------------------
 
 
@@ -239,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_trace(sub)
     _add_info(sub)
+    _add_analyze(sub)
     _add_models(sub)
     return parser
 

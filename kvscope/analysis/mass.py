@@ -1,0 +1,155 @@
+"""Units, window masses and cumulative scores (SPEC §1).
+
+A *unit* is what a policy keeps or drops: a window of ``w`` positions after the sinks
+(window granularity) or a single position (token granularity)::
+
+    window j = positions [n_sink + j·w, n_sink + (j+1)·w)          exists at t iff its last position ≤ query_pos[t]
+    token  p = position p                                          exists at t iff p ≤ query_pos[t]
+
+    m[t, j] = Σ_{p∈j} a[t, p]                                       per-step mass (not cumulative)
+    c[t, j] = Σ_{t'≤t} m[t', j]  (+ Σ_{p∈j} prefill_colsum[p] when include_prefill)
+
+Every function takes and returns xarray objects with named dims; the trace-unit dims are
+``sample``, ``layer`` and the stored head dim (``kv_head`` or ``head``). Arrays stay lazy
+(dask) when the trace was opened with ``chunks=``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xarray as xr
+
+from ..errors import KvscopeError
+
+
+@dataclass(frozen=True)
+class Units:
+    """Geometry of the units of an analysis."""
+
+    kind: str  # "window" | "token"
+    w: int = 8
+    n_sink: int = 4
+
+    def __post_init__(self):
+        if self.kind not in ("window", "token"):
+            raise KvscopeError(f"granularity must be window or token (got {self.kind!r})")
+        if self.kind == "window" and (self.w < 4 or self.w % 4):
+            raise KvscopeError(f"--window must be a positive multiple of 4 (got {self.w})")
+        if self.n_sink < 0:
+            raise KvscopeError(f"n_sink must be ≥ 0 (got {self.n_sink})")
+
+    @property
+    def dim(self) -> str:
+        return "window" if self.kind == "window" else "pos"
+
+    @property
+    def size(self) -> int:
+        return self.w if self.kind == "window" else 1
+
+    @property
+    def offset(self) -> int:
+        """First position of unit 0."""
+        return self.n_sink if self.kind == "window" else 0
+
+    def count(self, n_pos: int) -> int:
+        if self.kind == "token":
+            return n_pos
+        return max(0, (n_pos - self.n_sink) // self.w)
+
+    def last_position(self, n_units: int) -> np.ndarray:
+        """[unit] last position of each unit."""
+        return self.offset + (np.arange(n_units) + 1) * self.size - 1
+
+    def n_existing(self, query_pos: np.ndarray) -> np.ndarray:
+        """Number of units that exist when the query sits at ``query_pos`` (any shape)."""
+        q = np.asarray(query_pos)
+        n = (q - self.offset + 1) // self.size
+        return np.where(q >= 0, np.maximum(n, 0), 0)
+
+    def protected(self, n_existing: np.ndarray, n_units: int, local_tokens: int) -> np.ndarray:
+        """[..., unit] True for units a policy always keeps: the newest ``local_tokens``
+        (rounded up to whole units) and, at token granularity, the sinks."""
+        n_local = -(-local_tokens // self.size) if local_tokens > 0 else 0
+        j = np.arange(n_units)
+        newest = j >= (np.asarray(n_existing)[..., None] - n_local)
+        if self.kind == "token":
+            newest = newest | (j < self.n_sink)
+        return newest
+
+
+def rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
+    """Token attention rows ``[sample, step, layer, H, pos]`` (NaN beyond query_pos)."""
+    if ds.attrs.get("resolution") == "window":
+        raise KvscopeError("this analysis needs token-resolution rows; the store has window sums")
+    return _subset(ds["attn"], layers, heads)
+
+
+def head_dim(da: xr.DataArray) -> str:
+    return "kv_head" if "kv_head" in da.dims else "head"
+
+
+def _subset(da: xr.DataArray, layers=None, heads=None) -> xr.DataArray:
+    if layers is not None:
+        da = da.sel(layer=list(layers))
+    if heads is not None:
+        da = da.sel({head_dim(da): list(heads)})
+    return da
+
+
+def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
+    """Per-step unit mass ``m [sample, step, layer, H, unit]`` (0 where nothing exists).
+
+    Token granularity: the rows themselves. Window granularity: sums of ``w`` positions,
+    from token rows or from a window-resolution store (whose ``w`` must divide ``units.w``
+    and whose ``n_sink`` must match).
+    """
+    if units.kind == "token":
+        return rows(ds, layers, heads).fillna(0)
+    if ds.attrs.get("resolution") == "window":
+        stored_w, stored_sink = int(ds.attrs["w"]), int(ds.attrs["n_sink"])
+        if stored_sink != units.n_sink or units.w % stored_w:
+            raise KvscopeError(
+                f"the store holds windows of {stored_w} after {stored_sink} sinks; "
+                f"asked for windows of {units.w} after {units.n_sink}"
+            )
+        m = _subset(ds["attn"], layers, heads).fillna(0).astype(np.float32)
+        factor = units.w // stored_w
+        if factor > 1:
+            n = (m.sizes["window"] // factor) * factor
+            m = m.isel(window=slice(0, n)).coarsen(window=factor).sum()
+            m = m.assign_coords(window=np.arange(m.sizes["window"]))
+        return m
+    a = rows(ds, layers, heads).fillna(0).astype(np.float32)
+    n_units = units.count(a.sizes["pos"])
+    body = a.isel(pos=slice(units.n_sink, units.n_sink + n_units * units.w))
+    m = body.coarsen(pos=units.w).sum().rename(pos="window")
+    return m.assign_coords(window=np.arange(n_units))
+
+
+def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
+    """Prefill column sums per unit ``[sample, layer, H, unit]``."""
+    col = _subset(ds["prefill_colsum"], layers, heads).fillna(0)
+    if units.kind == "token":
+        return col
+    n_units = units.count(col.sizes["pos"])
+    body = col.isel(pos=slice(units.n_sink, units.n_sink + n_units * units.w))
+    m = body.coarsen(pos=units.w).sum().rename(pos="window")
+    return m.assign_coords(window=np.arange(n_units))
+
+
+def cumulative_scores(m: xr.DataArray, prefill: xr.DataArray | None = None) -> xr.DataArray:
+    """``c[t, j] = Σ_{t'≤t} m[t', j]`` (+ prefill column mass): ``[sample, step, layer, H, unit]``."""
+    c = m.cumsum("step")
+    if prefill is not None:
+        c = c + prefill
+    return c.transpose(*m.dims)
+
+
+def existence(query_pos: xr.DataArray, units: Units, n_units: int) -> xr.DataArray:
+    """``[sample, step, unit]`` True where the unit exists at the step."""
+    last = units.last_position(n_units)
+    q = np.asarray(query_pos.values)
+    exists = last[None, None, :] <= q[..., None]
+    return xr.DataArray(exists, dims=("sample", "step", units.dim), coords={"sample": query_pos["sample"]})
