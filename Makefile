@@ -23,12 +23,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(KVSCOPE) trace --prompts traces/demo.jsonl --chat --max-new-tokens 96 --out traces/demo.zarr --force
 	$(KVSCOPE) info traces/demo.zarr
+	$(KVSCOPE) analyze fmm traces/demo.zarr
+	$(KVSCOPE) analyze peaks traces/demo.zarr
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) benchmarks/trace_overhead.py
+	$(PY) benchmarks/analysis_throughput.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache

@@ -270,8 +270,15 @@ def run_analysis(name: str, ds, args):
         raise KvscopeError(f"--horizon must be ≥ 1 (got {args.horizon})")
     if not (0 < args.top_frac < 1):
         raise KvscopeError(f"--top-frac must lie in (0, 1) (got {args.top_frac})")
-    sel = dict(every=args.every, top_frac=args.top_frac, local=args.local, include_prefill=not args.no_prefill,
-               granularity=args.granularity, n_boot=args.bootstrap, seed=args.seed)
+    sel = dict(
+        every=args.every,
+        top_frac=args.top_frac,
+        local=args.local,
+        include_prefill=not args.no_prefill,
+        granularity=args.granularity,
+        n_boot=args.bootstrap,
+        seed=args.seed,
+    )
     if name == "fmm":
         return analysis.fmm(ds, horizon=args.horizon, **sel, **windows, **common)
     if name == "churn":
@@ -279,8 +286,15 @@ def run_analysis(name: str, ds, args):
     if name == "lir":
         return analysis.lir(ds, m=args.misses, h_lir=_h_lir(args.h_lir), delta=args.delta, **sel, **windows, **common)
     if name == "peaks":
-        return analysis.peaks(ds, k=args.top_k, n_sink=args.sinks, logquant_window=args.logquant_window,
-                              n_boot=min(args.bootstrap, 200), seed=args.seed, **common)
+        return analysis.peaks(
+            ds,
+            k=args.top_k,
+            n_sink=args.sinks,
+            logquant_window=args.logquant_window,
+            n_boot=min(args.bootstrap, 200),
+            seed=args.seed,
+            **common,
+        )
     if name == "concentration":
         return analysis.concentration(ds, every=args.every, **windows, **common)
     return analysis.drift(ds, every=args.every, top_frac=args.top_frac, local=args.local, **windows, **common)
@@ -314,8 +328,7 @@ class _DaskContext:
                 raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
             if n < 1:
                 raise KvscopeError("--dask local:N needs N ≥ 1")
-            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
-                                        silence_logs=50)
+            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None, silence_logs=50)
             self.client = Client(self.cluster)
         elif self.spec.startswith(("tcp://", "tls://")):
             try:

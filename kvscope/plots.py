@@ -70,8 +70,12 @@ def plot_peaks(result, path) -> None:
     if np.isfinite(alpha) and ok.any():
         ref = centers[ok][0]
         scale = dens[ok][0] / ref ** (-alpha)
-        ax.loglog(centers[ok], scale * centers[ok] ** (-alpha), "-",
-                  label=f"power law α={alpha:.2f} [{float(result['alpha_low']):.2f}, {float(result['alpha_high']):.2f}]")
+        ax.loglog(
+            centers[ok],
+            scale * centers[ok] ** (-alpha),
+            "-",
+            label=f"power law α={alpha:.2f} [{float(result['alpha_low']):.2f}, {float(result['alpha_high']):.2f}]",
+        )
         lam = float(result["lambda"])
         if np.isfinite(lam):
             e_scale = dens[ok][0] / np.exp(-lam * ref)

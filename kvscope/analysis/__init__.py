@@ -17,6 +17,7 @@ from .fmm import fmm
 from .lir import lir
 from .mass import Units, cumulative_scores, existence, prefill_unit_mass, unit_mass
 from .peaks import peaks
+from .study import study
 
 ANALYSES = {
     "fmm": fmm,
@@ -44,6 +45,7 @@ __all__ = [
     "peaks",
     "prefill_unit_mass",
     "selection_from_tiers",
+    "study",
     "top_fraction_selection",
     "unit_mass",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from .common import SELECTED, Prepared, bootstrap_ratio, check_fraction, make_units
+from .common import SELECTED, Prepared, UnitData, UnitPlan, bootstrap_ratio, check_fraction, make_units
 
 
 def churn_kernel(sel: np.ndarray, n_valid_events: np.ndarray | None = None) -> np.ndarray:
@@ -50,42 +50,51 @@ def churn(
     heads=None,
     n_boot: int = 1000,
     seed: int = 0,
-) -> xr.Dataset:
+    prep: Prepared | None = None,
+    compute: bool = True,
+):
     """Churn of a selection (default: the oracle-by-history) between consecutive events.
 
     Returns ``churn [sample, event, layer, H]`` (event = the later of the pair),
     ``churn_over_time [event]``, ``churn_layer [layer]`` and ``mean``/``ci_low``/``ci_high``.
     """
     check_fraction("--top-frac", top_frac)
-    units = make_units(ds, granularity, w, n_sink)
-    prep = Prepared(ds, units, layers, heads, include_prefill)
-    if selection is None:
-        selection = prep.history_selection(every or units.w, top_frac, local)
-    steps = np.asarray(selection["event_step"].values)
-    sel = np.asarray(selection.transpose("sample", "event", "layer", prep.hdim, units.dim).values)
-    n_valid = valid_events(steps, prep.n_steps)[:, None, None]  # [sample, 1, 1]
-    values = np.moveaxis(churn_kernel(np.moveaxis(sel, 1, -2), n_valid), -1, 1)  # [sample, event-1, layer, H]
-    finite = np.isfinite(values)
-    est, lo, hi = bootstrap_ratio(np.where(finite, values, 0).sum(1), finite.sum(1), n_boot=n_boot, seed=seed)
-    dims = ("sample", "event", "layer", prep.hdim)
-    with np.errstate(invalid="ignore"):
-        over_time = np.nanmean(np.moveaxis(values, 1, 0).reshape(values.shape[1], -1), axis=1) if values.size else []
-        per_layer = np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
-    return xr.Dataset(
-        {
-            "churn": (dims, values),
-            "churn_over_time": ("event", np.asarray(over_time)),
-            "churn_layer": ("layer", per_layer),
-            "mean": est,
-            "ci_low": lo,
-            "ci_high": hi,
-        },
-        coords={
-            "sample": prep.m["sample"].values,
-            "event": selection["event"].values[1:],
-            "event_step": ("event", steps[1:]),
-            "layer": prep.m["layer"].values,
-            prep.hdim: prep.m[prep.hdim].values,
-        },
-        attrs={"metric": "churn", "granularity": units.kind, "w": units.w, "top_frac": top_frac, "local": local},
-    )
+    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
+    units = prep.units
+    every = every or units.w
+    steps = np.asarray(selection["event_step"].values) if selection is not None else prep.events(every)
+
+    def per_unit(u: UnitData) -> np.ndarray:
+        sel, st = u.selection_or_history(every, top_frac, local)
+        return churn_kernel(sel, u.valid_events(st))
+
+    width_ = max(0, len(steps) - 1)
+
+    def finish(flat: np.ndarray) -> xr.Dataset:
+        values = np.moveaxis(flat, 3, 1)  # [sample, event-1, layer, H]
+        finite = np.isfinite(values)
+        est, lo, hi = bootstrap_ratio(np.where(finite, values, 0).sum(1), finite.sum(1), n_boot=n_boot, seed=seed)
+        with np.errstate(invalid="ignore"):
+            over_time = np.nanmean(np.moveaxis(values, 1, 0).reshape(values.shape[1], -1), axis=1)
+            per_layer = np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
+        return xr.Dataset(
+            {
+                "churn": (("sample", "event", "layer", prep.hdim), values),
+                "churn_over_time": ("event", over_time),
+                "churn_layer": ("layer", per_layer),
+                "mean": est,
+                "ci_low": lo,
+                "ci_high": hi,
+            },
+            coords={
+                "sample": prep.m["sample"].values,
+                "event": np.arange(1, len(steps)),
+                "event_step": ("event", steps[1:]),
+                "layer": prep.m["layer"].values,
+                prep.hdim: prep.m[prep.hdim].values,
+            },
+            attrs={"metric": "churn", "granularity": units.kind, "w": units.w, "top_frac": top_frac, "local": local},
+        )
+
+    plan = UnitPlan(per_unit, width_, finish, selection)
+    return plan.run(prep) if compute else plan

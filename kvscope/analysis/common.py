@@ -79,29 +79,40 @@ def top_fraction_selection(
 
 
 class Prepared:
-    """Lazy per-step unit masses of a trace plus everything the metrics share.
+    """A trace made ready for per-trace-unit analysis, streaming and bounded in memory.
 
-    ``m``        ``[sample, step, layer, H, unit]``  per-step unit mass (lazy when the trace is)
-    ``prefill``  ``[sample, layer, H, unit]``  prefill column mass (when ``include_prefill``)
-    Cumulative scores ``c[t] = Σ_{t'≤t} m[t'] + prefill`` are gathered at the steps asked for.
+    ``m``        ``[sample, step, layer, H, unit]``  per-step unit mass, as dask blocks of one
+                 trace unit × all steps (``S × U`` values: the memory bound of every metric)
+    ``prefill``  ``[sample, layer, H, unit]``  prefill column mass (zeros without ``include_prefill``)
+
+    :meth:`map_units` runs a function on every trace unit inside dask tasks (threads, or a
+    ``dask.distributed`` cluster when a client is active) and gathers only its small output.
     """
 
     def __init__(self, ds: xr.Dataset, units: Units, layers=None, heads=None, include_prefill: bool = True):
+        import dask.array as dsa
+
         self.ds = ds
         self.units = units
-        self.m = unit_mass(ds, units, layers, heads)
-        self.hdim = "kv_head" if "kv_head" in self.m.dims else "head"
-        self.m = self.m.transpose("sample", "step", "layer", self.hdim, units.dim)
-        self.prefill = prefill_unit_mass(ds, units, layers, heads) if include_prefill else None
-        if self.prefill is not None:
-            self.prefill = self.prefill.transpose("sample", "layer", self.hdim, units.dim)
+        m = unit_mass(ds, units, layers, heads)
+        self.hdim = "kv_head" if "kv_head" in m.dims else "head"
+        m = m.transpose("sample", "step", "layer", self.hdim, units.dim)
+        if not isinstance(m.data, dsa.Array):
+            m = m.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
+        # one task per (sample, layer): all steps, all heads (heads are looped inside the task)
+        self.m = m.chunk({"sample": 1, "step": -1, "layer": 1, self.hdim: -1, units.dim: -1})
+        prefill = prefill_unit_mass(ds, units, layers, heads).transpose("sample", "layer", self.hdim, units.dim)
+        if not include_prefill:
+            prefill = xr.zeros_like(prefill)
+        self.prefill = prefill.chunk({"sample": 1, "layer": 1, self.hdim: -1, units.dim: -1})
+        self.include_prefill = include_prefill
         self.query_pos = np.asarray(ds["query_pos"].values)  # [sample, step]
         self.n_steps = np.asarray(ds["n_steps"].values)  # [sample]
         self.n_units = self.m.sizes[units.dim]
-        self._cum: dict[int, np.ndarray] = {}
+        self.n_step_total = self.m.sizes["step"]
 
     def events(self, every: int) -> np.ndarray:
-        return event_steps(self.m.sizes["step"], every)
+        return event_steps(self.n_step_total, every)
 
     def exists_at(self, steps: np.ndarray) -> np.ndarray:
         """[sample, event, 1, 1, unit] existence at the given steps (broadcasts over layer, head)."""
@@ -109,37 +120,47 @@ class Prepared:
         last = self.units.last_position(self.n_units)
         return (last <= q[..., None])[:, :, None, None, :]
 
-    def cum_at(self, steps) -> dict[int, np.ndarray]:
-        """``Σ_{t'≤t} m[t']`` at each of ``steps`` (one pass over the trace):
-        step -> ``[sample, layer, H, unit]``."""
-        wanted = sorted({int(s) for s in steps})
-        missing = [s for s in wanted if s not in self._cum]
-        if missing:
-            values = np.asarray(self.m.cumsum("step").isel(step=missing).values, dtype=np.float64)
-            for i, s in enumerate(missing):
-                self._cum[s] = values[:, i]
-        return self._cum
+    def map_units(self, func, width: int, selection: xr.DataArray | None = None, compute: bool = True):
+        """``func(u)`` for every trace unit ``u`` (a :class:`UnitData`) → ``[width]`` floats;
+        returns ``[sample, layer, H, width]`` (numpy, or dask with ``compute=False``)."""
+        import dask.array as dsa
 
-    def scores_at(self, steps: np.ndarray) -> np.ndarray:
-        """Cumulative scores ``c`` at ``steps``: ``[sample, event, layer, H, unit]``."""
-        cum = self.cum_at(steps)
-        c = np.stack([cum[int(s)] for s in steps], axis=1)
-        if self.prefill is not None:
-            c = c + np.asarray(self.prefill.values, dtype=np.float64)[:, None]
-        return c
+        m = self.m.data
+        pre = self.prefill.data[:, None]  # [sample, 1, layer, H, unit]
+        qpos, n_steps, units = self.query_pos, self.n_steps, self.units
+        args = [m, pre]
+        if selection is not None:
+            sel = selection.transpose("sample", "event", "layer", self.hdim, units.dim)
+            args.append(dsa.from_array(np.asarray(sel.values), chunks=(1, -1, 1, -1, -1)))
+            steps = np.asarray(selection["event_step"].values)
+        else:
+            steps = None
 
-    def history_selection(self, every: int, top_frac: float, local: int) -> xr.DataArray:
-        """The oracle-by-history: top-``ρ`` candidates by cumulative score at each event.
+        def block(mb, pb, sb=None, block_info=None):
+            sample = block_info[0]["chunk-location"][0]
+            out = np.empty((1, 1, 1, mb.shape[3], width))
+            for h in range(mb.shape[3]):
+                unit = UnitData(
+                    mb[0, :, 0, h],
+                    pb[0, 0, 0, h],
+                    qpos[sample],
+                    int(n_steps[sample]),
+                    units,
+                    None if sb is None else sb[0, :, 0, h],
+                    steps,
+                )
+                out[0, 0, 0, h] = np.asarray(func(unit), dtype=np.float64)
+            return out
 
-        Returns int8 ``[sample, event, layer, H, unit]`` with coordinate ``event_step``.
-        """
-        steps = self.events(every)
-        c = self.scores_at(steps)  # [sample, event, layer, H, unit]
-        exists = np.broadcast_to(self.exists_at(steps), c.shape)
-        n_exist = self.units.n_existing(self.query_pos[:, steps])  # [sample, event]
-        protected = self.units.protected(n_exist, self.n_units, local)[:, :, None, None, :]
-        sel = top_fraction_selection(c, exists, np.broadcast_to(protected, c.shape), top_frac)
-        return self.selection_array(sel, steps)
+        out = dsa.map_blocks(
+            block,
+            *args,
+            dtype=np.float64,
+            drop_axis=[4],
+            new_axis=[4],
+            chunks=(m.chunks[0], (1,) * len(m.chunks[1]), m.chunks[2], m.chunks[3], (width,)),
+        )[:, 0]
+        return out.compute() if compute else out
 
     def selection_array(self, sel: np.ndarray, steps: np.ndarray) -> xr.DataArray:
         dims = ("sample", "event", "layer", self.hdim, self.units.dim)
@@ -155,6 +176,76 @@ class Prepared:
             },
             name="selection",
         )
+
+    def history_selection(self, every: int, top_frac: float, local: int) -> xr.DataArray:
+        """The oracle-by-history for every trace unit: int8 ``[sample, event, layer, H, unit]``."""
+        steps = self.events(every)
+        n_units = self.n_units
+        flat = self.map_units(lambda u: u.history_selection(steps, top_frac, local).ravel(), len(steps) * n_units)
+        sel = flat.reshape(*flat.shape[:3], len(steps), n_units).astype(np.int8)
+        return self.selection_array(np.moveaxis(sel, 3, 1), steps)
+
+
+class UnitPlan:
+    """A per-trace-unit computation: ``per_unit(u) -> [width]`` and ``finish(flat)`` that
+    turns the gathered ``[sample, layer, H, width]`` into the result Dataset. Several plans
+    run as one task per unit in :func:`kvscope.analysis.study`."""
+
+    def __init__(self, per_unit, width: int, finish, selection=None):
+        self.per_unit, self.width, self.finish, self.selection = per_unit, width, finish, selection
+
+    def run(self, prep: "Prepared"):
+        return self.finish(prep.map_units(self.per_unit, self.width, selection=self.selection))
+
+
+class UnitData:
+    """One trace unit inside a task: ``m [step, unit]``, ``prefill [unit]``, its sample's
+    ``query_pos [step]`` and ``n_steps``, and optionally a given selection ``[event, unit]``."""
+
+    def __init__(self, m, prefill, query_pos, n_steps, units: Units, selection=None, selection_steps=None):
+        self.m = np.asarray(m, dtype=np.float64)
+        self.prefill = np.asarray(prefill, dtype=np.float64)
+        self.query_pos = np.asarray(query_pos)
+        self.n_steps = n_steps
+        self.units = units
+        self.selection = selection
+        self.selection_steps = selection_steps
+        self._cum = None
+        self._selections: dict = {}
+
+    @property
+    def cum(self) -> np.ndarray:
+        """``S[t] = Σ_{t'≤t} m[t']``, ``[step, unit]``."""
+        if self._cum is None:
+            self._cum = np.cumsum(self.m, axis=0)
+        return self._cum
+
+    def exists(self, steps) -> np.ndarray:
+        """``[event, unit]`` the unit's last position ≤ query_pos at the step."""
+        last = self.units.last_position(self.m.shape[1])
+        return last[None, :] <= self.query_pos[steps][:, None]
+
+    def scores(self, steps) -> np.ndarray:
+        """Cumulative scores ``c[t] = S[t] + prefill`` at ``steps``: ``[event, unit]``."""
+        return self.cum[steps] + self.prefill[None, :]
+
+    def history_selection(self, steps, top_frac: float, local: int) -> np.ndarray:
+        key = (tuple(np.asarray(steps).tolist()), top_frac, local)
+        if key not in self._selections:  # FMM, churn and LIR of one task share it
+            n_exist = self.units.n_existing(self.query_pos[steps])
+            protected = self.units.protected(n_exist, self.m.shape[1], local)
+            self._selections[key] = top_fraction_selection(self.scores(steps), self.exists(steps), protected, top_frac)
+        return self._selections[key]
+
+    def selection_or_history(self, every: int, top_frac: float, local: int) -> tuple[np.ndarray, np.ndarray]:
+        """(selection ``[event, unit]``, event steps): the given one, or the history oracle."""
+        if self.selection is not None:
+            return np.asarray(self.selection), np.asarray(self.selection_steps)
+        steps = event_steps(self.m.shape[0], every)
+        return self.history_selection(steps, top_frac, local), steps
+
+    def valid_events(self, steps) -> int:
+        return int((np.asarray(steps) < self.n_steps).sum())
 
 
 def bootstrap_ratio(num: np.ndarray, den: np.ndarray, n_boot: int = 1000, seed: int = 0, level: float = 0.95):

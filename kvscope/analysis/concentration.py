@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from .common import Prepared, make_units
+from .common import Prepared, UnitData, make_units
 
 TOP_FRACTIONS = (0.05, 0.10, 0.20, 0.40)
 MASS_LEVELS = (0.5, 0.8, 0.9)
@@ -41,27 +41,41 @@ def concentration_kernel(m: np.ndarray, exists: np.ndarray, fractions=TOP_FRACTI
     return np.stack(shares, -1), np.stack(needed, -1)
 
 
-def concentration(ds: xr.Dataset, *, w: int | None = None, n_sink: int | None = None, every: int | None = None,
-                  layers=None, heads=None) -> xr.Dataset:
+def concentration(
+    ds: xr.Dataset,
+    *,
+    w: int | None = None,
+    n_sink: int | None = None,
+    every: int | None = None,
+    layers=None,
+    heads=None,
+) -> xr.Dataset:
     """Concentration of per-step window mass at each event. Returns ``top_share`` and
     ``needed`` ``[sample, event, layer, H, ·]`` and their means (overall and per layer)."""
-    units = make_units(ds, "window", w, n_sink)
-    prep = Prepared(ds, units, layers, heads, include_prefill=False)
-    steps = prep.events(every or units.w)
-    m = np.asarray(prep.m.isel(step=steps).values, dtype=np.float64)  # [sample, event, layer, H, unit]
-    exists = np.broadcast_to(prep.exists_at(steps), m.shape)
-    valid = (steps[None, :] < prep.n_steps[:, None])[:, :, None, None, None]
-    share, needed = concentration_kernel(m, exists & valid)
+    prep = Prepared(ds, make_units(ds, "window", w, n_sink), layers, heads, include_prefill=False)
+    steps = prep.events(every or prep.units.w)
+    n_f, n_q = len(TOP_FRACTIONS), len(MASS_LEVELS)
+
+    def per_unit(u: UnitData) -> np.ndarray:
+        exists = u.exists(steps) & (steps < u.n_steps)[:, None]
+        share, needed = concentration_kernel(u.m[steps], exists)
+        return np.concatenate([share, needed], axis=-1).ravel()
+
+    flat = prep.map_units(per_unit, len(steps) * (n_f + n_q))
+    both = np.moveaxis(flat.reshape(*flat.shape[:3], len(steps), n_f + n_q), 3, 1)  # [sample, event, layer, H, 7]
+    share, needed = both[..., :n_f], both[..., n_f:]
     dims = ("sample", "event", "layer", prep.hdim)
     with np.errstate(invalid="ignore"):
-        share_layer = np.nanmean(np.moveaxis(share, 2, 0).reshape(share.shape[2], -1, share.shape[-1]), axis=1)
-        needed_layer = np.nanmean(np.moveaxis(needed, 2, 0).reshape(needed.shape[2], -1, needed.shape[-1]), axis=1)
+        share_layer = np.nanmean(np.moveaxis(share, 2, 0).reshape(share.shape[2], -1, n_f), axis=1)
+        needed_layer = np.nanmean(np.moveaxis(needed, 2, 0).reshape(needed.shape[2], -1, n_q), axis=1)
+        share_mean = np.nanmean(share.reshape(-1, n_f), axis=0)
+        needed_mean = np.nanmean(needed.reshape(-1, n_q), axis=0)
     return xr.Dataset(
         {
             "top_share": (dims + ("top_frac",), share),
             "needed": (dims + ("mass_level",), needed),
-            "top_share_mean": ("top_frac", np.nanmean(share.reshape(-1, share.shape[-1]), axis=0)),
-            "needed_mean": ("mass_level", np.nanmean(needed.reshape(-1, needed.shape[-1]), axis=0)),
+            "top_share_mean": ("top_frac", share_mean),
+            "needed_mean": ("mass_level", needed_mean),
             "top_share_layer": (("layer", "top_frac"), share_layer),
             "needed_layer": (("layer", "mass_level"), needed_layer),
         },
@@ -74,5 +88,5 @@ def concentration(ds: xr.Dataset, *, w: int | None = None, n_sink: int | None = 
             "top_frac": list(TOP_FRACTIONS),
             "mass_level": list(MASS_LEVELS),
         },
-        attrs={"metric": "concentration", "w": units.w, "n_sink": units.n_sink},
+        attrs={"metric": "concentration", "w": prep.units.w, "n_sink": prep.units.n_sink},
     )

@@ -13,7 +13,7 @@ import numpy as np
 import xarray as xr
 
 from .churn import churn_kernel, valid_events
-from .common import SELECTED, Prepared, check_fraction, make_units
+from .common import SELECTED, Prepared, UnitData, check_fraction, make_units
 
 
 def returning_windows(sel: np.ndarray) -> np.ndarray:
@@ -29,21 +29,37 @@ def returning_windows(sel: np.ndarray) -> np.ndarray:
     return back
 
 
-def drift(ds: xr.Dataset, *, w: int | None = None, n_sink: int | None = None, every: int | None = None,
-          top_frac: float = 0.2, local: int = 64, layers=None, heads=None) -> xr.Dataset:
+def drift(
+    ds: xr.Dataset,
+    *,
+    w: int | None = None,
+    n_sink: int | None = None,
+    every: int | None = None,
+    top_frac: float = 0.2,
+    local: int = 64,
+    layers=None,
+    heads=None,
+) -> xr.Dataset:
+    """Heatmap data, rank trajectories and churn over time. Loads the window masses of the
+    chosen layers and heads (``[sample, step, layer, H, window]``): pick a few with ``layers=``."""
     check_fraction("--top-frac", top_frac)
-    units = make_units(ds, "window", w, n_sink)
-    prep = Prepared(ds, units, layers, heads)
-    selection = prep.history_selection(every or units.w, top_frac, local)
-    steps = np.asarray(selection["event_step"].values)
-    sel = np.asarray(selection.values)  # [sample, event, layer, H, unit]
-    c = prep.scores_at(steps)
-    masked = np.where(sel >= 0, c, -np.inf)
-    order = np.argsort(-masked, axis=-1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
-    rank = np.where(sel >= 0, rank, -1)
-    back = returning_windows(np.moveaxis(sel, 1, -2))  # [sample, layer, H, unit]
+    prep = Prepared(ds, make_units(ds, "window", w, n_sink), layers, heads)
+    steps = prep.events(every or prep.units.w)
+    n_ev, n_units = len(steps), prep.n_units
+
+    def per_unit(u: UnitData) -> np.ndarray:
+        sel = u.history_selection(steps, top_frac, local)
+        masked = np.where(sel >= 0, u.scores(steps), -np.inf)
+        order = np.argsort(-masked, axis=-1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(n_units), order.shape), axis=-1)
+        return np.concatenate([sel.ravel(), np.where(sel >= 0, rank, -1).ravel()])
+
+    flat = prep.map_units(per_unit, 2 * n_ev * n_units)
+    both = flat.reshape(*flat.shape[:3], 2, n_ev, n_units)
+    sel = np.moveaxis(both[..., 0, :, :], 3, 1).astype(np.int8)  # [sample, event, layer, H, window]
+    rank = np.moveaxis(both[..., 1, :, :], 3, 1).astype(np.int64)
+    back = returning_windows(np.moveaxis(sel, 1, -2))  # [sample, layer, H, window]
     n_valid = valid_events(steps, prep.n_steps)[:, None, None]
     ch = churn_kernel(np.moveaxis(sel, 1, -2), n_valid)  # [sample, layer, H, event-1]
     with np.errstate(invalid="ignore"):
@@ -57,6 +73,6 @@ def drift(ds: xr.Dataset, *, w: int | None = None, n_sink: int | None = None, ev
             "returning": (("sample", "layer", prep.hdim, "window"), back),
             "churn_over_time": ("pair", over_time),
         },
-        coords={"event": np.arange(len(steps)), "event_step": ("event", steps), "pair_step": ("pair", steps[1:])},
-        attrs={"metric": "drift", "w": units.w, "n_sink": units.n_sink, "top_frac": top_frac, "local": local},
+        coords={"event": np.arange(n_ev), "event_step": ("event", steps), "pair_step": ("pair", steps[1:])},
+        attrs={"metric": "drift", "w": prep.units.w, "n_sink": prep.units.n_sink, "top_frac": top_frac, "local": local},
     )

@@ -25,10 +25,11 @@ from .common import (
     TIER_FP,
     TIER_Q,
     Prepared,
+    UnitData,
+    UnitPlan,
     bootstrap_ratio,
     check_fraction,
     make_units,
-    selection_from_tiers,
 )
 
 
@@ -63,16 +64,6 @@ def default_horizons(horizon: int) -> list[int]:
     return hs + [horizon]
 
 
-def _future(prep: Prepared, steps: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """Future unit mass over (t, t+H] ``[sample, event, layer, H, unit]`` and validity ``[sample, event]``."""
-    S = prep.m.sizes["step"]
-    ends = np.minimum(steps + horizon, S - 1)
-    cum = prep.cum_at(np.concatenate([steps, ends]))
-    future = np.stack([cum[int(e)] - cum[int(s)] for s, e in zip(steps, ends)], axis=1)
-    valid = (steps[None, :] + horizon) <= (prep.n_steps[:, None] - 1)
-    return future, valid
-
-
 def fmm(
     ds: xr.Dataset,
     *,
@@ -91,7 +82,9 @@ def fmm(
     heads=None,
     n_boot: int = 1000,
     seed: int = 0,
-) -> xr.Dataset:
+    prep: Prepared | None = None,
+    compute: bool = True,
+):
     """Future Missed Mass of a selection (default: the oracle-by-history, top-``ρ``
     candidates by cumulative score, newest ``local`` tokens protected).
 
@@ -100,78 +93,115 @@ def fmm(
     ``fmm_layer [layer]`` (mean over events and other units),
     ``curve [horizon]`` with ``curve_low``/``curve_high`` (bootstrap 95% CI over trace units),
     scalars ``mean``, ``ci_low``, ``ci_high``, ``n_events`` and ``n_censored``, and — for a
-    tiered selection — ``tier_mass [sample, event, layer, H, tier]`` and ``tier_mean [tier]``.
+    tiered selection ``tiers`` (codes −1 none, 0 EVICTED, 1 Q, 2 FP) — ``tier_mass
+    [sample, event, layer, H, tier]`` and ``tier_mean [tier]``.
+
+    Streams over trace units; ``compute=False`` returns ``(finish, lazy)`` where
+    ``finish(values)`` builds the Dataset from the computed ``lazy`` array (used by
+    :func:`kvscope.analysis.study` to share one read among analyses).
     """
     if horizon < 1:
         raise KvscopeError(f"--horizon must be ≥ 1 (got {horizon})")
     check_fraction("--top-frac", top_frac)
-    units = make_units(ds, granularity, w, n_sink)
-    prep = Prepared(ds, units, layers, heads, include_prefill)
-    source = "history-oracle"
-    if tiers is not None:
-        selection = selection_from_tiers(tiers)
-    if selection is not None:
-        source = selection.attrs.get("policy", "given")
-    else:
-        selection = prep.history_selection(every or units.w, top_frac, local)
-    steps = np.asarray(selection["event_step"].values)
-    sel = np.asarray(selection.transpose("sample", "event", "layer", prep.hdim, units.dim).values)
-    exists = np.broadcast_to(prep.exists_at(steps), sel.shape)
-    missed = sel == NOT_SELECTED
-
+    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
+    units = prep.units
     curve_h = sorted(set(horizons or default_horizons(horizon)) | {horizon})
-    results, curve = {}, {"mean": [], "low": [], "high": []}
-    for h in curve_h:
-        future, valid = _future(prep, steps, h)
-        values = fmm_kernel(future, exists, missed, valid[:, :, None, None])  # [sample, event, layer, H]
-        results[h] = (values, future, valid)
-        est, lo, hi = _summary(values, n_boot, seed)
-        curve["mean"].append(est)
-        curve["low"].append(lo)
-        curve["high"].append(hi)
+    every = every or units.w
+    given = tiers if tiers is not None else selection
+    source = given.attrs.get("policy", "given") if given is not None else "history-oracle"
+    steps = np.asarray(given["event_step"].values) if given is not None else prep.events(every)
+    n_ev, n_h = len(steps), len(curve_h)
+    with_tiers = tiers is not None
 
-    values, future, valid = results[horizon]
-    coords = {
-        "sample": prep.m["sample"].values,
-        "event": selection["event"].values,
-        "event_step": ("event", steps),
-        "layer": prep.m["layer"].values,
-        prep.hdim: prep.m[prep.hdim].values,
-    }
-    dims = ("sample", "event", "layer", prep.hdim)
+    def per_unit(u: UnitData) -> np.ndarray:
+        sel, st = u.selection_or_history(every, top_frac, local)
+        tier = sel if with_tiers else None
+        if with_tiers:
+            sel = np.where(tier < 0, -1, np.where(tier == TIER_EVICTED, NOT_SELECTED, 1))
+        exists = u.exists(st)
+        missed = sel == NOT_SELECTED
+        out = []
+        for h in curve_h:
+            future = u.cum[np.minimum(st + h, u.m.shape[0] - 1)] - u.cum[st]
+            valid = st + h <= u.n_steps - 1
+            out.append(fmm_kernel(future, exists, missed, valid))
+            if with_tiers and h == horizon:
+                tier_part = tier_fractions(future, exists, tier, valid).ravel()
+        return np.concatenate(out + ([tier_part] if with_tiers else []))
+
+    width = n_h * n_ev + (3 * n_ev if with_tiers else 0)
+
+    def finish(flat: np.ndarray) -> xr.Dataset:
+        return _fmm_dataset(
+            prep,
+            flat,
+            steps,
+            curve_h,
+            horizon,
+            with_tiers,
+            n_boot,
+            seed,
+            {
+                "metric": "fmm",
+                "granularity": units.kind,
+                "w": units.w,
+                "n_sink": units.n_sink,
+                "H": horizon,
+                "top_frac": top_frac,
+                "local": local,
+                "selection": source,
+            },
+        )
+
+    plan = UnitPlan(per_unit, width, finish, given)
+    return plan.run(prep) if compute else plan
+
+
+def _fmm_dataset(prep, flat, steps, curve_h, horizon, with_tiers, n_boot, seed, attrs) -> xr.Dataset:
+    n_ev, n_h = len(steps), len(curve_h)
+    per_h = flat[..., : n_h * n_ev].reshape(*flat.shape[:3], n_h, n_ev)  # [sample, layer, H, horizon, event]
+    per_h = np.moveaxis(per_h, (3, 4), (0, 2))  # [horizon, sample, event, layer, H]
+    curve = np.array([_summary(v, n_boot, seed) for v in per_h])  # [horizon, 3]
+    values = per_h[curve_h.index(horizon)]
+    valid = (steps[None, :] + horizon) <= (prep.n_steps[:, None] - 1)  # [sample, event]
     est, lo, hi = _summary(values, n_boot, seed)
+    dims = ("sample", "event", "layer", prep.hdim)
+    with np.errstate(invalid="ignore"):
+        per_layer = (
+            np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
+            if np.isfinite(values).any()
+            else np.full(values.shape[2], np.nan)
+        )
     out = xr.Dataset(
         {
             "fmm": (dims, values),
-            "fmm_layer": ("layer", np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
-                          if np.isfinite(values).any() else np.full(values.shape[2], np.nan)),
-            "curve": ("horizon", np.asarray(curve["mean"])),
-            "curve_low": ("horizon", np.asarray(curve["low"])),
-            "curve_high": ("horizon", np.asarray(curve["high"])),
+            "fmm_layer": ("layer", per_layer),
+            "curve": ("horizon", curve[:, 0]),
+            "curve_low": ("horizon", curve[:, 1]),
+            "curve_high": ("horizon", curve[:, 2]),
             "mean": est,
             "ci_low": lo,
             "ci_high": hi,
             "n_events": int(np.isfinite(values).sum()),
-            "n_censored": int((~np.broadcast_to(valid[:, :, None, None], values.shape)).sum()),
+            "n_censored": int((~valid).sum()) * values.shape[2] * values.shape[3],
         },
-        coords={**coords, "horizon": curve_h},
-        attrs={
-            "metric": "fmm",
-            "granularity": units.kind,
-            "w": units.w,
-            "n_sink": units.n_sink,
-            "H": horizon,
-            "top_frac": top_frac,
-            "local": local,
-            "selection": source,
+        coords={
+            "sample": prep.m["sample"].values,
+            "event": np.arange(n_ev),
+            "event_step": ("event", steps),
+            "layer": prep.m["layer"].values,
+            prep.hdim: prep.m[prep.hdim].values,
+            "horizon": curve_h,
         },
+        attrs=attrs,
     )
-    if tiers is not None:
-        t = np.asarray(tiers.transpose("sample", "event", "layer", prep.hdim, units.dim).values)
-        fr = tier_fractions(future, exists, t, valid[:, :, None, None])  # [sample, event, layer, H, 3]
+    if with_tiers:
+        fr = flat[..., n_h * n_ev :].reshape(*flat.shape[:3], n_ev, 3)
+        fr = np.moveaxis(fr, 3, 1)  # [sample, event, layer, H, 3]
         out["tier_mass"] = (dims + ("tier",), fr)
         out = out.assign_coords(tier=["FP", "Q", "EVICTED"])
-        out["tier_mean"] = ("tier", np.nanmean(fr.reshape(-1, 3), axis=0))
+        with np.errstate(invalid="ignore"):
+            out["tier_mean"] = ("tier", np.nanmean(fr.reshape(-1, 3), axis=0))
     return out
 
 

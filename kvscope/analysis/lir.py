@@ -19,11 +19,12 @@ import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
-from .churn import valid_events
-from .common import Prepared, bootstrap_ratio, check_fraction, make_units
+from .common import Prepared, UnitData, UnitPlan, bootstrap_ratio, check_fraction, make_units
 
 
-def lir_kernel(sel: np.ndarray, n_valid: np.ndarray, m: int = 4, h_lir: int | None = 8) -> tuple[np.ndarray, np.ndarray]:
+def lir_kernel(
+    sel: np.ndarray, n_valid: np.ndarray, m: int = 4, h_lir: int | None = 8
+) -> tuple[np.ndarray, np.ndarray]:
     """``(eligible, reactivated)`` episode counts ``[...]`` summed over units.
 
     ``sel [..., event, unit]``; ``n_valid [...]`` events per leading index that are inside
@@ -103,45 +104,69 @@ def lir(
     heads=None,
     n_boot: int = 1000,
     seed: int = 0,
-) -> xr.Dataset:
+    prep: Prepared | None = None,
+    compute: bool = True,
+):
     """Global LIR and lag-δ transition probabilities of a selection (default: the
     oracle-by-history). Returns per-trace-unit counts ``eligible``/``reactivated``
     ``[sample, layer, H]``, ``lir`` with CI, ``p01``, ``p10`` and ``lir_layer [layer]``."""
     check_fraction("--top-frac", top_frac)
-    units = make_units(ds, granularity, w, n_sink)
-    prep = Prepared(ds, units, layers, heads, include_prefill)
-    if selection is None:
-        selection = prep.history_selection(every or units.w, top_frac, local)
-    steps = np.asarray(selection["event_step"].values)
-    sel = np.asarray(selection.transpose("sample", "layer", prep.hdim, "event", units.dim).values)
-    n_valid = valid_events(steps, prep.n_steps)[:, None, None]
-    elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)  # [sample, layer, H]
-    trans = transition_counts(sel, n_valid, delta)  # [sample, layer, H, 4]
-    est, lo, hi = bootstrap_ratio(react, elig, n_boot=n_boot, seed=seed)
-    t = trans.reshape(-1, 4).sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_layer = react.sum((0, 2)) / elig.sum((0, 2))
-    dims = ("sample", "layer", prep.hdim)
-    return xr.Dataset(
-        {
-            "eligible": (dims, elig),
-            "reactivated": (dims, react),
-            "transitions": (dims + ("count",), trans),
-            "lir_layer": ("layer", per_layer),
-            "lir": est,
-            "ci_low": lo,
-            "ci_high": hi,
-            "p01": t[1] / t[0] if t[0] else np.nan,
-            "p10": t[3] / t[2] if t[2] else np.nan,
-            "n_eligible": int(elig.sum()),
-            "n_reactivated": int(react.sum()),
-        },
-        coords={
-            "sample": prep.m["sample"].values,
-            "layer": prep.m["layer"].values,
-            prep.hdim: prep.m[prep.hdim].values,
-            "count": ["n0", "n01", "n1", "n10"],
-        },
-        attrs={"metric": "lir", "granularity": units.kind, "w": units.w, "top_frac": top_frac, "local": local,
-               "m": m, "H_lir": "none" if h_lir is None else h_lir, "delta": delta},
-    )
+    if m < 1:
+        raise KvscopeError(f"--m must be ≥ 1 (got {m})")
+    if h_lir is not None and h_lir < 1:
+        raise KvscopeError(f"--h-lir must be ≥ 1 or none (got {h_lir})")
+    if delta < 1:
+        raise KvscopeError(f"--delta must be ≥ 1 (got {delta})")
+    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
+    units = prep.units
+    every = every or units.w
+
+    def per_unit(u: UnitData) -> np.ndarray:
+        sel, st = u.selection_or_history(every, top_frac, local)
+        n_valid = np.array(u.valid_events(st))
+        elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)
+        return np.concatenate([[elig, react], transition_counts(sel, n_valid, delta)])
+
+    width_ = 6
+
+    def finish(flat: np.ndarray) -> xr.Dataset:
+        elig, react, trans = flat[..., 0], flat[..., 1], flat[..., 2:]
+        est, lo, hi = bootstrap_ratio(react, elig, n_boot=n_boot, seed=seed)
+        t = trans.reshape(-1, 4).sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_layer = react.sum((0, 2)) / elig.sum((0, 2))
+        dims = ("sample", "layer", prep.hdim)
+        return xr.Dataset(
+            {
+                "eligible": (dims, elig.astype(np.int64)),
+                "reactivated": (dims, react.astype(np.int64)),
+                "transitions": (dims + ("count",), trans.astype(np.int64)),
+                "lir_layer": ("layer", per_layer),
+                "lir": est,
+                "ci_low": lo,
+                "ci_high": hi,
+                "p01": t[1] / t[0] if t[0] else np.nan,
+                "p10": t[3] / t[2] if t[2] else np.nan,
+                "n_eligible": int(elig.sum()),
+                "n_reactivated": int(react.sum()),
+            },
+            coords={
+                "sample": prep.m["sample"].values,
+                "layer": prep.m["layer"].values,
+                prep.hdim: prep.m[prep.hdim].values,
+                "count": ["n0", "n01", "n1", "n10"],
+            },
+            attrs={
+                "metric": "lir",
+                "granularity": units.kind,
+                "w": units.w,
+                "top_frac": top_frac,
+                "local": local,
+                "m": m,
+                "H_lir": "none" if h_lir is None else h_lir,
+                "delta": delta,
+            },
+        )
+
+    plan = UnitPlan(per_unit, width_, finish, selection)
+    return plan.run(prep) if compute else plan

@@ -106,7 +106,7 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
     and whose ``n_sink`` must match).
     """
     if units.kind == "token":
-        return rows(ds, layers, heads).fillna(0)
+        return rows(ds, layers, heads).fillna(0).astype(np.float64)
     if ds.attrs.get("resolution") == "window":
         stored_w, stored_sink = int(ds.attrs["w"]), int(ds.attrs["n_sink"])
         if stored_sink != units.n_sink or units.w % stored_w:
@@ -114,18 +114,48 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
                 f"the store holds windows of {stored_w} after {stored_sink} sinks; "
                 f"asked for windows of {units.w} after {units.n_sink}"
             )
-        m = _subset(ds["attn"], layers, heads).fillna(0).astype(np.float32)
+        m = _subset(ds["attn"], layers, heads).fillna(0).astype(np.float64)
         factor = units.w // stored_w
         if factor > 1:
             n = (m.sizes["window"] // factor) * factor
             m = m.isel(window=slice(0, n)).coarsen(window=factor).sum()
             m = m.assign_coords(window=np.arange(m.sizes["window"]))
         return m
-    a = rows(ds, layers, heads).fillna(0).astype(np.float32)
+    a = filled_rows(ds, layers, heads)
     n_units = units.count(a.sizes["pos"])
-    body = a.isel(pos=slice(units.n_sink, units.n_sink + n_units * units.w))
-    m = body.coarsen(pos=units.w).sum().rename(pos="window")
-    return m.assign_coords(window=np.arange(n_units))
+    lo, w = units.n_sink, units.w
+
+    def sums(block):  # [..., pos] float32 -> [..., window] float64 (sum of w values in float32)
+        body = block[..., lo : lo + n_units * w]
+        return body.reshape(*body.shape[:-1], n_units, w).sum(-1).astype(np.float64)
+
+    data = a.data.map_blocks(sums, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
+    coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
+    return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
+
+
+def _fill_f32(block: np.ndarray) -> np.ndarray:
+    """fp16/fp32 rows -> float32 with NaN (beyond query_pos) as 0."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(block)).to(torch.float32)
+    return t.nan_to_num_(0.0).numpy()
+
+
+def filled_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
+    """Token rows as float32 dask blocks with NaN → 0 ``[sample, step, layer, H, pos]``.
+
+    Deterministic task names: every analysis that asks for the same rows shares these
+    tasks, so one ``dask.compute`` reads and converts each chunk once.
+    """
+    import dask.array as dsa
+
+    a = rows(ds, layers, heads)
+    a = a.transpose("sample", "step", "layer", head_dim(a), "pos")
+    if not isinstance(a.data, dsa.Array):
+        a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
+    data = a.data.rechunk({4: -1}).map_blocks(_fill_f32, dtype=np.float32)
+    return a.copy(data=data)
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:

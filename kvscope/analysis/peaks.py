@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-import dask
 import dask.array as dsa
 import numpy as np
 import xarray as xr
@@ -32,7 +31,7 @@ from scipy.optimize import minimize_scalar
 
 from ..errors import KvscopeError
 from ..policies.logquant import fp_sets_per_step
-from .mass import head_dim, rows
+from .mass import filled_rows, head_dim
 
 
 def row_peaks(a: np.ndarray, q: np.ndarray, n_sink: int, k: int, n_dist: int) -> np.ndarray:
@@ -72,30 +71,25 @@ def row_peaks(a: np.ndarray, q: np.ndarray, n_sink: int, k: int, n_dist: int) ->
     return out
 
 
-def _log_z(alpha: float, n_dist: int, kind: str) -> np.ndarray:
-    """``log Z(D)`` for D = 0..n_dist−1 (Z(0) := 1)."""
-    d = np.arange(1, n_dist, dtype=np.float64)
-    terms = d ** (-alpha) if kind == "power" else np.exp(-alpha * d)
-    z = np.concatenate([[1.0], np.cumsum(terms)])
-    return np.log(np.maximum(z, 1e-300))
-
-
-def _neg_log_lik(param: float, n_d: np.ndarray, N_D: np.ndarray, kind: str) -> float:
-    d = np.arange(n_d.shape[-1], dtype=np.float64)
-    if kind == "power":
-        data = -param * np.dot(n_d[1:], np.log(d[1:]))
-    else:
-        data = -param * np.dot(n_d, d)
-    return -(data - np.dot(N_D, _log_z(param, n_d.shape[-1], kind)))
-
-
 def fit(n_d: np.ndarray, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
-    """MLE of α (power) or λ (exponential): returns (parameter, log-likelihood)."""
+    """MLE of α (power law) or λ (exponential), truncated per row at its ``D``:
+    returns (parameter, log-likelihood). ``n_d``, ``N_D`` indexed by distance 0..n−1."""
     if n_d.sum() == 0:
         return math.nan, math.nan
-    bounds = (-3.0, 8.0) if kind == "power" else (-0.5, 5.0)
-    res = minimize_scalar(_neg_log_lik, bounds=bounds, args=(n_d, N_D, kind), method="bounded",
-                          options={"xatol": 1e-6})
+    last = int(max(np.flatnonzero(n_d).max(), np.flatnonzero(N_D).max())) + 1
+    n_d, N_D = np.asarray(n_d[:last], float), np.asarray(N_D[:last], float)
+    d = np.arange(1, last, dtype=np.float64)
+    x = np.log(d) if kind == "power" else d  # density ∝ exp(−θ·x)
+    data = np.dot(n_d[1:], x)
+    n_rows = N_D[1:]
+
+    def neg_log_lik(theta: float) -> float:
+        log_z = np.log(np.maximum(np.cumsum(np.exp(-theta * x)), 1e-300))  # log Z(D), D = 1..last−1
+        return theta * data + np.dot(n_rows, log_z)
+
+    bounds = (-3.0, 8.0) if kind == "power" else (0.0, 5.0)
+    with np.errstate(over="ignore"):
+        res = minimize_scalar(neg_log_lik, bounds=bounds, method="bounded", options={"xatol": 1e-5})
     return float(res.x), float(-res.fun)
 
 
@@ -121,78 +115,122 @@ def log2_histogram(n_d: np.ndarray, rows_D: np.ndarray) -> dict:
     return {"bin_low": 2 ** np.arange(n_bins), "count": counts, "exposure": exposure, "density": density}
 
 
-def peak_statistics(ds: xr.Dataset, *, k: int = 8, n_sink: int | None = None, layers=None, heads=None,
-                    logquant_window: int = 32):
-    """One streaming pass over the rows: ``(stats, coverage)`` as numpy arrays.
+def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
+    """Everything peaks needs from one block of rows, in one pass: float32
+    ``[s, step, l, h, k + 3]`` = the distances ``q − p`` of the top-``k`` peaks (0 = none),
+    the share of the row's non-sink mass on LogQuant's FP set, the share on a recency
+    window of the same size, and 1 where the row has non-sink mass.
 
-    ``stats [sample, layer, H, distance, 3]`` (see :func:`row_peaks`);
-    ``coverage [sample, layer, H, 3]`` = Σ LogQuant share, Σ recency share, rows.
+    ``x [s, step, l, h, pos]`` float32 (0 beyond query_pos), ``q [s, step, 1, 1, 1]``;
+    ``fp_sets(sample)`` the LogQuant FP positions ``[step, 3W]`` (−1 padded). A few bytes
+    per row come back, so memory does not grow with the trace.
     """
+    import torch
+
+    s_, n_step, n_l, n_h, n_pos = x.shape
+    xt = torch.from_numpy(x)
+    qb = np.asarray(q[0, :, 0, 0, 0], dtype=np.int64)
+    qt = torch.from_numpy(qb)
+    pos = torch.arange(n_pos)
+    # peaks: top-k among non-sink keys before the query's own position
+    cand = (pos >= n_sink) & (pos[None, :] < qt[:, None])  # [step, pos]
+    vals, idx = xt.masked_fill(~cand[None, :, None, None, :], float("-inf")).topk(min(k, n_pos), dim=-1)
+    dist = torch.where(torch.isfinite(vals), qt[None, :, None, None, None] - idx, torch.zeros((), dtype=torch.int64))
+    # coverage: masks over positions, built per block (they depend on the step only)
+    sample = block_info[0]["chunk-location"][0]
+    t0 = block_info[0]["array-location"][1][0]
+    fp = fp_sets(sample)[t0 : t0 + n_step]  # [≤step, 3W]
+    p_np = np.arange(n_pos)
+    visible = (qb >= 0)[:, None] & (p_np[None, :] >= n_sink) & (p_np[None, :] <= qb[:, None])
+    lq = np.zeros((n_step, n_pos + 1), dtype=bool)
+    kept = fp >= n_sink
+    lq[np.broadcast_to(np.arange(len(fp))[:, None], fp.shape)[kept], fp[kept]] = True
+    size = np.zeros(n_step, dtype=np.int64)
+    size[: len(fp)] = kept.sum(1)
+    recent = visible & (p_np[None, :] > (qb - size)[:, None])
+    masks = torch.from_numpy(np.stack([visible, lq[:, :n_pos] & visible, recent], -1).astype(np.float32))
+    sums = torch.matmul(xt.reshape(s_, n_step, n_l * n_h, n_pos), masks[None])  # [s, step, l·h, 3]
+    sums = sums.reshape(s_, n_step, n_l, n_h, 3)
+    total = sums[..., 0]
+    ok = total > 0
+    shares = torch.where(ok[..., None], sums[..., 1:] / total.clamp_min(1e-30)[..., None], torch.zeros(()))
+    out = torch.zeros((s_, n_step, n_l, n_h, k + 3), dtype=torch.float32)
+    out[..., : dist.shape[-1]] = dist.to(torch.float32)
+    out[..., k : k + 2] = shares
+    out[..., k + 2] = ok.to(torch.float32)
+    return out.numpy()
+
+
+def stats_from_distances(dist: np.ndarray, qpos: np.ndarray, n_sink: int, n_dist: int) -> np.ndarray:
+    """Per-trace-unit sufficient statistics ``[sample, layer, H, n_dist, 3]`` (see
+    :func:`row_peaks`) from peak distances ``[sample, step, layer, H, k]``."""
+    S_n, S, L, H, _ = dist.shape
+    unit = np.arange(S_n * L * H).reshape(S_n, 1, L, H)  # [sample, 1, layer, H]
+    size = S_n * L * H * n_dist
+    picked = dist > 0
+    keys = (unit[..., None] * n_dist + np.clip(dist, 0, n_dist - 1))[picked]
+    D = (qpos - n_sink)[:, :, None, None]  # [sample, step, 1, 1]
+    has_row = np.broadcast_to(D >= 1, picked.shape[:-1])
+    row_keys = np.broadcast_to(unit * n_dist + np.clip(D, 0, n_dist - 1), has_row.shape)[has_row]
+    n_picked = picked.sum(-1)[has_row]
+    out = np.empty((size, 3), dtype=np.int64)
+    out[:, 0] = np.bincount(keys, minlength=size)
+    out[:, 1] = np.bincount(row_keys, weights=n_picked, minlength=size)
+    out[:, 2] = np.bincount(row_keys, minlength=size)
+    return out.reshape(S_n, L, H, n_dist, 3)
+
+
+def peak_statistics(
+    ds: xr.Dataset,
+    *,
+    k: int = 8,
+    n_sink: int | None = None,
+    layers=None,
+    heads=None,
+    logquant_window: int = 32,
+    compute: bool = True,
+):
+    """One streaming pass over the rows: ``(rows, per_row)`` with ``per_row [sample, step,
+    layer, H, k + 3]`` from :func:`_block_rows` (numpy, or dask with ``compute=False`` so
+    that other analyses can share the read)."""
     if k < 1:
         raise KvscopeError(f"--top-k must be ≥ 1 (got {k})")
     n_sink = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    a = rows(ds, layers, heads).transpose("sample", "step", "layer", head_dim(ds["attn"]), "pos")
-    block = int(ds.attrs.get("block_steps", 32))
-    if not isinstance(a.data, dsa.Array):
-        a = a.chunk({"sample": 1, "step": block, "layer": 1})
-    arr = a.data.rechunk({4: -1})
+    a = filled_rows(ds, layers, heads)
+    arr = a.data
     qpos = np.asarray(ds["query_pos"].values)  # [sample, step]
-    n_pos = arr.shape[-1]
-    n_dist = n_pos + 1
-    q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(arr.chunks[0], arr.chunks[1], 1, 1, 1))
-
-    def block_peaks(x, qb):
-        # x [s, step, l, h, pos] -> move step next to pos
-        xs = np.moveaxis(x, 1, 3)  # [s, l, h, step, pos]
-        qs = np.moveaxis(np.broadcast_to(qb, x.shape[:-1] + (1,))[..., 0], 1, 3)  # [s, l, h, step]
-        return row_peaks(xs, qs, n_sink, k, n_dist)[:, None]  # [s, 1, l, h, n_dist, 3]
-
-    n_blocks = len(arr.chunks[1])
-    stats = dsa.map_blocks(
-        block_peaks, arr, q_arr, new_axis=[5],
-        chunks=(arr.chunks[0], (1,) * n_blocks, arr.chunks[2], arr.chunks[3], (n_dist,), (3,)), dtype=np.int64,
-    ).sum(axis=1)
-
-    lq_mask, recent_mask = coverage_masks(ds, n_sink, logquant_window, n_pos)  # [sample, step, pos]
-    lq = dsa.from_array(lq_mask[:, :, None, None, :], chunks=(arr.chunks[0], arr.chunks[1], 1, 1, n_pos))
-    rc = dsa.from_array(recent_mask[:, :, None, None, :], chunks=(arr.chunks[0], arr.chunks[1], 1, 1, n_pos))
-
-    def block_coverage(x, lqb, rcb, qb):
-        x = np.nan_to_num(x.astype(np.float64))
-        pos = np.arange(x.shape[-1])
-        nonsink = (pos >= n_sink) & (pos <= qb)
-        total = (x * nonsink).sum(-1)  # [s, step, l, h]
-        ok = (total > 0) & (qb[..., 0] >= 0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share_lq = np.where(ok, (x * lqb).sum(-1) / total, 0.0)
-            share_rc = np.where(ok, (x * rcb).sum(-1) / total, 0.0)
-        out = np.stack([share_lq.sum(1), share_rc.sum(1), ok.sum(1)], -1)  # [s, l, h, 3]
-        return out[:, None]
-
-    coverage = dsa.map_blocks(
-        block_coverage, arr, lq, rc, q_arr, drop_axis=[4], new_axis=[4],
-        chunks=(arr.chunks[0], (1,) * n_blocks, arr.chunks[2], arr.chunks[3], (3,)), dtype=np.float64,
-    ).sum(axis=1)
-    stats, coverage = dask.compute(stats, coverage)
-    return a, stats, coverage
+    c = arr.chunks
+    q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
+    per_row = dsa.map_blocks(
+        _block_rows, arr, q_arr, LogQuantSets(ds, logquant_window), n_sink, k, dtype=np.float32,
+        chunks=c[:4] + ((k + 3,),),
+    )
+    if compute:
+        per_row = per_row.compute()
+    return a, per_row
 
 
-def coverage_masks(ds: xr.Dataset, n_sink: int, W: int, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[sample, step, pos]`` LogQuant FP set and an equally large recency window (sinks excluded)."""
-    prompt_len = np.asarray(ds["prompt_len"].values)
-    n_steps_all = ds.sizes["step"]
-    n_valid = np.asarray(ds["n_steps"].values)
-    lq = np.zeros((len(prompt_len), n_steps_all, n_pos), dtype=bool)
-    rc = np.zeros_like(lq)
-    for s, P in enumerate(prompt_len):
-        for t, fp in enumerate(fp_sets_per_step(int(P), int(n_valid[s]), W)):
-            kept = [p for p in fp if p >= n_sink]
-            lq[s, t, kept] = True
-            q = int(P) - 1 + t
-            size = len(kept)
-            lo = max(n_sink, q - size + 1)
-            rc[s, t, lo : q + 1] = True
-    return lq, rc
+class LogQuantSets:
+    """LogQuant FP positions of every step of a sample, built on first use (per process)."""
+
+    def __init__(self, ds: xr.Dataset, W: int):
+        self.prompt_len = np.asarray(ds["prompt_len"].values)
+        self.n_steps = np.asarray(ds["n_steps"].values)
+        self.W = W
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __call__(self, sample: int) -> np.ndarray:
+        """``[step, 3W]`` FP positions of each valid step, −1 padded."""
+        if sample not in self._cache:
+            sets = fp_sets_per_step(int(self.prompt_len[sample]), int(self.n_steps[sample]), self.W)
+            out = np.full((len(sets), 3 * self.W), -1, dtype=np.int64)
+            for t, fp in enumerate(sets):
+                out[t, : len(fp)] = fp
+            self._cache[sample] = out
+        return self._cache[sample]
+
+    def __getstate__(self):  # shipped to dask workers without the cache
+        return {"prompt_len": self.prompt_len, "n_steps": self.n_steps, "W": self.W, "_cache": {}}
 
 
 def peaks(
@@ -205,11 +243,18 @@ def peaks(
     logquant_window: int = 32,
     n_boot: int = 200,
     seed: int = 0,
+    precomputed=None,
 ) -> xr.Dataset:
     """Exposure-normalized log2 histogram of peak distances, α fit with CI, AIC comparison
-    and LogQuant coverage. Returns an ``xarray.Dataset`` (see module docstring)."""
-    a, stats, coverage = peak_statistics(ds, k=k, n_sink=n_sink, layers=layers, heads=heads,
-                                         logquant_window=logquant_window)
+    and LogQuant coverage. Returns an ``xarray.Dataset`` (see module docstring).
+    ``precomputed``: the ``(rows, stats, coverage)`` of :func:`peak_statistics`."""
+    a, per_row = precomputed or peak_statistics(
+        ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window
+    )
+    n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
+    distances = per_row[..., :k].astype(np.int64)
+    stats = stats_from_distances(distances, np.asarray(ds["query_pos"].values), n_sink_, a.sizes["pos"] + 1)
+    coverage = per_row[..., k:].astype(np.float64).sum(1)  # [sample, layer, H, 3]
     hdim = head_dim(a)
     units = stats.reshape(-1, stats.shape[-2], 3)  # [unit, distance, 3]
     n_d, N_D, rows_D = (units[..., i].sum(0) for i in range(3))
@@ -220,11 +265,13 @@ def peaks(
     rng = np.random.default_rng(seed)
     boot = []
     if np.isfinite(alpha):
+        n_units = units.shape[0]
+        fit_stats = units[..., :2].reshape(n_units, -1)  # [unit, distance·2], no per-draw copies
         for _ in range(n_boot):
-            idx = rng.integers(0, units.shape[0], units.shape[0])
-            sample = units[idx].sum(0)
+            weights = np.bincount(rng.integers(0, n_units, n_units), minlength=n_units)
+            sample = (weights @ fit_stats).reshape(-1, 2)
             boot.append(fit(sample[:, 0], sample[:, 1], "power")[0])
-    lo, hi = (np.quantile(boot, [0.025, 0.975]) if boot else (math.nan, math.nan))
+    lo, hi = np.quantile(boot, [0.025, 0.975]) if boot else (math.nan, math.nan)
     per_layer_alpha = []
     for li in range(stats.shape[1]):
         s = stats[:, li].reshape(-1, stats.shape[-2], 3).sum(0)
@@ -258,6 +305,12 @@ def peaks(
             "model": ["power", "exponential", "uniform"],
             "layer": a["layer"].values,
         },
-        attrs={"metric": "peaks", "k": k, "n_sink": int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink),
-               "logquant_W": logquant_window, "best_model": best, "heads_dim": hdim},
+        attrs={
+            "metric": "peaks",
+            "k": k,
+            "n_sink": int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink),
+            "logquant_W": logquant_window,
+            "best_model": best,
+            "heads_dim": hdim,
+        },
     )
