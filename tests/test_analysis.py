@@ -32,8 +32,9 @@ def test_fmm_kernel_hand_values():
     assert fmm_kernel(future, exists, np.zeros((1, 3), bool), valid)[0] == 0.0
     assert fmm_kernel(future, exists, np.ones((1, 3), bool), valid)[0] == 1.0
     # a unit that did not exist at the decision never counts, however much mass it gets later
-    got = fmm_kernel(np.array([[1.0, 1.0, 8.0]]), np.array([[True, True, False]]),
-                     np.array([[False, True, True]]), valid)[0]
+    got = fmm_kernel(
+        np.array([[1.0, 1.0, 8.0]]), np.array([[True, True, False]]), np.array([[False, True, True]]), valid
+    )[0]
     assert got == pytest.approx(0.5)
     # censored events are NaN, never scored on a shorter horizon
     assert np.isnan(fmm_kernel(future, exists, np.ones((1, 3), bool), np.array([False]))[0])
@@ -81,8 +82,8 @@ def test_fmm_given_selection_and_extremes():
     ds = _two_window_trace()
     prep = A.Prepared(ds, A.Units("window", 4, 0))
     steps = np.array([0])
-    all_sel = prep.selection_array(np.array([[[[[1, 1, -1, -1, -1]]]]], dtype=np.int8)[..., :prep.n_units], steps)
-    none_sel = prep.selection_array(np.array([[[[[0, 0, -1, -1, -1]]]]], dtype=np.int8)[..., :prep.n_units], steps)
+    all_sel = prep.selection_array(np.array([[[[[1, 1, -1, -1, -1]]]]], dtype=np.int8)[..., : prep.n_units], steps)
+    none_sel = prep.selection_array(np.array([[[[[0, 0, -1, -1, -1]]]]], dtype=np.int8)[..., : prep.n_units], steps)
     assert float(A.fmm(ds, horizon=2, selection=all_sel, n_boot=10)["mean"]) == 0.0
     assert float(A.fmm(ds, horizon=2, selection=none_sel, n_boot=10)["mean"]) == 1.0
 
@@ -277,19 +278,29 @@ def test_dask_chunked_equals_in_memory(tmp_path):
     from kvscope.store import open_trace
     from kvscope.synthetic import write_synthetic_store
 
-    path = write_synthetic_store(tmp_path / "syn.zarr", n_samples=2, n_steps=40, n_layers=2, n_kv=2, prompt_len=60,
-                                 block_steps=8)
+    path = write_synthetic_store(
+        tmp_path / "syn.zarr", n_samples=2, n_steps=40, n_layers=2, n_kv=2, prompt_len=60, block_steps=8
+    )
     lazy = open_trace(path, chunks={})
     eager = open_trace(path).load()
     assert lazy.attn.chunks is not None and eager.attn.chunks is None
-    for name, kwargs in [("fmm", {"horizon": 8, "n_boot": 50}), ("churn", {"n_boot": 50}),
-                         ("lir", {"h_lir": None, "n_boot": 50}), ("peaks", {"n_boot": 20}),
-                         ("concentration", {})]:
+    for name, kwargs in [
+        ("fmm", {"horizon": 8, "n_boot": 50}),
+        ("churn", {"n_boot": 50}),
+        ("lir", {"h_lir": None, "n_boot": 50}),
+        ("peaks", {"n_boot": 20}),
+        ("concentration", {}),
+    ]:
         a = A.ANALYSES[name](lazy, **kwargs)
         b = A.ANALYSES[name](eager, **kwargs)
         for var in a.data_vars:
-            np.testing.assert_allclose(np.asarray(a[var].values, float), np.asarray(b[var].values, float),
-                                       rtol=1e-6, atol=1e-9, err_msg=f"{name}.{var}")
+            np.testing.assert_allclose(
+                np.asarray(a[var].values, float),
+                np.asarray(b[var].values, float),
+                rtol=1e-6,
+                atol=1e-9,
+                err_msg=f"{name}.{var}",
+            )
 
 
 def test_local_cluster_gives_the_same_numbers(tmp_path):
@@ -298,13 +309,16 @@ def test_local_cluster_gives_the_same_numbers(tmp_path):
     from kvscope.store import open_trace
     from kvscope.synthetic import write_synthetic_store
 
-    path = write_synthetic_store(tmp_path / "syn.zarr", n_samples=1, n_steps=24, n_layers=2, n_kv=1, prompt_len=40,
-                                 block_steps=8)
+    path = write_synthetic_store(
+        tmp_path / "syn.zarr", n_samples=1, n_steps=24, n_layers=2, n_kv=1, prompt_len=40, block_steps=8
+    )
     ds = open_trace(path, chunks={})
     local = A.fmm(ds, horizon=8, n_boot=50)
     local_peaks = A.peaks(ds, n_boot=10)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, processes=False) as cluster, \
-            Client(cluster):
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, processes=False) as cluster,
+        Client(cluster),
+    ):
         dist = A.fmm(ds, horizon=8, n_boot=50)
         dist_peaks = A.peaks(ds, n_boot=10)
     np.testing.assert_allclose(dist["fmm"].values, local["fmm"].values)
@@ -333,8 +347,9 @@ def test_tier_resolved_future_mass_on_a_dataset():
     ds = _two_window_trace()
     prep = A.Prepared(ds, A.Units("window", 4, 0))
     # event at step 0: window 0 in Q, window 1 EVICTED (window 2 does not exist yet)
-    tiers = prep.selection_array(np.array([1, 0, -1], dtype=np.int8)[None, None, None, None, :prep.n_units],
-                                 np.array([0]))
+    tiers = prep.selection_array(
+        np.array([1, 0, -1], dtype=np.int8)[None, None, None, None, : prep.n_units], np.array([0])
+    )
     r = A.fmm(ds, horizon=2, tiers=tiers, n_boot=10)
     # future mass over steps 1..2: w0 = 1.6 (Q), w1 = 0.4 (EVICTED); FMM counts only EVICTED as missed
     np.testing.assert_allclose(r["tier_mean"].values, [0.0, 0.8, 0.2])
@@ -345,13 +360,63 @@ def test_study_equals_the_separate_analyses(tmp_path):
     from kvscope.store import open_trace
     from kvscope.synthetic import write_synthetic_store
 
-    path = write_synthetic_store(tmp_path / "syn.zarr", n_samples=2, n_steps=32, n_layers=2, n_kv=2, prompt_len=50,
-                                 block_steps=8)
+    path = write_synthetic_store(
+        tmp_path / "syn.zarr", n_samples=2, n_steps=32, n_layers=2, n_kv=2, prompt_len=50, block_steps=8
+    )
     ds = open_trace(path, chunks={})
     together = A.study(ds, horizon=8, n_boot=50)
-    apart = {"fmm": A.fmm(ds, horizon=8, n_boot=50), "churn": A.churn(ds, n_boot=50),
-             "lir": A.lir(ds, n_boot=50), "peaks": A.peaks(ds, n_boot=50)}
+    apart = {
+        "fmm": A.fmm(ds, horizon=8, n_boot=50),
+        "churn": A.churn(ds, n_boot=50),
+        "lir": A.lir(ds, n_boot=50),
+        "peaks": A.peaks(ds, n_boot=50),
+    }
     for name, r in apart.items():
         for var in r.data_vars:
-            np.testing.assert_allclose(np.asarray(together[name][var].values, float), np.asarray(r[var].values, float),
-                                       rtol=1e-9, err_msg=f"{name}.{var}")
+            np.testing.assert_allclose(
+                np.asarray(together[name][var].values, float),
+                np.asarray(r[var].values, float),
+                rtol=1e-9,
+                err_msg=f"{name}.{var}",
+            )
+
+
+def test_rows_recomputed_from_qk_match_stored_rows(tmp_path, tiny_models):
+    import kvscope
+    from kvscope.analysis.recompute import rows_from_qk, with_recomputed_rows
+
+    out = tmp_path / "qk.zarr"
+    kvscope.trace(
+        "The sea is large and the sky above it is wide and blue.",
+        out,
+        model=str(tiny_models["llama"]),
+        max_new_tokens=10,
+        dtype="float32",
+        record_qkv=True,
+        stop_at_eos=False,
+    )
+    ds = kvscope.open_trace(out, chunks={})
+    np.testing.assert_allclose(rows_from_qk(ds).values, ds["attn"].values, atol=1e-5)
+    recomputed = with_recomputed_rows(ds)
+    a = A.unit_mass(ds, A.Units("window", 4, 4)).values
+    b = A.unit_mass(recomputed, A.Units("window", 4, 4)).values
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    sliding = tmp_path / "sliding.zarr"
+    kvscope.trace(
+        "The sea is large and the sky above it is wide and blue.",
+        sliding,
+        model=str(tiny_models["mistral_sliding"]),
+        max_new_tokens=6,
+        dtype="float32",
+        record_qkv=True,
+        stop_at_eos=False,
+    )
+    ds2 = kvscope.open_trace(sliding)
+    np.testing.assert_allclose(rows_from_qk(ds2).values, ds2["attn"].values, atol=1e-5)
+
+
+def test_rows_from_qk_needs_qk():
+    from kvscope.analysis.recompute import rows_from_qk
+
+    with pytest.raises(KvscopeError, match="no recorded q/k"):
+        rows_from_qk(_two_window_trace())

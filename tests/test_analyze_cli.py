@@ -50,16 +50,20 @@ def test_each_analysis_table_json_plot(tmp_path, prose_trace, name):
 @pytest.mark.slow
 def test_local_cluster_matches_in_process(prose_trace):
     plain = json.loads(run_cli("analyze", "fmm", prose_trace, "--json", "--layers", "0-5", check=True).stdout)
-    dist = json.loads(run_cli("analyze", "fmm", prose_trace, "--json", "--layers", "0-5", "--dask", "local:2",
-                              check=True).stdout)
+    dist = json.loads(
+        run_cli("analyze", "fmm", prose_trace, "--json", "--layers", "0-5", "--dask", "local:2", check=True).stdout
+    )
     assert dist["fmm"] == plain["fmm"] and dist["curve"] == plain["curve"]
     assert len(plain["per_layer"]) == 6
 
 
 @pytest.mark.slow
 def test_layer_and_head_subsets(prose_trace):
-    doc = json.loads(run_cli("analyze", "lir", prose_trace, "--json", "--layers", "3,7", "--heads", "1",
-                             "--h-lir", "none", check=True).stdout)
+    doc = json.loads(
+        run_cli(
+            "analyze", "lir", prose_trace, "--json", "--layers", "3,7", "--heads", "1", "--h-lir", "none", check=True
+        ).stdout
+    )
     assert len(doc["per_layer"]) == 2 and doc["H_lir"] == "none"
     ds = kvscope.open_trace(prose_trace)
     assert np.isfinite(ds.attn.sel(layer=3, kv_head=1).isel(sample=0, step=0).sum("pos"))

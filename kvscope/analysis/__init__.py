@@ -17,6 +17,7 @@ from .fmm import fmm
 from .lir import lir
 from .mass import Units, cumulative_scores, existence, prefill_unit_mass, unit_mass
 from .peaks import peaks
+from .recompute import rows_from_qk, with_recomputed_rows
 from .study import study
 
 ANALYSES = {
@@ -44,6 +45,8 @@ __all__ = [
     "make_units",
     "peaks",
     "prefill_unit_mass",
+    "rows_from_qk",
+    "with_recomputed_rows",
     "selection_from_tiers",
     "study",
     "top_fraction_selection",

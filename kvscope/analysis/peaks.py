@@ -202,7 +202,13 @@ def peak_statistics(
     c = arr.chunks
     q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
     per_row = dsa.map_blocks(
-        _block_rows, arr, q_arr, LogQuantSets(ds, logquant_window), n_sink, k, dtype=np.float32,
+        _block_rows,
+        arr,
+        q_arr,
+        LogQuantSets(ds, logquant_window),
+        n_sink,
+        k,
+        dtype=np.float32,
         chunks=c[:4] + ((k + 3,),),
     )
     if compute:

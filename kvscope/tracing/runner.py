@@ -147,7 +147,13 @@ def _model_facts(model) -> dict:
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
+    scaling = {}
+    for module in model.modules():  # attention modules carry layer_idx and their softmax scaling
+        value = getattr(module, "scaling", None)
+        if hasattr(module, "layer_idx") and isinstance(value, (int, float)):
+            scaling[int(module.layer_idx)] = float(value)
     return {
+        "attention_scaling": [scaling.get(layer) for layer in range(cfg.num_hidden_layers)],
         "architecture": (model.config.architectures or [type(model).__name__])[0],
         "model_type": cfg.model_type,
         "n_layers": cfg.num_hidden_layers,
