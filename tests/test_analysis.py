@@ -16,7 +16,7 @@ from kvscope.analysis.churn import churn_kernel
 from kvscope.analysis.concentration import concentration_kernel
 from kvscope.analysis.fmm import fmm_kernel, tier_fractions
 from kvscope.analysis.lir import lir_kernel, transition_counts
-from kvscope.analysis.peaks import fit, log2_histogram, row_peaks
+from kvscope.analysis.peaks import fit
 from kvscope.errors import KvscopeError
 from kvscope.synthetic import dataset_from_rows
 
@@ -212,15 +212,16 @@ def test_concentration_hand_values():
 
 def test_peaks_exposure_normalization_on_rows_of_different_lengths():
     T = 10
-    a = np.full((2, T), np.nan)
-    a[0, :5] = [0.1, 0.6, 0.1, 0.1, 0.1]  # q=4: peak at p=1, distance 3 (own position excluded)
-    a[1, :9] = [0.05, 0.05, 0.6, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]  # q=8: peak at p=2, distance 6
-    stats = row_peaks(a, np.array([4, 8]), n_sink=0, k=1, n_dist=T + 1)
-    hist = log2_histogram(stats[:, 0], stats[:, 2])
-    np.testing.assert_array_equal(hist["count"][:4], [0, 1, 1, 0])
+    attn = np.full((2, 1, 1, 1, T), np.nan, dtype=np.float32)
+    attn[0, 0, 0, 0, :5] = [0.1, 0.6, 0.1, 0.1, 0.1]  # q=4: peak at p=1, distance 3 (own position excluded)
+    attn[1, 0, 0, 0, :9] = [0.05, 0.05, 0.6, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]  # q=8: peak at p=2, distance 6
+    ds = dataset_from_rows(attn, prompt_len=[5, 9], n_sink=0)
+    r = A.peaks(ds, k=1, n_sink=0, n_boot=5, logquant_window=2)
+    np.testing.assert_array_equal(r["count"].values[:4], [0, 1, 1, 0])
     # exposure: d=1: both rows; d=2,3: both; d=4: both, d=5..7: row 2; d=8: row 2
-    np.testing.assert_array_equal(hist["exposure"][:4], [2, 4, 5, 1])
-    np.testing.assert_allclose(hist["density"][:4], [0, 0.25, 0.2, 0])
+    np.testing.assert_array_equal(r["exposure"].values[:4], [2, 4, 5, 1])
+    np.testing.assert_allclose(r["density"].values[:4], [0, 0.25, 0.2, 0])
+    assert int(r["n_peaks"]) == 2 and int(r["n_rows"]) == 2
 
 
 def test_peaks_fit_recovers_a_known_power_law():

@@ -34,58 +34,25 @@ from ..policies.logquant import fp_sets_per_step
 from .mass import filled_rows, head_dim
 
 
-def row_peaks(a: np.ndarray, q: np.ndarray, n_sink: int, k: int, n_dist: int) -> np.ndarray:
-    """Sufficient statistics of one block of rows.
+def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
+    """MLE of α (power law) or λ (exponential), truncated per row at its own ``D``, from
+    sufficient statistics: ``data_term`` = Σ log d (power) or Σ d (exponential) over the
+    peaks, ``N_D[D]`` = peaks from rows whose largest distance is ``D``. Returns
+    (parameter, log-likelihood)::
 
-    ``a [..., step, pos]`` probabilities (NaN beyond ``q``), ``q [..., step]`` query positions
-    (−1 = no row). Returns ``[..., n_dist, 3]``: per distance/D index ``x``:
-    ``[:, 0]`` peaks at distance ``x``, ``[:, 1]`` peaks from rows with ``D = x``,
-    ``[:, 2]`` rows with ``D = x`` (exposure).
+        log L(θ) = −θ · data_term − Σ_D N_D log Σ_{d=1}^{D} exp(−θ·x(d)),   x = log d or d
     """
-    lead = a.shape[:-2]
-    n_pos = a.shape[-1]
-    pos = np.arange(n_pos)
-    q = np.broadcast_to(q, a.shape[:-1])
-    cand = (pos >= n_sink) & (pos < q[..., None])  # [..., step, pos]
-    scores = np.where(cand, np.nan_to_num(a, nan=-1.0), -np.inf).astype(np.float32)
-    kk = min(k, n_pos)
-    top = np.argpartition(-scores, kk - 1, axis=-1)[..., :kk] if kk < n_pos else np.broadcast_to(pos, scores.shape)
-    picked = np.take_along_axis(cand, top, axis=-1)  # a peak only where it was a candidate
-    dist = q[..., None] - top  # [..., step, k]
-    D = q - n_sink  # [..., step]
-    has_row = D >= 1
-    out = np.zeros(lead + (n_dist, 3), dtype=np.int64)
-    flat_lead = int(np.prod(lead)) if lead else 1
-    picked_f = picked.reshape(flat_lead, -1, kk)
-    dist_f = dist.reshape(flat_lead, -1, kk)
-    D_f = np.broadcast_to(D, picked.shape[:-1]).reshape(flat_lead, -1)
-    row_f = np.broadcast_to(has_row, picked.shape[:-1]).reshape(flat_lead, -1)
-    o = out.reshape(flat_lead, n_dist, 3)
-    for i in range(flat_lead):
-        d_ok = dist_f[i][picked_f[i]]
-        np.add.at(o[i, :, 0], np.clip(d_ok, 0, n_dist - 1), 1)
-        n_per_row = picked_f[i].sum(-1)
-        rows_ok = row_f[i]
-        np.add.at(o[i, :, 1], np.clip(D_f[i][rows_ok], 0, n_dist - 1), n_per_row[rows_ok])
-        np.add.at(o[i, :, 2], np.clip(D_f[i][rows_ok], 0, n_dist - 1), 1)
-    return out
-
-
-def fit(n_d: np.ndarray, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
-    """MLE of α (power law) or λ (exponential), truncated per row at its ``D``:
-    returns (parameter, log-likelihood). ``n_d``, ``N_D`` indexed by distance 0..n−1."""
-    if n_d.sum() == 0:
+    N_D = np.asarray(N_D, dtype=np.float64)
+    if N_D.sum() == 0:
         return math.nan, math.nan
-    last = int(max(np.flatnonzero(n_d).max(), np.flatnonzero(N_D).max())) + 1
-    n_d, N_D = np.asarray(n_d[:last], float), np.asarray(N_D[:last], float)
+    last = int(np.flatnonzero(N_D).max()) + 1
     d = np.arange(1, last, dtype=np.float64)
-    x = np.log(d) if kind == "power" else d  # density ∝ exp(−θ·x)
-    data = np.dot(n_d[1:], x)
-    n_rows = N_D[1:]
+    x = np.log(d) if kind == "power" else d
+    n_rows = N_D[1:last]
 
     def neg_log_lik(theta: float) -> float:
         log_z = np.log(np.maximum(np.cumsum(np.exp(-theta * x)), 1e-300))  # log Z(D), D = 1..last−1
-        return theta * data + np.dot(n_rows, log_z)
+        return theta * data_term + np.dot(n_rows, log_z)
 
     bounds = (-3.0, 8.0) if kind == "power" else (0.0, 5.0)
     with np.errstate(over="ignore"):
@@ -93,26 +60,17 @@ def fit(n_d: np.ndarray, N_D: np.ndarray, kind: str = "power") -> tuple[float, f
     return float(res.x), float(-res.fun)
 
 
+def fit(n_d: np.ndarray, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
+    """:func:`fit_stats` from a histogram ``n_d`` of peak distances (index = distance)."""
+    d = np.arange(len(n_d), dtype=np.float64)
+    x = np.log(np.maximum(d, 1)) if kind == "power" else d
+    return fit_stats(float(np.dot(n_d, x)), N_D, kind)
+
+
 def uniform_log_lik(N_D: np.ndarray) -> float:
     D = np.arange(N_D.shape[-1], dtype=np.float64)
     ok = N_D > 0
     return float(-np.dot(N_D[ok], np.log(D[ok])))
-
-
-def log2_histogram(n_d: np.ndarray, rows_D: np.ndarray) -> dict:
-    """Counts, exposure and density per log2 bin ``[2^i, 2^{i+1})``."""
-    n_dist = n_d.shape[-1]
-    exposure_d = np.cumsum(rows_D[::-1])[::-1]  # rows with D ≥ d
-    n_bins = max(1, int(math.floor(math.log2(max(1, n_dist - 1)))) + 1)
-    counts = np.zeros(n_bins)
-    exposure = np.zeros(n_bins)
-    for i in range(n_bins):
-        lo, hi = 2**i, min(2 ** (i + 1), n_dist)
-        counts[i] = n_d[lo:hi].sum()
-        exposure[i] = exposure_d[lo:hi].sum()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        density = np.where(exposure > 0, counts / exposure, np.nan)
-    return {"bin_low": 2 ** np.arange(n_bins), "count": counts, "exposure": exposure, "density": density}
 
 
 def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
@@ -161,23 +119,37 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     return out.numpy()
 
 
-def stats_from_distances(dist: np.ndarray, qpos: np.ndarray, n_sink: int, n_dist: int) -> np.ndarray:
-    """Per-trace-unit sufficient statistics ``[sample, layer, H, n_dist, 3]`` (see
-    :func:`row_peaks`) from peak distances ``[sample, step, layer, H, k]``."""
-    S_n, S, L, H, _ = dist.shape
-    unit = np.arange(S_n * L * H).reshape(S_n, 1, L, H)  # [sample, 1, layer, H]
-    size = S_n * L * H * n_dist
+def unit_statistics(dist: np.ndarray, n_bins: int) -> dict[str, np.ndarray]:
+    """Per-trace-unit sufficient statistics from peak distances ``[sample, step, layer, H, k]``
+    (0 = no peak): ``sum_log``, ``sum_d`` ``[sample, layer, H]`` and ``bins [sample, layer,
+    H, bin]`` (peaks per log2 bin). A handful of numbers per unit, whatever the trace length."""
     picked = dist > 0
-    keys = (unit[..., None] * n_dist + np.clip(dist, 0, n_dist - 1))[picked]
-    D = (qpos - n_sink)[:, :, None, None]  # [sample, step, 1, 1]
-    has_row = np.broadcast_to(D >= 1, picked.shape[:-1])
-    row_keys = np.broadcast_to(unit * n_dist + np.clip(D, 0, n_dist - 1), has_row.shape)[has_row]
-    n_picked = picked.sum(-1)[has_row]
-    out = np.empty((size, 3), dtype=np.int64)
-    out[:, 0] = np.bincount(keys, minlength=size)
-    out[:, 1] = np.bincount(row_keys, weights=n_picked, minlength=size)
-    out[:, 2] = np.bincount(row_keys, minlength=size)
-    return out.reshape(S_n, L, H, n_dist, 3)
+    d = np.where(picked, dist, 1).astype(np.float64)
+    sum_log = np.where(picked, np.log(d), 0.0).sum((1, 4))
+    sum_d = np.where(picked, d, 0.0).sum((1, 4))
+    S_n, _, L, H, _ = dist.shape
+    unit = np.arange(S_n * L * H).reshape(S_n, 1, L, H, 1)
+    b = np.floor(np.log2(d)).astype(np.int64).clip(0, n_bins - 1)
+    keys = np.broadcast_to(unit * n_bins, dist.shape)[picked] + b[picked]
+    bins = np.bincount(keys, minlength=S_n * L * H * n_bins).reshape(S_n, L, H, n_bins)
+    return {"sum_log": sum_log, "sum_d": sum_d, "bins": bins}
+
+
+def row_profile(qpos: np.ndarray, n_sink: int, k: int, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """What every trace unit of a sample shares: ``N_D [sample, D]`` peaks from rows whose
+    largest distance is ``D`` (``min(k, D)`` per row: candidates depend on the position
+    only) and ``exposure [sample, bin]`` (row, distance) pairs possible per log2 bin."""
+    D = np.where(qpos >= 0, qpos - n_sink, 0)  # [sample, step]
+    n_dist = int(max(1, D.max())) + 1
+    N_D = np.zeros((qpos.shape[0], n_dist))
+    exposure = np.zeros((qpos.shape[0], n_bins))
+    lo = 2 ** np.arange(n_bins)
+    for s in range(qpos.shape[0]):
+        rows = D[s][D[s] >= 1]
+        np.add.at(N_D[s], rows, np.minimum(k, rows))
+        # distances 1..D of a row in bin [lo, 2·lo): max(0, min(D, 2·lo − 1) − lo + 1)
+        exposure[s] = np.clip(np.minimum(rows[:, None], 2 * lo[None, :] - 1) - lo[None, :] + 1, 0, None).sum(0)
+    return N_D, exposure
 
 
 def peak_statistics(
@@ -258,30 +230,38 @@ def peaks(
         ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window
     )
     n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    distances = per_row[..., :k].astype(np.int64)
-    stats = stats_from_distances(distances, np.asarray(ds["query_pos"].values), n_sink_, a.sizes["pos"] + 1)
+    n_bins = max(1, int(math.floor(math.log2(max(2, a.sizes["pos"])))) + 1)
+    stats = unit_statistics(per_row[..., :k].astype(np.int64), n_bins)
     coverage = per_row[..., k:].astype(np.float64).sum(1)  # [sample, layer, H, 3]
+    N_D_sample, exposure_sample = row_profile(np.asarray(ds["query_pos"].values), n_sink_, k, n_bins)
+    S_n, L, H = stats["sum_log"].shape
+    units_per_sample = L * H
     hdim = head_dim(a)
-    units = stats.reshape(-1, stats.shape[-2], 3)  # [unit, distance, 3]
-    n_d, N_D, rows_D = (units[..., i].sum(0) for i in range(3))
-    hist = log2_histogram(n_d, rows_D)
-    alpha, ll_power = fit(n_d, N_D, "power")
-    lam, ll_exp = fit(n_d, N_D, "exponential")
+
+    def fitted(weights: np.ndarray, kind: str = "power"):  # weights [sample, layer, H] per trace unit
+        term = stats["sum_log"] if kind == "power" else stats["sum_d"]
+        return fit_stats(float((weights * term).sum()), weights.sum((1, 2)) @ N_D_sample, kind)
+
+    ones = np.ones((S_n, L, H))
+    qpos = np.asarray(ds["query_pos"].values)
+    n_rows = int(units_per_sample * ((qpos >= 0) & (qpos - n_sink_ >= 1)).sum())
+    alpha, ll_power = fitted(ones)
+    lam, ll_exp = fitted(ones, "exponential")
+    N_D = ones.sum((1, 2)) @ N_D_sample
     ll_uniform = uniform_log_lik(N_D)
+    counts = stats["bins"].sum((0, 1, 2)).astype(np.float64)
+    exposure = units_per_sample * exposure_sample.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        density = np.where(exposure > 0, counts / exposure, np.nan)
     rng = np.random.default_rng(seed)
     boot = []
     if np.isfinite(alpha):
-        n_units = units.shape[0]
-        fit_stats = units[..., :2].reshape(n_units, -1)  # [unit, distance·2], no per-draw copies
+        n_units = S_n * L * H
         for _ in range(n_boot):
-            weights = np.bincount(rng.integers(0, n_units, n_units), minlength=n_units)
-            sample = (weights @ fit_stats).reshape(-1, 2)
-            boot.append(fit(sample[:, 0], sample[:, 1], "power")[0])
+            weights = np.bincount(rng.integers(0, n_units, n_units), minlength=n_units).reshape(S_n, L, H)
+            boot.append(fitted(weights)[0])
     lo, hi = np.quantile(boot, [0.025, 0.975]) if boot else (math.nan, math.nan)
-    per_layer_alpha = []
-    for li in range(stats.shape[1]):
-        s = stats[:, li].reshape(-1, stats.shape[-2], 3).sum(0)
-        per_layer_alpha.append(fit(s[:, 0], s[:, 1], "power")[0])
+    per_layer_alpha = [fitted(np.where(np.arange(L)[None, :, None] == li, 1.0, 0.0) * ones)[0] for li in range(L)]
     cov = coverage.sum((0, 2))  # [layer, 3]
     with np.errstate(invalid="ignore", divide="ignore"):
         cov_lq = cov[:, 0] / cov[:, 2]
@@ -290,9 +270,9 @@ def peaks(
     best = min(aic, key=lambda key: aic[key] if np.isfinite(aic[key]) else np.inf)
     return xr.Dataset(
         {
-            "count": ("bin", hist["count"]),
-            "exposure": ("bin", hist["exposure"]),
-            "density": ("bin", hist["density"]),
+            "count": ("bin", counts),
+            "exposure": ("bin", exposure),
+            "density": ("bin", density),
             "alpha": alpha,
             "alpha_low": float(lo),
             "alpha_high": float(hi),
@@ -302,12 +282,12 @@ def peaks(
             "alpha_layer": ("layer", np.asarray(per_layer_alpha)),
             "coverage_logquant": ("layer", cov_lq),
             "coverage_recency": ("layer", cov_rc),
-            "n_peaks": int(n_d.sum()),
-            "n_rows": int(rows_D.sum()),
+            "n_peaks": int(counts.sum()),
+            "n_rows": n_rows,
         },
         coords={
-            "bin": np.arange(len(hist["count"])),
-            "bin_low": ("bin", hist["bin_low"]),
+            "bin": np.arange(n_bins),
+            "bin_low": ("bin", 2 ** np.arange(n_bins)),
             "model": ["power", "exponential", "uniform"],
             "layer": a["layer"].values,
         },
