@@ -74,14 +74,15 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
 
 
 def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
-    """Everything peaks needs from one block of rows, in one pass: float32
-    ``[s, step, l, h, k + 3]`` = the distances ``q − p`` of the top-``k`` peaks (0 = none),
-    the share of the row's non-sink mass on LogQuant's FP set, the share on a recency
-    window of the same size, and 1 where the row has non-sink mass.
+    """Everything peaks needs from one block of rows, in one pass, summed over the block's
+    steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
+    peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
+    mass on LogQuant's FP set, Σ of the share on a recency window of the same size, and the
+    number of rows with non-sink mass.
 
     ``x [s, step, l, h, pos]`` float32 (0 beyond query_pos), ``q [s, step, 1, 1, 1]``;
-    ``fp_sets(sample)`` the LogQuant FP positions ``[step, 3W]`` (−1 padded). A few bytes
-    per row come back, so memory does not grow with the trace.
+    ``fp_sets(sample)`` the LogQuant FP positions ``[step, 3W]`` (−1 padded). A few numbers
+    per trace unit come back, so memory does not grow with the trace.
     """
     import torch
 
@@ -112,27 +113,26 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     total = sums[..., 0]
     ok = total > 0
     shares = torch.where(ok[..., None], sums[..., 1:] / total.clamp_min(1e-30)[..., None], torch.zeros(()))
-    out = torch.zeros((s_, n_step, n_l, n_h, k + 3), dtype=torch.float32)
-    out[..., : dist.shape[-1]] = dist.to(torch.float32)
-    out[..., k : k + 2] = shares
-    out[..., k + 2] = ok.to(torch.float32)
-    return out.numpy()
-
-
-def unit_statistics(dist: np.ndarray, n_bins: int) -> dict[str, np.ndarray]:
-    """Per-trace-unit sufficient statistics from peak distances ``[sample, step, layer, H, k]``
-    (0 = no peak): ``sum_log``, ``sum_d`` ``[sample, layer, H]`` and ``bins [sample, layer,
-    H, bin]`` (peaks per log2 bin). A handful of numbers per unit, whatever the trace length."""
+    # reduce over the block's steps: per (s, l, h) Σ log d, Σ d, log2-bin counts, coverage sums
     picked = dist > 0
-    d = np.where(picked, dist, 1).astype(np.float64)
-    sum_log = np.where(picked, np.log(d), 0.0).sum((1, 4))
-    sum_d = np.where(picked, d, 0.0).sum((1, 4))
-    S_n, _, L, H, _ = dist.shape
-    unit = np.arange(S_n * L * H).reshape(S_n, 1, L, H, 1)
-    b = np.floor(np.log2(d)).astype(np.int64).clip(0, n_bins - 1)
-    keys = np.broadcast_to(unit * n_bins, dist.shape)[picked] + b[picked]
-    bins = np.bincount(keys, minlength=S_n * L * H * n_bins).reshape(S_n, L, H, n_bins)
-    return {"sum_log": sum_log, "sum_d": sum_d, "bins": bins}
+    d = dist.clamp_min(1).to(torch.float64)
+    n_bins = n_bins_for(n_pos)
+    b = torch.floor(torch.log2(d)).to(torch.int64).clamp(0, n_bins - 1)
+    out = torch.zeros((s_, n_l, n_h, 2 + n_bins + 3), dtype=torch.float64)
+    out[..., 0] = torch.where(picked, torch.log(d), torch.zeros(())).sum((1, 4))
+    out[..., 1] = torch.where(picked, d, torch.zeros(())).sum((1, 4))
+    unit = torch.arange(s_ * n_l * n_h).reshape(s_, 1, n_l, n_h, 1)
+    keys = (unit * n_bins + b)[picked]
+    bins = torch.bincount(keys, minlength=s_ * n_l * n_h * n_bins).reshape(s_, n_l, n_h, n_bins)
+    out[..., 2 : 2 + n_bins] = bins.to(torch.float64)
+    out[..., 2 + n_bins : 4 + n_bins] = shares.to(torch.float64).sum(1)
+    out[..., 4 + n_bins] = ok.to(torch.float64).sum(1)
+    return out.numpy()[:, None]
+
+
+def n_bins_for(n_pos: int) -> int:
+    """log2 bins ``[2^i, 2^{i+1})`` that cover distances up to ``n_pos``."""
+    return max(1, int(math.floor(math.log2(max(2, n_pos)))) + 1)
 
 
 def row_profile(qpos: np.ndarray, n_sink: int, k: int, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,19 +173,22 @@ def peak_statistics(
     qpos = np.asarray(ds["query_pos"].values)  # [sample, step]
     c = arr.chunks
     q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
-    per_row = dsa.map_blocks(
+    width = 2 + n_bins_for(arr.shape[-1]) + 3
+    per_unit = dsa.map_blocks(
         _block_rows,
         arr,
         q_arr,
         LogQuantSets(ds, logquant_window),
         n_sink,
         k,
-        dtype=np.float32,
-        chunks=c[:4] + ((k + 3,),),
-    )
+        dtype=np.float64,
+        drop_axis=[4],
+        new_axis=[4],
+        chunks=(c[0], (1,) * len(c[1]), c[2], c[3], (width,)),
+    ).sum(axis=1)
     if compute:
-        per_row = per_row.compute()
-    return a, per_row
+        per_unit = per_unit.compute()
+    return a, per_unit
 
 
 class LogQuantSets:
@@ -226,13 +229,13 @@ def peaks(
     """Exposure-normalized log2 histogram of peak distances, α fit with CI, AIC comparison
     and LogQuant coverage. Returns an ``xarray.Dataset`` (see module docstring).
     ``precomputed``: the ``(rows, stats, coverage)`` of :func:`peak_statistics`."""
-    a, per_row = precomputed or peak_statistics(
+    a, per_unit = precomputed or peak_statistics(
         ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window
     )
     n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    n_bins = max(1, int(math.floor(math.log2(max(2, a.sizes["pos"])))) + 1)
-    stats = unit_statistics(per_row[..., :k].astype(np.int64), n_bins)
-    coverage = per_row[..., k:].astype(np.float64).sum(1)  # [sample, layer, H, 3]
+    n_bins = n_bins_for(a.sizes["pos"])
+    stats = {"sum_log": per_unit[..., 0], "sum_d": per_unit[..., 1], "bins": per_unit[..., 2 : 2 + n_bins]}
+    coverage = per_unit[..., 2 + n_bins :]  # [sample, layer, H, 3]
     N_D_sample, exposure_sample = row_profile(np.asarray(ds["query_pos"].values), n_sink_, k, n_bins)
     S_n, L, H = stats["sum_log"].shape
     units_per_sample = L * H

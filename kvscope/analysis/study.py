@@ -53,7 +53,7 @@ def study(
     a, lazy_rows = peak_statistics(
         ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window, compute=False
     )
-    flat, per_row = dask.compute(lazy, lazy_rows)
+    flat, per_unit = dask.compute(lazy, lazy_rows)
     results = {name: p.finish(flat[..., bounds[i] : bounds[i + 1]]) for i, (name, p) in enumerate(plans.items())}
     results["peaks"] = peaks(
         ds,
@@ -62,6 +62,6 @@ def study(
         logquant_window=logquant_window,
         n_boot=min(n_boot, 200),
         seed=seed,
-        precomputed=(a, per_row),
+        precomputed=(a, per_unit),
     )
     return results
