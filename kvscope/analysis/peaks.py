@@ -185,7 +185,7 @@ def peak_statistics(
         drop_axis=[4],
         new_axis=[4],
         chunks=(c[0], (1,) * len(c[1]), c[2], c[3], (width,)),
-    ).sum(axis=1)
+    )  # [sample, step block, layer, H, width]: independent leaves, summed on the driver
     if compute:
         per_unit = per_unit.compute()
     return a, per_unit
@@ -234,6 +234,7 @@ def peaks(
     )
     n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
     n_bins = n_bins_for(a.sizes["pos"])
+    per_unit = np.asarray(per_unit).sum(1)  # over step blocks -> [sample, layer, H, width]
     stats = {"sum_log": per_unit[..., 0], "sum_d": per_unit[..., 1], "bins": per_unit[..., 2 : 2 + n_bins]}
     coverage = per_unit[..., 2 + n_bins :]  # [sample, layer, H, 3]
     N_D_sample, exposure_sample = row_profile(np.asarray(ds["query_pos"].values), n_sink_, k, n_bins)
