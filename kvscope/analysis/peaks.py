@@ -162,9 +162,9 @@ def peak_statistics(
     logquant_window: int = 32,
     compute: bool = True,
 ):
-    """One streaming pass over the rows: ``(rows, per_row)`` with ``per_row [sample, step,
-    layer, H, k + 3]`` from :func:`_block_rows` (numpy, or dask with ``compute=False`` so
-    that other analyses can share the read)."""
+    """One streaming pass over the rows: ``(rows, per_block)`` with ``per_block [sample,
+    step block, layer, H, 2 + n_bins + 3]`` the sums of :func:`_block_rows` (numpy, or dask
+    with ``compute=False``); :func:`peaks` adds them up over step blocks."""
     if k < 1:
         raise KvscopeError(f"--top-k must be ≥ 1 (got {k})")
     n_sink = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
@@ -228,13 +228,13 @@ def peaks(
 ) -> xr.Dataset:
     """Exposure-normalized log2 histogram of peak distances, α fit with CI, AIC comparison
     and LogQuant coverage. Returns an ``xarray.Dataset`` (see module docstring).
-    ``precomputed``: the ``(rows, stats, coverage)`` of :func:`peak_statistics`."""
-    a, per_unit = precomputed or peak_statistics(
+    ``precomputed``: the ``(rows, per_block)`` of :func:`peak_statistics`."""
+    a, per_block = precomputed or peak_statistics(
         ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window
     )
     n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
     n_bins = n_bins_for(a.sizes["pos"])
-    per_unit = np.asarray(per_unit).sum(1)  # over step blocks -> [sample, layer, H, width]
+    per_unit = np.asarray(per_block).sum(1)  # over step blocks -> [sample, layer, H, width]
     stats = {"sum_log": per_unit[..., 0], "sum_d": per_unit[..., 1], "bins": per_unit[..., 2 : 2 + n_bins]}
     coverage = per_unit[..., 2 + n_bins :]  # [sample, layer, H, 3]
     N_D_sample, exposure_sample = row_profile(np.asarray(ds["query_pos"].values), n_sink_, k, n_bins)
