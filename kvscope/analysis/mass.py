@@ -125,13 +125,18 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
     n_units = units.count(a.sizes["pos"])
     lo, w = units.n_sink, units.w
 
-    def sums(block):  # [..., pos] float32 -> [..., window] float64 (sum of w values in float32)
-        body = block[..., lo : lo + n_units * w]
-        return body.reshape(*body.shape[:-1], n_units, w).sum(-1).astype(np.float64)
-
-    data = a.data.map_blocks(sums, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
+    data = a.data.map_blocks(window_sums, lo, n_units, w, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
     coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
+
+
+def window_sums(block: np.ndarray, first: int, n_units: int, w: int) -> np.ndarray:
+    """``[..., pos]`` float32 rows → ``[..., window]`` float64 masses (each the float32 sum
+    of ``w`` values: the same bits whichever way the rows were chunked)."""
+    import torch
+
+    body = torch.from_numpy(np.ascontiguousarray(block))[..., first : first + n_units * w]
+    return body.reshape(*body.shape[:-1], n_units, w).sum(-1).to(torch.float64).numpy()
 
 
 def _fill_f32(block: np.ndarray) -> np.ndarray:

@@ -73,7 +73,9 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
     return float(-np.dot(N_D[ok], np.log(D[ok])))
 
 
-def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
+def _block_rows(
+    x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None, inplace: bool = False
+) -> np.ndarray:
     """Everything peaks needs from one block of rows, in one pass, summed over the block's
     steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
@@ -81,8 +83,8 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     number of rows with non-sink mass.
 
     ``x [s, step, l, h, pos]`` float32 (0 beyond query_pos), ``q [s, step, 1, 1, 1]``;
-    ``fp_sets(sample)`` the LogQuant FP positions ``[step, 3W]`` (−1 padded). A few numbers
-    per trace unit come back, so memory does not grow with the trace.
+    ``fp_sets`` a :class:`LogQuantSets`. A few numbers per trace unit come back, so memory
+    does not grow with the trace. ``inplace`` lets it overwrite ``x`` (a block it owns).
     """
     import torch
 
@@ -91,28 +93,21 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     qb = np.asarray(q[0, :, 0, 0, 0], dtype=np.int64)
     qt = torch.from_numpy(qb)
     pos = torch.arange(n_pos)
-    # peaks: top-k among non-sink keys before the query's own position
-    cand = (pos >= n_sink) & (pos[None, :] < qt[:, None])  # [step, pos]
-    vals, idx = xt.masked_fill(~cand[None, :, None, None, :], float("-inf")).topk(min(k, n_pos), dim=-1)
-    dist = torch.where(torch.isfinite(vals), qt[None, :, None, None, None] - idx, torch.zeros((), dtype=torch.int64))
-    # coverage: masks over positions, built per block (they depend on the step only)
+    # coverage first (it needs the unmasked rows): masks depend on the steps only
     sample = block_info[0]["chunk-location"][0]
     t0 = block_info[0]["array-location"][1][0]
-    fp = fp_sets(sample)[t0 : t0 + n_step]  # [≤step, 3W]
-    p_np = np.arange(n_pos)
-    visible = (qb >= 0)[:, None] & (p_np[None, :] >= n_sink) & (p_np[None, :] <= qb[:, None])
-    lq = np.zeros((n_step, n_pos + 1), dtype=bool)
-    kept = fp >= n_sink
-    lq[np.broadcast_to(np.arange(len(fp))[:, None], fp.shape)[kept], fp[kept]] = True
-    size = np.zeros(n_step, dtype=np.int64)
-    size[: len(fp)] = kept.sum(1)
-    recent = visible & (p_np[None, :] > (qb - size)[:, None])
-    masks = torch.from_numpy(np.stack([visible, lq[:, :n_pos] & visible, recent], -1).astype(np.float32))
+    masks = fp_sets.masks(sample, t0, qb, n_sink, n_pos)  # [step, pos, 3] float32
     sums = torch.matmul(xt.reshape(s_, n_step, n_l * n_h, n_pos), masks[None])  # [s, step, l·h, 3]
     sums = sums.reshape(s_, n_step, n_l, n_h, 3)
     total = sums[..., 0]
     ok = total > 0
     shares = torch.where(ok[..., None], sums[..., 1:] / total.clamp_min(1e-30)[..., None], torch.zeros(()))
+    # peaks: top-k among non-sink keys before the query's own position
+    cand = (pos >= n_sink) & (pos[None, :] < qt[:, None])  # [step, pos]
+    not_cand = ~cand[None, :, None, None, :]
+    scores = xt.masked_fill_(not_cand, float("-inf")) if inplace else xt.masked_fill(not_cand, float("-inf"))
+    vals, idx = scores.topk(min(k, n_pos), dim=-1)
+    dist = torch.where(torch.isfinite(vals), qt[None, :, None, None, None] - idx, torch.zeros((), dtype=torch.int64))
     # reduce over the block's steps: per (s, l, h) Σ log d, Σ d, log2-bin counts, coverage sums
     picked = dist > 0
     d = dist.clamp_min(1).to(torch.float64)
@@ -198,7 +193,14 @@ class LogQuantSets:
         self.prompt_len = np.asarray(ds["prompt_len"].values)
         self.n_steps = np.asarray(ds["n_steps"].values)
         self.W = W
+        self._init_caches()
+
+    def _init_caches(self) -> None:
+        import threading
+
         self._cache: dict[int, np.ndarray] = {}
+        self._masks: dict = {}
+        self._lock = threading.Lock()
 
     def __call__(self, sample: int) -> np.ndarray:
         """``[step, 3W]`` FP positions of each valid step, −1 padded."""
@@ -210,8 +212,39 @@ class LogQuantSets:
             self._cache[sample] = out
         return self._cache[sample]
 
-    def __getstate__(self):  # shipped to dask workers without the cache
-        return {"prompt_len": self.prompt_len, "n_steps": self.n_steps, "W": self.W, "_cache": {}}
+    def masks(self, sample: int, t0: int, qb: np.ndarray, n_sink: int, n_pos: int):
+        """``[step, pos, 3]`` float32 (visible non-sink, LogQuant FP, recency window of equal
+        size) for the steps ``t0 …`` of a sample; the last two are kept (every layer of a
+        sample asks for the same ones)."""
+        import torch
+
+        key = (sample, t0, len(qb), n_sink, n_pos)
+        with self._lock:
+            hit = self._masks.get(key)
+        if hit is not None:
+            return hit
+        fp = self(sample)[t0 : t0 + len(qb)]  # [≤step, 3W]
+        p_np = np.arange(n_pos)
+        visible = (qb >= 0)[:, None] & (p_np[None, :] >= n_sink) & (p_np[None, :] <= qb[:, None])
+        lq = np.zeros((len(qb), n_pos + 1), dtype=bool)
+        kept = fp >= n_sink
+        lq[np.broadcast_to(np.arange(len(fp))[:, None], fp.shape)[kept], fp[kept]] = True
+        size = np.zeros(len(qb), dtype=np.int64)
+        size[: len(fp)] = kept.sum(1)
+        recent = visible & (p_np[None, :] > (qb - size)[:, None])
+        masks = torch.from_numpy(np.stack([visible, lq[:, :n_pos] & visible, recent], -1).astype(np.float32))
+        with self._lock:
+            self._masks[key] = masks
+            while len(self._masks) > 2:
+                self._masks.pop(next(iter(self._masks)))
+        return masks
+
+    def __getstate__(self):  # shipped to dask workers without the caches
+        return {"prompt_len": self.prompt_len, "n_steps": self.n_steps, "W": self.W}
+
+    def __setstate__(self, state):
+        self.prompt_len, self.n_steps, self.W = state["prompt_len"], state["n_steps"], state["W"]
+        self._init_caches()
 
 
 def peaks(

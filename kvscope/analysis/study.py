@@ -16,7 +16,7 @@ from .churn import churn
 from .common import Prepared, UnitData, make_units
 from .fmm import fmm
 from .lir import lir
-from .mass import filled_rows
+from .mass import filled_rows, window_sums
 from .peaks import LogQuantSets, _block_rows, n_bins_for, peaks
 
 
@@ -68,15 +68,14 @@ def study(
 
     def per_sample_layer(x, pb, block_info=None):
         sample = block_info[0]["chunk-location"][0]
-        body = x[0, :, 0, :, lo : lo + n_units * wsize]  # [step, H, pos]
-        m = body.reshape(*body.shape[:-1], n_units, wsize).sum(-1).astype(np.float64)  # [step, H, unit]
+        m = window_sums(x[0, :, 0], lo, n_units, wsize)  # [step, H, unit]
         out = np.empty((1, 1, 1, x.shape[3], width))
         for h in range(x.shape[3]):
             u = UnitData(m[:, h], pb[0, 0, 0, h], qpos[sample], int(n_steps_all[sample]), units)
             out[0, 0, 0, h, : bounds[-1]] = np.concatenate([p.per_unit(u) for p in plans.values()])
         q = qpos[sample][None, :, None, None, None]
         info = [{"chunk-location": (sample, 0, 0, 0, 0), "array-location": [(sample, sample + 1), (0, x.shape[1])]}]
-        out[0, 0, 0, :, bounds[-1] :] = _block_rows(x, q, fp_sets, n_sink_, k, block_info=info)[0, 0, 0]
+        out[0, 0, 0, :, bounds[-1] :] = _block_rows(x, q, fp_sets, n_sink_, k, block_info=info, inplace=True)[0, 0, 0]
         return out
 
     flat = dsa.map_blocks(
