@@ -84,3 +84,17 @@ def test_analyze_bad_input(tmp_path, prose_trace):
     _one_line(run_cli("analyze", "lir", prose_trace, "--layers", "99"), "--layers outside 0..29")
     _one_line(run_cli("analyze", "fmm", prose_trace, "--dask", "nowhere"), "--dask takes local:N or tcp://")
     _one_line(run_cli("analyze", "fmm", prose_trace, "--window", "6"), "--window must be a positive multiple of 4")
+
+
+@pytest.mark.slow
+def test_existing_scheduler_over_tcp(prose_trace):
+    """`--dask tcp://…` sends the same graph to a scheduler the CLI did not start."""
+    from distributed import LocalCluster
+
+    plain = json.loads(run_cli("analyze", "churn", prose_trace, "--json", "--layers", "0-3", check=True).stdout)
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None,
+                      protocol="tcp://", host="127.0.0.1") as cluster:
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+        remote = json.loads(run_cli("analyze", "churn", prose_trace, "--json", "--layers", "0-3", "--dask",
+                                    cluster.scheduler_address, check=True).stdout)
+    assert remote["churn"] == plain["churn"] and remote["per_layer"] == plain["per_layer"]
