@@ -56,21 +56,6 @@ def dataset_from_rows(
     )
 
 
-def random_rows(rng: np.random.Generator, n_samples, n_steps, n_layers, n_kv, prompt_len, sharpness=3.0):
-    """Rows of a plausible shape: a recency bump, sinks, and a few heavy hitters that drift."""
-    T = prompt_len + n_steps
-    pos = np.arange(T)
-    out = np.full((n_samples, n_steps, n_layers, n_kv, T), np.nan, dtype=np.float32)
-    for t in range(n_steps):
-        q = prompt_len - 1 + t
-        logits = rng.normal(0, sharpness, size=(n_samples, n_layers, n_kv, q + 1))
-        logits[..., :4] += 4
-        logits += -0.02 * (q - pos[: q + 1])
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        out[:, t, :, :, : q + 1] = p / p.sum(-1, keepdims=True)
-    return out
-
-
 def write_synthetic_store(
     path: str | Path,
     *,

@@ -114,12 +114,6 @@ class Prepared:
     def events(self, every: int) -> np.ndarray:
         return event_steps(self.n_step_total, every)
 
-    def exists_at(self, steps: np.ndarray) -> np.ndarray:
-        """[sample, event, 1, 1, unit] existence at the given steps (broadcasts over layer, head)."""
-        q = self.query_pos[:, steps]  # [sample, event]
-        last = self.units.last_position(self.n_units)
-        return (last <= q[..., None])[:, :, None, None, :]
-
     def map_units(self, func, width: int, selection: xr.DataArray | None = None, compute: bool = True):
         """``func(u)`` for every trace unit ``u`` (a :class:`UnitData`) → ``[width]`` floats;
         returns ``[sample, layer, H, width]`` (numpy, or dask with ``compute=False``)."""
@@ -162,20 +156,19 @@ class Prepared:
         )[:, 0]
         return out.compute() if compute else out
 
+    def event_coords(self, steps: np.ndarray) -> dict:
+        """Coordinates of a result over ``[sample, event, layer, H]`` (events at ``steps``)."""
+        return {
+            "sample": self.m["sample"].values,
+            "event": np.arange(len(steps)),
+            "event_step": ("event", np.asarray(steps)),
+            "layer": self.m["layer"].values,
+            self.hdim: self.m[self.hdim].values,
+        }
+
     def selection_array(self, sel: np.ndarray, steps: np.ndarray) -> xr.DataArray:
         dims = ("sample", "event", "layer", self.hdim, self.units.dim)
-        return xr.DataArray(
-            sel,
-            dims=dims,
-            coords={
-                "sample": self.m["sample"].values,
-                "event": np.arange(len(steps)),
-                "event_step": ("event", steps),
-                "layer": self.m["layer"].values,
-                self.hdim: self.m[self.hdim].values,
-            },
-            name="selection",
-        )
+        return xr.DataArray(sel, dims=dims, coords=self.event_coords(steps), name="selection")
 
     def history_selection(self, every: int, top_frac: float, local: int) -> xr.DataArray:
         """The oracle-by-history for every trace unit: int8 ``[sample, event, layer, H, unit]``."""

@@ -80,11 +80,7 @@ def concentration(
             "needed_layer": (("layer", "mass_level"), needed_layer),
         },
         coords={
-            "sample": prep.m["sample"].values,
-            "event": np.arange(len(steps)),
-            "event_step": ("event", steps),
-            "layer": prep.m["layer"].values,
-            prep.hdim: prep.m[prep.hdim].values,
+            **prep.event_coords(steps),
             "top_frac": list(TOP_FRACTIONS),
             "mass_level": list(MASS_LEVELS),
         },
