@@ -144,7 +144,7 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
         with torch.no_grad(), recorder.active():
             x, seq = ids, ids.shape[1]
             for _ in range(4):
-                recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long), prefill=seq == 17))
+                recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long)))
                 out = model(input_ids=x, cache=cache, use_cache=True)
                 cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
                 logits.append(out.logits[:, -1])

@@ -105,7 +105,6 @@ class Prepared:
         if not include_prefill:
             prefill = xr.zeros_like(prefill)
         self.prefill = prefill.chunk({"sample": 1, "layer": 1, self.hdim: -1, units.dim: -1})
-        self.include_prefill = include_prefill
         self.query_pos = np.asarray(ds["query_pos"].values)  # [sample, step]
         self.n_steps = np.asarray(ds["n_steps"].values)  # [sample]
         self.n_units = self.m.sizes[units.dim]

@@ -100,7 +100,6 @@ class ForwardContext:
 
     seq_len: int  # sequence slots after this forward (cache + new tokens)
     pad: torch.Tensor  # [batch] left padding of each row, in slots
-    prefill: bool  # True for the prompt forward (many query rows)
 
     def __post_init__(self):
         self.padded = bool(self.pad.any())

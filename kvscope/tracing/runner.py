@@ -543,7 +543,7 @@ def _decode_batch(model, tokenizer, encoded, batch, layout, settings, writer, pr
         seq_len = p_max
         for t in range(S):
             recorder.enabled = t >= committed
-            recorder.begin(ForwardContext(seq_len=seq_len, pad=pad, prefill=(t == 0)))
+            recorder.begin(ForwardContext(seq_len=seq_len, pad=pad))
             out = model(
                 input_ids=next_input,
                 attention_mask=mask if padded else None,  # all ones: let transformers skip the mask
