@@ -17,4 +17,6 @@ def trace(*args, **kwargs):
     return _trace(*args, **kwargs)
 
 
-__all__ = ["__version__", "open_trace", "trace"]
+from .replay import replay  # noqa: E402  (the function; the module stays importable as kvscope.replay)
+
+__all__ = ["__version__", "open_trace", "replay", "trace"]

@@ -254,6 +254,8 @@ def _add_analyze(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
     p.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
+    p.add_argument("--policy", default=None, help="fmm/lir/churn: use this policy's replayed selection (e.g. h2o)")
+    p.add_argument("--budget", type=float, default=None, help="the budget β of --policy")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a figure (PNG, PDF, SVG)")
     p.set_defaults(func=_cmd_analyze)
@@ -280,12 +282,24 @@ def run_analysis(name: str, ds, args):
         n_boot=args.bootstrap,
         seed=args.seed,
     )
+    given = _replayed_selection(name, ds, args, layers, heads)
+    if given is not None:
+        sel["granularity"] = "token"
     if name == "fmm":
-        return analysis.fmm(ds, horizon=args.horizon, **sel, **windows, **common)
+        return analysis.fmm(ds, horizon=args.horizon, tiers=given, **sel, **windows, **common)
     if name == "churn":
-        return analysis.churn(ds, **sel, **windows, **common)
+        return analysis.churn(ds, selection=_fp_selection(given, ds), **sel, **windows, **common)
     if name == "lir":
-        return analysis.lir(ds, m=args.misses, h_lir=_h_lir(args.h_lir), delta=args.delta, **sel, **windows, **common)
+        return analysis.lir(
+            ds,
+            m=args.misses,
+            h_lir=_h_lir(args.h_lir),
+            delta=args.delta,
+            selection=_fp_selection(given, ds),
+            **sel,
+            **windows,
+            **common,
+        )
     if name == "peaks":
         return analysis.peaks(
             ds,
@@ -299,6 +313,37 @@ def run_analysis(name: str, ds, args):
     if name == "concentration":
         return analysis.concentration(ds, every=args.every, **windows, **common)
     return analysis.drift(ds, every=args.every, top_frac=args.top_frac, local=args.local, **windows, **common)
+
+
+def _replayed_selection(name: str, ds, args, layers, heads):
+    """Tiers of ``--policy`` at ``--budget`` replayed on the trace (None without --policy)."""
+    if args.policy is None and args.budget is None:
+        return None
+    if args.policy is None or args.budget is None:
+        raise KvscopeError("--policy and --budget go together")
+    if name not in ("fmm", "lir", "churn"):
+        raise KvscopeError(f"--policy applies to fmm, lir and churn, not {name}")
+    from .replay import replay, tiers_for
+
+    result = replay(ds, [args.policy], [args.budget], horizon=args.horizon, every=args.every, errors=False)
+    tiers = tiers_for(result, str(result["policy"].values[0]), float(result["budget"].values[0]))
+    if layers is not None:
+        tiers = tiers.sel(layer=layers)
+    if heads is not None:
+        tiers = tiers.sel(kv_head=heads)
+    return tiers
+
+
+def _fp_selection(tiers, ds):
+    """FP-set selection of replayed tiers (sinks are not candidates), or None."""
+    if tiers is None:
+        return None
+    from .analysis import selection_from_tiers
+
+    sel = selection_from_tiers(tiers, accessible=False)
+    n_sink = int(ds.attrs.get("n_sink", 4))
+    sel[..., :n_sink] = -1
+    return sel
 
 
 def _check_subset(ds, layers, heads) -> None:
@@ -379,6 +424,117 @@ def _cmd_analyze(args) -> int:
     return 0
 
 
+# -- replay / compare ---------------------------------------------------------------
+
+
+def _budgets(text: str) -> list[float]:
+    from .replay import check_budget
+
+    parts = [x for x in text.split(",") if x.strip()]
+    if not parts:
+        raise KvscopeError("--budgets needs at least one value in (0, 1]")
+    return [check_budget(x.strip()) for x in parts]
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="replay KV-cache policies offline against a trace at equal bytes")
+    p.add_argument("store")
+    p.add_argument(
+        "--policies",
+        required=True,
+        help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see --list)",
+    )
+    p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
+    p.add_argument("--observe", default="renorm", help="renorm (default) | exact (needs --record qkv)")
+    p.add_argument("--horizon", type=int, default=32, help="FMM horizon H")
+    p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
+    p.add_argument("--out", default=None, metavar="RESULT.zarr", help="write the result Dataset")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_replay(args) -> int:
+    from .policies import parse
+    from .replay import replay, save_result
+    from .store import open_trace
+
+    policies = [parse(x) for x in args.policies.split(",") if x.strip()]
+    if not policies:
+        raise KvscopeError("--policies needs at least one policy")
+    budgets = _budgets(args.budgets)
+    if args.out and os.path.exists(args.out):
+        raise KvscopeError(f"{args.out} exists; choose another --out (results are never overwritten)")
+    ds = open_trace(args.store)
+    show = not (args.quiet or args.json) and sys.stderr.isatty()
+    if show:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(
+            TextColumn(f"replay {len(policies)}×{len(budgets)}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeRemainingColumn(),
+            transient=True,
+        )
+        task = bar.add_task("replay", total=int(ds["n_steps"].values.sum()))
+        with bar:
+            result = replay(
+                ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
+                progress=lambda done, total: bar.update(task, completed=done),
+            )  # fmt: skip
+    else:
+        result = replay(ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every)
+    result.attrs["trace"] = str(args.store)
+    if args.out:
+        save_result(result, args.out)
+    if args.plot:
+        from .plots import plot_compare
+
+        plot_compare(result, args.plot)
+    return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}")
+
+
+def _show_comparison(result, args, title: str) -> int:
+    from .replay import comparison_doc, print_comparison
+
+    if args.json:
+        doc = comparison_doc(result)
+        if getattr(args, "out", None):
+            doc["out"] = args.out
+        if args.plot:
+            doc["plot"] = args.plot
+        print(json.dumps(doc, indent=1))
+        return 0
+    print_comparison(result, title)
+    if getattr(args, "out", None):
+        print(f"result written to {args.out}")
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="policy × budget table and figures of a replay result")
+    p.add_argument("result", help="a RESULT.zarr written by kvscope replay --out")
+    p.add_argument("--plot", default=None, metavar="FILE", help="FMM vs budget, output error vs budget, tier mass")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_compare(args) -> int:
+    from .replay import open_result
+
+    result = open_result(args.result)
+    if args.plot:
+        from .plots import plot_compare
+
+        plot_compare(result, args.plot)
+    return _show_comparison(result, args, f"compare · {args.result} · observe={result.attrs.get('observe')}")
+
+
 # -- models -------------------------------------------------------------------------
 
 
@@ -419,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_info(sub)
     _add_analyze(sub)
+    _add_replay(sub)
+    _add_compare(sub)
     _add_models(sub)
     return parser
 

@@ -126,3 +126,49 @@ PLOTS = {
     "concentration": plot_concentration,
     "drift": plot_drift,
 }
+
+
+def plot_compare(result, path) -> None:
+    """Replay comparison: FMM vs budget, output error vs budget, tier-mass stacks."""
+    has_err = "output_rel_l2_mean" in result
+    fig, axes = _figure(width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
+    budgets = result["budget"].values
+    policies = list(result["policy"].values)
+    ax = axes[0]
+    for p in policies:
+        r = result.sel(policy=p)
+        ax.errorbar(
+            budgets,
+            r["fmm_fp_mean"].values,
+            yerr=[r["fmm_fp_mean"].values - r["fmm_fp_ci_low"].values, r["fmm_fp_ci_high"].values - r["fmm_fp_mean"].values],
+            marker="o",
+            capsize=3,
+            label=p,
+        )
+    ax.set_xlabel("budget β (share of the full cache)")
+    ax.set_ylabel(f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)")
+    ax.set_title("Future Missed Mass vs budget")
+    ax.legend(fontsize=7)
+    if has_err:
+        ax = axes[1]
+        for p in policies:
+            ax.plot(budgets, result["output_rel_l2_mean"].sel(policy=p).values, marker="o", label=p)
+        ax.set_xlabel("budget β")
+        ax.set_ylabel("attention output relative L2 error")
+        ax.set_title("Output error vs budget")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    tiers = result["tier_mean"].values  # [policy, budget, tier]
+    labels = [f"{p}\n{b:g}" for p in policies for b in budgets]
+    x = np.arange(len(labels))
+    bottom = np.zeros(len(labels))
+    colors = {"FP": "#4c72b0", "Q": "#dd8452", "EVICTED": "#c44e52"}
+    for i, tier in enumerate(result["tier"].values):
+        values = np.nan_to_num(tiers[..., i].reshape(-1))
+        ax.bar(x, values, bottom=bottom, label=str(tier), color=colors.get(str(tier)))
+        bottom += values
+    ax.set_xticks(x, labels, fontsize=6, rotation=90)
+    ax.set_ylabel("share of future attention mass")
+    ax.set_title("Where the future mass sits")
+    ax.legend(fontsize=7)
+    _save(fig, path)

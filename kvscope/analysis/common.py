@@ -19,10 +19,10 @@ import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q  # noqa: F401 - re-exported
 from .mass import Units, prefill_unit_mass, unit_mass
 
 NOT_CANDIDATE, NOT_SELECTED, SELECTED = -1, 0, 1
-TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP = -1, 0, 1, 2
 UNIT_DIMS = ("sample", "layer")  # plus the stored head dim
 
 

@@ -44,17 +44,29 @@ def _layer_rows(q, k, qpos, scaling, softcap, window, heads):
     return out[None, :, None]
 
 
+def attention_params(ds: xr.Dataset) -> tuple[list[float], float | None, list[int | None]]:
+    """``(scaling [layer], softcap, sliding_window [layer])`` of the traced model: the
+    recorded per-layer scaling (``head_dim^−½`` when absent), the logit softcap, and the
+    window of each sliding-attention layer (None for full attention)."""
+    config = ds.attrs.get("model", {}).get("config", {})
+    head_dim = ds.sizes["dim"] if "dim" in ds.sizes else int(config.get("head_dim") or 64)
+    n_layers = ds.sizes["layer"]
+    scaling = [s if s is not None else head_dim**-0.5 for s in (config.get("attention_scaling") or [None] * n_layers)]
+    layer_types = config.get("layer_types") or []
+    window = config.get("sliding_window")
+    windows = [
+        window if (layer_types and layer_types[layer] == "sliding_attention") or (not layer_types and window) else None
+        for layer in range(n_layers)
+    ]
+    return scaling, config.get("attn_logit_softcapping"), windows
+
+
 def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     """Rows ``[sample, step, layer, kv_head|head, pos]`` recomputed from ``q`` and ``k``."""
     if "q" not in ds or "k" not in ds:
         raise KvscopeError("this trace has no recorded q/k (trace with --record qkv)")
-    config = ds.attrs.get("model", {}).get("config", {})
-    head_dim = ds.sizes["dim"]
+    scaling, softcap, windows = attention_params(ds)
     n_layers = ds.sizes["layer"]
-    scaling = [s if s is not None else head_dim**-0.5 for s in (config.get("attention_scaling") or [None] * n_layers)]
-    softcap = config.get("attn_logit_softcapping")
-    layer_types = config.get("layer_types") or []
-    window = config.get("sliding_window")
     qpos = np.asarray(ds["query_pos"].values)
     n_samples, n_steps = qpos.shape
     n_pos = ds.sizes["pos"]
@@ -63,11 +75,7 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     for s in range(n_samples):
         row = []
         for layer in range(n_layers):
-            sliding = (
-                window
-                if (layer_types and layer_types[layer] == "sliding_attention") or (not layer_types and window)
-                else None
-            )
+            sliding = windows[layer]
             task = dask.delayed(_layer_rows)(
                 ds["q"].data[s, :, layer] if hasattr(ds["q"].data, "dask") else ds["q"][s, :, layer].values,
                 ds["k"].data[s, layer] if hasattr(ds["k"].data, "dask") else ds["k"][s, layer].values,

@@ -19,7 +19,6 @@ from .lir import lir
 from .mass import filled_rows, window_sums
 from .peaks import LogQuantSets, _block_rows, n_bins_for, peaks
 
-
 TASK_BYTES = 256 * 2**20  # rows per task: all heads of a (sample, layer) unless that exceeds this
 
 

@@ -10,12 +10,27 @@ warm), ``reserve`` at most ``W`` log-sparse tokens; the FP set is ``reserve ∪ 
   ``reserve = (reserve + local[:W])[0::2]`` (or ``local[:W]`` when ``reserve`` is empty),
   then ``local = local[W:]``.
 
-Position 0 is never dropped. The policy class (replay) builds on these lists.
+Position 0 is never dropped. The policy :class:`LogQuant` keeps ``reserve ∪ local`` at full
+precision and everything else at ``bits`` bits; nothing is evicted. Each token is quantized
+once, when it leaves the FP set (the published code re-quantizes the whole history at every
+flush; kvscope follows the index lists). Keys per channel (``key_axis="channel"``, the
+paper's text: the tokens that leave FP together form key groups of at most ``G``) or per
+token in groups of ``key_group`` channels (``key_axis="token"``, the published code: 64).
+``W = None`` (default) takes the largest ``W`` whose bytes fit the budget over the whole
+sequence; when even ``W = 1`` does not, it runs at ``W = 1`` and reports its floor.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import KvscopeError
+from .base import CacheSpec, CacheState, Ledger, Policy, Q
+from .quant import check_bits
 
 
 @dataclass
@@ -67,3 +82,108 @@ def fp_sets_per_step(prompt_len: int, n_steps: int, W: int) -> list[list[int]]:
         index.append(prompt_len - 1 + t)
         sets.append(index.fp)
     return sets
+
+
+def fp_transitions(prompt_len: int, final_len: int, W: int) -> Iterator[tuple[int, list[int], list[int]]]:
+    """``(length, fp, left)`` after the prefill and after each appended position: the cache
+    length, the FP set and the positions that left it at that moment (ascending)."""
+    index = LogQuantIndex.after_prefill(prompt_len, W)
+    fp = index.fp
+    yield prompt_len, fp, sorted(set(range(prompt_len)) - set(fp))
+    for position in range(prompt_len, final_len):
+        before = index.fp
+        index.append(position)
+        after = index.fp
+        left = sorted(set(before) - set(after))
+        yield position + 1, after, left
+
+
+def _chunks(positions: list[int], size: int) -> list[list[int]]:
+    return [positions[i : i + size] for i in range(0, len(positions), size)]
+
+
+@dataclass
+class LogQuant(Policy):
+    W: int | None = None
+    bits: int = 2
+    key_axis: str = "channel"
+    G: int = 32  # key_axis=channel: at most G tokens per key group
+    key_group: int = 64  # key_axis=token: channels per key group (the published code's 64)
+    value_group: int | None = None
+
+    name = "logquant"
+    kind = "quantization"
+    quantizes = True
+
+    def _ledger(self, spec: CacheSpec, k=None, v=None) -> Ledger:
+        key_group = min(self.key_group, spec.head_dim) if self.key_axis == "token" else None
+        return Ledger(spec, self.bits, self.key_axis, key_group, self.value_group, k=k, v=v)
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+        check_bits(self.bits)
+        if self.key_axis not in ("channel", "token"):
+            raise KvscopeError(f"logquant key_axis must be channel or token (got {self.key_axis!r})")
+        if self.W is not None and self.W < 1:
+            raise KvscopeError(f"logquant W must be ≥ 1 (got {self.W})")
+        ledger = self._ledger(spec, k, v)
+        if self.W is not None:
+            W = self.W
+        else:
+            W = self._fit_W(spec, ledger)
+        return _LogQuantState(self, spec, ledger, W, self.max_bytes(spec, W, ledger) <= spec.capacity + 1e-6)
+
+    def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
+        """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
+        ledger = ledger or self._ledger(spec)
+        d, token = spec.head_dim, ledger.token_value_bytes
+        n_q, key_meta, worst = 0, 0.0, 0.0
+        for length, fp, left in fp_transitions(spec.prompt_len, spec.final_len, W):
+            if left:
+                n_q += len(left)
+                if self.key_axis == "channel":
+                    key_meta += 4.0 * d * math.ceil(len(left) / self.G)
+            worst = max(worst, len(fp) * spec.fp_bytes + n_q * token + key_meta)
+        return worst
+
+    def _fit_W(self, spec: CacheSpec, ledger: Ledger) -> int:
+        """The largest ``W`` that fits; bytes fall with ``W`` while per-flush key groups are
+        tiny, then grow: find the cheapest ``W`` among small ones, then search upward."""
+        w_max = max(1, spec.final_len // 3 + 1)
+        small = range(1, min(w_max, 64) + 1)
+        cheapest = min(small, key=lambda W: self.max_bytes(spec, W, ledger))
+        fits = lambda W: self.max_bytes(spec, W, ledger) <= spec.capacity + 1e-6  # noqa: E731
+        if not fits(cheapest):
+            return cheapest  # the floor
+        lo, hi = cheapest, w_max
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class _LogQuantState(CacheState):
+    def __init__(self, policy: LogQuant, spec: CacheSpec, ledger: Ledger, W: int, reached: bool):
+        super().__init__(policy, spec, ledger)
+        self.W, self.reached = W, reached
+        self.index: LogQuantIndex | None = None
+
+    def _leave_fp(self, left: list[int]) -> None:
+        if not left:
+            return
+        size = self.policy.G if self.policy.key_axis == "channel" else len(left)  # token axis: per token anyway
+        for group in _chunks(left, size):
+            self.ledger.quantize(np.asarray(group))
+        self.set_tier_positions(left, Q)
+
+    def after_prefill(self, colsum, tail) -> None:
+        self.index = LogQuantIndex.after_prefill(self.length, self.W)
+        self._leave_fp(sorted(set(range(self.length)) - set(self.index.fp)))
+
+    def append(self, position: int) -> None:
+        super().append(position)
+        before = self.index.fp
+        self.index.append(position)
+        self._leave_fp(sorted(set(before) - set(self.index.fp)))

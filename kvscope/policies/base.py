@@ -1,0 +1,337 @@
+"""What every policy shares: the cache geometry, the per-sequence state, the write-once
+quantization ledger.
+
+A policy is a small ``@dataclass`` whose fields are its parameters; ``policy.start(spec)``
+returns a :class:`CacheState` for one sequence. The state never reads a trace: it is driven by
+observations, exactly as a live cache would be ::
+
+    state.prefill(colsum, tail)      prompt positions 0..P−1 exist; compress to the budget
+    state.append(p)                  a decode step adds position p at full precision
+    state.observe(row)               the attention the cache served at this step
+    state.compress()                 decide tiers; bytes must now be ≤ the budget
+    state.tiers                      # [layer, kv_head, pos] int8: −1 none, 0 EVICTED, 1 Q, 2 FP
+
+Shapes: ``colsum [layer, kv_head, P]`` (mass each prompt key got from all prompt queries),
+``tail [layer, kv_head, obs, P]`` (the last prefill rows), ``row [layer, kv_head, length]``
+(kv-group mean over the accessible positions, 0 elsewhere, sums to 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import KvscopeError
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
+from .quant import fp_token_bytes, quantize
+
+NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
+
+
+class BudgetExceeded(KvscopeError):
+    """A policy that claimed to fit its budget used more bytes."""
+
+
+class LedgerError(RuntimeError):
+    """A ledger entry was quantized a second time (a bug in a policy, never bad input)."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Geometry and budget of one sequence's cache.
+
+    ``budget`` β is a share of ``FP_bytes(P + S)``: the capacity per (layer, kv_head) is
+    ``β · (P + S) · 4·D`` bytes, the same for every policy."""
+
+    n_layers: int
+    n_kv: int
+    head_dim: int
+    prompt_len: int
+    final_len: int  # P + S
+    budget: float
+    n_sink: int = 4
+    w: int = 8
+
+    @property
+    def fp_bytes(self) -> float:
+        return fp_token_bytes(self.head_dim)
+
+    @property
+    def capacity(self) -> float:
+        """Bytes allowed per (layer, kv_head)."""
+        return self.budget * self.final_len * self.fp_bytes
+
+    @property
+    def fp_capacity_tokens(self) -> int:
+        """Full-precision tokens that fit the capacity."""
+        return int(math.floor(self.capacity / self.fp_bytes + 1e-9))
+
+    @property
+    def decode_steps(self) -> int:
+        return self.final_len - self.prompt_len
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, scaling: float, head_dim: int):
+    """``cos, sin [n, D]`` of the rotate-half RoPE used by Llama-family models (dims past the
+    rotary ones get cos 1, sin 0)."""
+    freqs = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos = np.ones((len(positions), head_dim))
+    sin = np.zeros((len(positions), head_dim))
+    cos[:, : emb.shape[1]] = np.cos(emb) * scaling
+    sin[:, : emb.shape[1]] = np.sin(emb) * scaling
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def _rotate_half(x: np.ndarray, n_rot: int) -> np.ndarray:
+    out = np.zeros_like(x)
+    half = n_rot // 2
+    out[..., :half] = -x[..., half:n_rot]
+    out[..., half:n_rot] = x[..., :half]
+    return out
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """``x·cos + rotate_half(x)·sin`` — ``x [..., n, D]``, ``cos``/``sin [n, D]``."""
+    return x * cos + _rotate_half(x, n_rot) * sin
+
+
+def undo_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, scaling: float) -> np.ndarray:
+    """Inverse of :func:`apply_rope` (a rotation scaled by ``scaling``)."""
+    return (x * cos - _rotate_half(x, n_rot) * sin) / (scaling * scaling)
+
+
+@dataclass
+class Rope:
+    """Rotary parameters of one trace: ``inv_freq [layer, F]``, ``scaling [layer]``."""
+
+    inv_freq: np.ndarray
+    scaling: np.ndarray
+
+    def usable(self) -> bool:
+        return bool(np.isfinite(self.inv_freq).all() and self.inv_freq.size)
+
+
+class Ledger:
+    """Write-once quantized copies of K and V for one sequence, per (layer, kv_head, pos).
+
+    Every position is quantized at most once (:class:`LedgerError` otherwise); later
+    demotions reuse the codes. With the recorded ``k``/``v`` (``[layer, kv_head, pos, D]``
+    float32) it keeps the dequantized values (float16, as a live cache would hold them);
+    without them it keeps only membership and bytes.
+
+    ``q_cost [layer, kv_head, pos]``: bytes a position costs while it is in tier Q (codes +
+    value parameters + its share of its key group's parameters).
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        bits: int,
+        key_axis: str = "channel",
+        key_group: int | None = None,
+        value_group: int | None = None,
+        k=None,
+        v=None,
+        rope: Rope | None = None,
+    ):
+        d = spec.head_dim
+        self.spec, self.bits, self.key_axis = spec, bits, key_axis
+        self.value_group = value_group or d
+        self.key_group = key_group or d  # channels per key group when key_axis == "token"
+        if d % self.value_group or (key_axis == "token" and d % self.key_group):
+            raise KvscopeError(f"channel groups must divide head_dim {d}")
+        shape = (spec.n_layers, spec.n_kv, spec.final_len)
+        self.done = np.zeros(shape, dtype=bool)
+        self.q_cost = np.zeros(shape, dtype=np.float64)
+        self.k, self.v, self.rope = k, v, rope
+        self.k_hat = self.v_hat = None
+        if k is not None:
+            self.k_hat = np.zeros(k.shape, dtype=np.float16)
+            self.v_hat = np.zeros(v.shape, dtype=np.float16)
+        self.n_quantized = 0
+
+    @property
+    def token_value_bytes(self) -> float:
+        d = self.spec.head_dim
+        key_meta = 4.0 * d / self.key_group if self.key_axis == "token" else 0.0
+        return 2.0 * d * self.bits / 8 + 4.0 * d / self.value_group + key_meta
+
+    def quantize(self, positions, layers=None, heads=None) -> None:
+        """Quantize groups of positions: ``positions [n, G]`` (one key group per row) for
+        the (layer, kv_head) pairs ``layers [n]``, ``heads [n]`` — or, with ``layers=None``,
+        ``positions [G]`` as one group in every (layer, kv_head)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size == 0:
+            return
+        if layers is None:
+            n_l, n_h = self.spec.n_layers, self.spec.n_kv
+            ll, hh = np.meshgrid(np.arange(n_l), np.arange(n_h), indexing="ij")
+            layers, heads = ll.ravel(), hh.ravel()
+            positions = np.broadcast_to(positions, (layers.size, positions.size))
+        layers = np.asarray(layers, dtype=np.int64)
+        heads = np.asarray(heads, dtype=np.int64)
+        li, hi = layers[:, None], heads[:, None]
+        if self.done[li, hi, positions].any():
+            raise LedgerError("a ledger entry was quantized twice (write-once violated)")
+        self.done[li, hi, positions] = True
+        g = positions.shape[1]
+        key_share = 4.0 * self.spec.head_dim / g if self.key_axis == "channel" else 0.0
+        self.q_cost[li, hi, positions] = self.token_value_bytes + key_share
+        self.n_quantized += positions.size
+        if self.k is not None:
+            self._quantize_values(positions, layers, heads)
+
+    def _quantize_values(self, positions, layers, heads) -> None:
+        d = self.spec.head_dim
+        li, hi = layers[:, None], heads[:, None]
+        keys = self.k[li, hi, positions]  # [n, G, D]
+        values = self.v[li, hi, positions]  # [n, G, D]
+        rope = self.rope if (self.rope is not None and self.rope.usable()) else None
+        if rope is not None:  # quantize keys before rotation (pre-RoPE)
+            n_rot = 2 * rope.inv_freq.shape[1]
+            pre = np.empty_like(keys)
+            for layer in np.unique(layers):
+                rows = layers == layer
+                scale = float(rope.scaling[layer])
+                cos, sin = rope_cos_sin(positions[rows].ravel(), rope.inv_freq[layer], scale, d)
+                shape = keys[rows].shape
+                flat = keys[rows].reshape(-1, d)
+                pre[rows] = undo_rope(flat, cos, sin, n_rot, scale).reshape(shape)
+            keys = pre
+        if self.key_axis == "channel":
+            k_hat = quantize(keys, self.bits, axis=1).dequantize()  # per channel over the G tokens
+        else:
+            grouped = keys.reshape(*keys.shape[:2], d // self.key_group, self.key_group)
+            k_hat = quantize(grouped, self.bits, axis=-1).dequantize().reshape(keys.shape)
+        if rope is not None:
+            post = np.empty_like(k_hat)
+            for layer in np.unique(layers):
+                rows = layers == layer
+                scale = float(rope.scaling[layer])
+                cos, sin = rope_cos_sin(positions[rows].ravel(), rope.inv_freq[layer], scale, d)
+                post[rows] = apply_rope(k_hat[rows].reshape(-1, d), cos, sin, n_rot).reshape(k_hat[rows].shape)
+            k_hat = post
+        vg = values.reshape(*values.shape[:2], d // self.value_group, self.value_group)
+        v_hat = quantize(vg, self.bits, axis=-1).dequantize().reshape(values.shape)
+        self.k_hat[li, hi, positions] = k_hat
+        self.v_hat[li, hi, positions] = v_hat
+
+
+class CacheState:
+    """The cache of one sequence under one policy (see the module docstring).
+
+    ``reached``: False when the policy cannot fit the budget (a quantization floor, or a
+    fixed size the user chose); such a state runs at its smallest configuration and the
+    replay reports the ratio it used instead of checking the budget."""
+
+    def __init__(self, policy: "Policy", spec: CacheSpec, ledger: Ledger | None = None):
+        self.policy, self.spec = policy, spec
+        self.tiers = np.full((spec.n_layers, spec.n_kv, spec.final_len), NONE, dtype=np.int8)  # [layer, kv_head, pos]
+        self.length = 0
+        self.reached = True
+        self.ledger = ledger
+        self.evicted_ever = np.zeros(self.tiers.shape, dtype=bool)
+
+    # -- driven by the replay or a live cache ---------------------------------------------
+    def prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
+        p = self.spec.prompt_len
+        self.tiers[..., :p] = FP
+        self.length = p
+        self.after_prefill(colsum, tail)
+
+    def append(self, position: int) -> None:
+        if position != self.length:
+            raise KvscopeError(f"positions must arrive in order (got {position}, expected {self.length})")
+        self.tiers[..., position] = FP
+        self.length += 1
+
+    def observe(self, row: np.ndarray) -> None:
+        """The attention the cache served at this step ``[layer, kv_head, length]``."""
+
+    def compress(self) -> None:
+        """Decide tiers after this step's observation."""
+
+    def after_prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
+        self.compress()
+
+    # -- helpers for policies --------------------------------------------------------------
+    def evict(self, mask: np.ndarray) -> None:
+        """``mask [layer, kv_head, n]`` or ``[n]`` (every head) over positions ``0..n−1`` → EVICTED."""
+        mask = np.asarray(mask, dtype=bool)
+        view = self.tiers[..., : mask.shape[-1]]
+        view[np.broadcast_to(mask, view.shape)] = EVICTED
+
+    def set_tier_positions(self, positions, tier: int) -> None:
+        """Positions ``[n]`` → ``tier`` in every (layer, kv_head)."""
+        self.tiers[..., np.asarray(positions, dtype=np.int64)] = tier
+
+    def accessible(self) -> np.ndarray:
+        """``[layer, kv_head, length]`` True for FP or Q."""
+        return self.tiers[..., : self.length] >= Q
+
+    def bytes_used(self) -> np.ndarray:
+        """``[layer, kv_head]`` bytes resident now."""
+        t = self.tiers[..., : self.length]
+        total = (t == FP).sum(-1) * self.spec.fp_bytes
+        if self.ledger is not None:
+            total = total + np.where(t == Q, self.ledger.q_cost[..., : self.length], 0.0).sum(-1)
+        return total
+
+    def check(self) -> None:
+        """Invariants every policy keeps: Q only for ledger entries, no position returns
+        from EVICTED unless the policy is clairvoyant."""
+        t = self.tiers[..., : self.length]
+        if (t == NONE).any():
+            raise AssertionError("an existing position has no tier")
+        if (t == Q).any() and (self.ledger is None or not self.ledger.done[..., : self.length][t == Q].all()):
+            raise AssertionError("a Q position is not in the ledger")
+        if not self.policy.clairvoyant:
+            if (self.evicted_ever[..., : self.length] & (t != EVICTED)).any():
+                raise AssertionError("an evicted position came back")
+        self.evicted_ever[..., : self.length] |= t == EVICTED
+
+
+@dataclass
+class Policy:
+    """Base of every policy dataclass; subclasses set ``name``/``kind`` and ``state_class``."""
+
+    name: ClassVar[str] = "policy"
+    kind: ClassVar[str] = ""
+    clairvoyant: ClassVar[bool] = False
+    quantizes: ClassVar[bool] = False
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def label(self) -> str:
+        """``name`` or ``name:key=value:…`` for fields that differ from the defaults."""
+        defaults = type(self)()
+        changed = [f"{k}={v}" for k, v in self.params().items() if v != getattr(defaults, k)]
+        return ":".join([self.name, *changed])
+
+
+def top_k_mask(scores: np.ndarray, candidates: np.ndarray, k) -> np.ndarray:
+    """``[..., n]`` True for the ``k`` (scalar or ``[...]``) best candidates by score;
+    ties go to the newer (higher-index) position."""
+    n = scores.shape[-1]
+    masked = np.where(candidates, scores, -np.inf)
+    # stable sort of the reversed scores: equal scores keep reversed order → newer first
+    order = np.argsort(-masked[..., ::-1], axis=-1, kind="stable")
+    order = n - 1 - order
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n), order.shape), axis=-1)
+    k = np.asarray(k)[..., None] if np.ndim(k) else k
+    return candidates & (ranks < k)
+
+
+def window_sums(x: np.ndarray, n_sink: int, w: int, n_windows: int) -> np.ndarray:
+    """``[..., pos]`` → ``[..., window]`` sums over windows ``[n_sink + j·w, n_sink + (j+1)·w)``."""
+    body = x[..., n_sink : n_sink + n_windows * w]
+    return body.reshape(*body.shape[:-1], n_windows, w).sum(-1)

@@ -1,0 +1,68 @@
+"""``kivi``: 2-bit KV quantization with a full-precision residual (KIVI).
+
+Keys are quantized per channel over groups of ``G`` consecutive tokens, values per token
+(groups of ``value_group`` channels, default the head dim). The newest ``R`` tokens (a
+multiple of ``G``) stay FP: after ``T`` tokens the quantized prefix is
+``⌊(T − R) / G⌋·G`` tokens, so the FP tail holds between ``R`` and ``R + G − 1``.
+Nothing is evicted. ``R = None`` (default) takes the largest multiple of ``G`` whose bytes
+stay within the budget over the whole sequence; when even ``R = 0`` does not fit, the
+policy runs at ``R = 0`` and reports its floor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KvscopeError
+from .base import CacheSpec, CacheState, Ledger, Policy, Q
+from .quant import check_bits, q_token_bytes
+
+
+@dataclass
+class KIVI(Policy):
+    bits: int = 2
+    G: int = 32
+    R: int | None = None
+    value_group: int | None = None
+
+    name = "kivi"
+    kind = "quantization"
+    quantizes = True
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+        check_bits(self.bits)
+        if self.G < 1 or (self.R is not None and (self.R < 0 or self.R % self.G)):
+            raise KvscopeError(f"kivi R must be a non-negative multiple of G={self.G} (got {self.R})")
+        ledger = Ledger(spec, self.bits, "channel", value_group=self.value_group, k=k, v=v)
+        return _KIVIState(self, spec, ledger)
+
+    def max_bytes(self, spec: CacheSpec, R: int) -> float:
+        """Largest bytes per (layer, kv_head) over the sequence with residual ``R``."""
+        lengths = np.arange(spec.prompt_len, spec.final_len + 1)
+        n_q = np.maximum(0, (lengths - R) // self.G) * self.G
+        q_bytes = q_token_bytes(spec.head_dim, self.bits, self.G, self.value_group)
+        return float(((lengths - n_q) * spec.fp_bytes + n_q * q_bytes).max())
+
+
+class _KIVIState(CacheState):
+    def __init__(self, policy: KIVI, spec: CacheSpec, ledger: Ledger):
+        super().__init__(policy, spec, ledger)
+        if policy.R is not None:
+            self.R = policy.R
+            self.reached = policy.max_bytes(spec, self.R) <= spec.capacity + 1e-6
+        else:
+            self.R = (spec.final_len // policy.G) * policy.G
+            while self.R > 0 and policy.max_bytes(spec, self.R) > spec.capacity + 1e-6:
+                self.R -= policy.G
+            self.reached = policy.max_bytes(spec, self.R) <= spec.capacity + 1e-6
+        self.n_quantized = 0
+
+    def compress(self) -> None:
+        g = self.policy.G
+        target = max(0, (self.length - self.R) // g) * g
+        while self.n_quantized < target:
+            group = np.arange(self.n_quantized, self.n_quantized + g)
+            self.ledger.quantize(group)
+            self.set_tier_positions(group, Q)
+            self.n_quantized += g

@@ -1,0 +1,53 @@
+"""``oracle``: the clairvoyant bound — labelled so, never a causal policy.
+
+At every step the FP set is the ``⌊B / FP_bytes⌋`` existing positions that receive the most
+full-KV attention over the next ``horizon`` steps; everything else is (temporarily) absent,
+and a position may come back. At an event this is the set of that size with the smallest
+Future Missed Mass at ``horizon`` for that event, so its FP-set FMM bounds every causal
+policy's at the same budget from below. It needs the future (``observe_future``), which only
+a replay can give."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import EVICTED, FP, CacheSpec, CacheState, Policy, top_k_mask
+
+
+@dataclass
+class Oracle(Policy):
+    horizon: int = 32
+
+    name = "oracle"
+    kind = "clairvoyant bound"
+    clairvoyant = True
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+        return _OracleState(self, spec)
+
+
+class _OracleState(CacheState):
+    def __init__(self, policy: Oracle, spec: CacheSpec):
+        super().__init__(policy, spec)
+        self.capacity = spec.fp_capacity_tokens
+        if self.capacity < 1:
+            self.reached, self.capacity = False, 1
+        self.future = None
+
+    def observe_future(self, future: np.ndarray) -> None:
+        """Full-KV attention over the next ``horizon`` steps ``[layer, kv_head, ≥length]``."""
+        self.future = future
+
+    def after_prefill(self, colsum, tail) -> None:
+        self.compress()
+
+    def compress(self) -> None:
+        n = self.length
+        if n <= self.capacity:
+            self.tiers[..., :n] = FP
+            return
+        future = self.future[..., :n] if self.future is not None else np.zeros(self.tiers[..., :n].shape)
+        keep = top_k_mask(future, np.ones(future.shape, dtype=bool), self.capacity)
+        self.tiers[..., :n] = np.where(keep, FP, EVICTED)

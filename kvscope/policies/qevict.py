@@ -1,0 +1,108 @@
+"""``qevict``: window-level, three tiers (FP, Q, EVICTED), byte-bounded (SPEC §5.2).
+
+Windows ``j = [n_sink + j·w, n_sink + (j+1)·w)``; the sinks and the newest ``local`` tokens
+(rounded up to whole windows, plus the window being filled) always stay FP. Whenever a window
+completes (every ``w`` steps) the *evictable* windows — complete, outside sinks and local,
+not yet EVICTED — are ranked by their cumulative score ``c[j]`` (prefill column mass plus
+every row the cache observed; Q windows keep accruing, evicted ones are absent)::
+
+    M    = B − FP_bytes(n_sink + (n_local_windows + 1)·w)
+    n_fp = ⌊(1 − q_frac)·M / b_fp⌋,   n_q = ⌊q_frac·M / b_q⌋
+    b_fp = w·4·D,                    b_q = w·(2·D·b/8 + 4·D/g_v) + 4·D   (keys per channel per window)
+
+The top ``n_fp`` are FP, the next ``n_q`` Q, the rest EVICTED for good. A Q window ranked
+into FP is promoted (its dequantized values come back — not the originals); an FP window
+ranked into Q is demoted. Each window is quantized once, at its first demotion (the write-once
+ledger refuses a second quantization); later demotions reuse its codes. Decisions per
+(layer, kv_head) from the kv-group mean rows. With rotary parameters recorded, keys are
+quantized before RoPE (``key_prerope``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KvscopeError
+from .base import EVICTED, FP, CacheSpec, CacheState, Ledger, Policy, Q, top_k_mask, window_sums
+from .quant import check_bits
+
+
+@dataclass
+class QEvict(Policy):
+    w: int | None = None  # default: the trace's w
+    n_sink: int | None = None  # default: the trace's n_sink
+    local: int = 64
+    q_frac: float = 0.7
+    bits: int = 2
+    key_prerope: bool = True
+    value_group: int | None = None
+
+    name = "qevict"
+    kind = "tiered"
+    quantizes = True
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+        check_bits(self.bits)
+        w = self.w or spec.w
+        if w < 4 or w % 4:
+            raise KvscopeError(f"qevict w must be a positive multiple of 4 (got {w})")
+        if not (0 <= self.q_frac <= 1):
+            raise KvscopeError(f"qevict q_frac must lie in [0, 1] (got {self.q_frac})")
+        if self.local < 0:
+            raise KvscopeError(f"qevict local must be ≥ 0 (got {self.local})")
+        ledger = Ledger(
+            spec, self.bits, "channel", value_group=self.value_group, k=k, v=v, rope=rope if self.key_prerope else None
+        )
+        return _QEvictState(self, spec, ledger, w)
+
+
+class _QEvictState(CacheState):
+    def __init__(self, policy: QEvict, spec: CacheSpec, ledger: Ledger, w: int):
+        super().__init__(policy, spec, ledger)
+        self.w = w
+        self.n_sink = spec.n_sink if policy.n_sink is None else policy.n_sink
+        self.n_local_windows = math.ceil(policy.local / w)
+        b_fp = w * spec.fp_bytes
+        b_q = w * ledger.token_value_bytes + 4.0 * spec.head_dim
+        room = spec.capacity - spec.fp_bytes * (self.n_sink + (self.n_local_windows + 1) * w)
+        if room < 0:
+            self.reached, room = False, 0.0
+        self.n_fp = int(math.floor((1 - policy.q_frac) * room / b_fp + 1e-9))
+        self.n_q = int(math.floor(policy.q_frac * room / b_q + 1e-9))
+        self.scores = np.zeros(self.tiers.shape, dtype=np.float64)  # [layer, kv_head, pos]
+        self.promotions = 0
+        self.demotions = 0
+
+    def after_prefill(self, colsum, tail) -> None:
+        self.scores[..., : self.length] = colsum
+        self.route()
+
+    def observe(self, row: np.ndarray) -> None:
+        self.scores[..., : row.shape[-1]] += row
+
+    def compress(self) -> None:
+        done = self.length - self.n_sink
+        if done > 0 and done % self.w == 0:  # a window just completed
+            self.route()
+
+    def route(self) -> None:
+        w, s = self.w, self.n_sink
+        n_ev = (self.length - s) // w - self.n_local_windows  # evictable windows 0..n_ev−1
+        if n_ev <= 0:
+            return
+        c = window_sums(self.scores, s, w, n_ev)  # [layer, kv_head, window]
+        body = self.tiers[..., s : s + n_ev * w]  # view
+        current = body[..., ::w]  # [layer, kv_head, window] tier of each window's first position
+        alive = current != EVICTED
+        to_fp = top_k_mask(c, alive, self.n_fp)
+        to_q = top_k_mask(c, alive & ~to_fp, self.n_q)
+        new = np.where(to_fp, FP, np.where(to_q, Q, EVICTED)).astype(np.int8)
+        first_demotion = to_q & (current == FP) & ~self.ledger.done[..., s : s + n_ev * w : w]
+        if first_demotion.any():
+            li, hi, ji = np.nonzero(first_demotion)
+            self.ledger.quantize(s + ji[:, None] * w + np.arange(w), li, hi)
+        self.promotions += int((to_fp & (current == Q)).sum())
+        self.demotions += int((to_q & (current == FP)).sum())
+        body[...] = np.repeat(new, w, axis=-1)

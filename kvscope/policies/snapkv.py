@@ -1,0 +1,61 @@
+"""``snapkv``: compress the prompt once, at the end of prefill, by what its last queries
+attend; decode tokens all stay.
+
+Scores of prompt position ``p < P − obs`` per (layer, kv_head): ``Σ_o tail[o, p]`` over
+the last ``obs_window`` prefill rows, max-pooled over positions with kernel ``kernel``
+(stride 1, same padding). Keep the top ``n_prompt − obs`` of them plus the observation
+window itself, with ``n_prompt = ⌊B / FP_bytes⌋ − S`` so that the decode tokens still fit
+at the final length. Evictions are permanent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KvscopeError
+from .base import CacheSpec, CacheState, Policy, top_k_mask
+
+
+@dataclass
+class SnapKV(Policy):
+    obs_window: int | None = None  # default: the rows the trace stored (prefill_tail)
+    kernel: int = 7
+
+    name = "snapkv"
+    kind = "eviction (prompt)"
+
+    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise KvscopeError(f"snapkv kernel must be a positive odd number (got {self.kernel})")
+        return _SnapKVState(self, spec)
+
+
+def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
+    """Max over ``[p − kernel//2, p + kernel//2]`` along the last axis (edges padded with −∞)."""
+    half = kernel // 2
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=-np.inf)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)
+    return windows.max(-1)
+
+
+class _SnapKVState(CacheState):
+    def after_prefill(self, colsum, tail) -> None:
+        if tail is None:
+            raise KvscopeError("snapkv needs the last prefill rows (prefill_tail) of the trace")
+        p = self.length
+        obs = min(self.policy.obs_window or tail.shape[-2], tail.shape[-2], p)
+        if self.policy.obs_window and self.policy.obs_window > tail.shape[-2]:
+            raise KvscopeError(f"snapkv obs_window {self.policy.obs_window} > the {tail.shape[-2]} rows the trace stored")
+        n_prompt = self.spec.fp_capacity_tokens - self.spec.decode_steps
+        if n_prompt < obs:
+            self.reached = False
+            n_prompt = obs
+        if p <= n_prompt:
+            return
+        prefix = p - obs
+        window_rows = np.nan_to_num(tail[..., tail.shape[-2] - obs :, :prefix].astype(np.float64))
+        scores = max_pool(window_rows.sum(-2), self.policy.kernel)  # [layer, kv_head, prefix]
+        candidates = np.ones(scores.shape, dtype=bool)
+        keep = top_k_mask(scores, candidates, n_prompt - obs)
+        self.evict(~keep)
