@@ -25,6 +25,7 @@ demo: setup
 	$(KVSCOPE) info traces/demo.zarr
 	$(KVSCOPE) analyze fmm traces/demo.zarr
 	$(KVSCOPE) analyze peaks traces/demo.zarr
+	$(KVSCOPE) replay traces/demo.zarr --policies streaming,h2o,snapkv,kivi,logquant,qevict,oracle --budgets 0.3,0.6
 
 test: setup
 	$(PY) -m pytest -q
@@ -32,6 +33,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/analysis_throughput.py
+	$(PY) benchmarks/replay_speed.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache

@@ -84,22 +84,29 @@ class _AttentionModel:
     softcap: float | None
     windows: list
 
-    def probs(self, q, keys, n, qpos, present=None):
-        """Attention of ``q [L, Hkv, g, D]`` over ``keys [L, Hkv, n, D]`` → ``[L, Hkv, g, n]``
-        float32; ``present [L, Hkv, n]`` masks absent (evicted) keys."""
+    def scores(self, q, keys, qpos):
+        """Logits of ``q [L, Hkv, g, D]`` over ``keys [L, Hkv, n, D]`` (torch float32), with
+        scaling, softcap and sliding windows applied → ``[L, Hkv, g, n]``."""
         import torch
 
-        qt = torch.from_numpy(q)
-        kt = torch.from_numpy(keys)
-        scores = torch.matmul(qt, kt.transpose(-1, -2)) * torch.from_numpy(self.scaling)[:, None, None, None]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * torch.from_numpy(self.scaling)[:, None, None, None]
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         for layer, window in enumerate(self.windows):
             if window:
                 scores[layer, ..., : max(0, qpos - window + 1)] = -torch.inf
+        return scores
+
+    @staticmethod
+    def attend(scores, values, present=None):
+        """Probabilities ``[L, Hkv, g, n]`` and output ``[L, Hkv, g, D]``; ``present
+        [L, Hkv, n]`` (bool tensor) masks absent (evicted) keys."""
+        import torch
+
         if present is not None:
-            scores = scores.masked_fill(~torch.from_numpy(present)[:, :, None, :], -torch.inf)
-        return torch.softmax(scores, dim=-1).numpy()
+            scores = scores.masked_fill(~present[:, :, None, :], -torch.inf)
+        probs = torch.softmax(scores, dim=-1)
+        return probs, torch.matmul(probs, values)
 
 
 class _Sample:
@@ -152,9 +159,9 @@ class _Sample:
         return colsum, tail
 
     def kv(self):
-        k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values.astype(np.float32)
-        v = self.ds["v"].isel(sample=self.s, pos=slice(0, self.final_len)).values.astype(np.float32)
-        return k, v  # [layer, kv_head, pos, D]
+        k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+        v = self.ds["v"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+        return np.ascontiguousarray(k), np.ascontiguousarray(v)  # [layer, kv_head, pos, D] as stored
 
 
 class _Run:
@@ -169,16 +176,27 @@ class _Run:
         self.curve = np.full((2, n_h, n_events, n_layers, n_kv), np.nan)  # [evicted|not-FP, horizon, event, ...]
         self.l1 = np.full((n_events, n_layers, n_kv), np.nan)
         self.out = np.full((n_events, n_layers, n_kv), np.nan)
+        self.present: dict[int, tuple] = {}  # event → (any FP, any Q, any EVICTED)
 
 
-def _tier_shares(future: np.ndarray, tiers: np.ndarray, exists: int):
-    """Shares of ``future [L, Hkv, pos]`` on existing positions ``< exists`` by tier → 3×[L, Hkv]."""
+def _tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: int, present: tuple):
+    """Shares of ``future [L, Hkv, pos]`` (total ``den [L, Hkv]`` over existing positions
+    ``< exists``) on FP, Q and EVICTED → 3×[L, Hkv]; ``present`` says which tiers occur
+    (absent ones are exactly 0, an all-FP cache exactly 1)."""
     f = future[..., :exists]
     t = tiers[..., :exists]
-    den = f.sum(-1)
-    parts = [np.where(t == tier, f, 0.0).sum(-1) for tier in (TIER_FP, TIER_Q, TIER_EVICTED)]
+    has_fp, has_q, has_ev = present
+    zero = np.zeros(den.shape)
+    q = f.sum(-1, where=t == TIER_Q) if has_q else zero
+    ev = f.sum(-1, where=t == TIER_EVICTED) if has_ev else zero
+    if not has_fp:
+        fp = zero
+    elif not (has_q or has_ev):
+        fp = den
+    else:
+        fp = f.sum(-1, where=t == TIER_FP)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return [np.where(den > 0, part / den, np.nan) for part in parts]
+        return [np.where(den > 0, part / den, np.nan) for part in (fp, q, ev)]
 
 
 def replay(
@@ -195,6 +213,7 @@ def replay(
     delta: int = 1,
     errors: bool = True,
     validate: bool = False,
+    threads: int | None = None,
     n_boot: int = 1000,
     seed: int = 0,
     progress=None,
@@ -205,7 +224,9 @@ def replay(
     ``trace``: a store path or an opened trace. ``policies``: names, ``name:key=value``
     strings or policy objects. ``budgets``: shares β of ``FP_bytes(P + S)`` in (0, 1].
     ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
-    every policy invariant at every step (tests). ``progress(done, total)`` is called per step.
+    every policy invariant at every step (tests). ``threads``: cache states advanced in
+    parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
+    ``progress(done, total)`` is called per step.
     """
     from .store import open_trace
 
@@ -250,7 +271,9 @@ def replay(
         scaling, softcap, windows = attention_params(ds)
         attention = _AttentionModel(np.asarray(scaling, dtype=np.float32), softcap, windows)
         if "rope_inv_freq" in ds:
-            rope = Rope(np.asarray(ds["rope_inv_freq"].values, np.float64), np.asarray(ds["rope_attention_scaling"].values))
+            rope = Rope(
+                np.asarray(ds["rope_inv_freq"].values, np.float64), np.asarray(ds["rope_attention_scaling"].values)
+            )
 
     grid = [(p, b) for p in policy_list for b in budget_list]
     shape_out = (len(policy_list), len(budget_list), n_samples)
@@ -265,6 +288,12 @@ def replay(
     full_bytes = np.zeros(n_samples)
     quantized = np.zeros(shape_out, dtype=np.int64)
     total_steps = int(np.asarray(ds["n_steps"].values).sum())
+    threads = threads if threads is not None else min(2, os.cpu_count() or 1)
+    pool = None
+    if threads > 1 and len(policy_list) * len(budget_list) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
     done_steps = 0
     started = time.perf_counter()
 
@@ -274,13 +303,18 @@ def replay(
             continue
         final_len = sample.final_len
         colsum, tail = sample.prefill()
-        k = v = None
+        k = v = k32 = v32 = buffers = None
         if has_qkv:
-            k, v = sample.kv()
+            import torch
+
+            k, v = sample.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
+            k32, v32 = torch.from_numpy(k).float(), torch.from_numpy(v).float()
+            buffers = (torch.empty(k32.shape), torch.empty(v32.shape))
         runs: list[_Run] = []
         for policy, budget in grid:
             spec = CacheSpec(n_layers, n_kv, head_dim, sample.prompt_len, final_len, budget, n_sink, w)
-            kk, vv = (k, v) if (policy.quantizes and has_qkv) else (None, None)
+            values_needed = policy.quantizes and (with_errors or observe == "exact")
+            kk, vv = (k, v) if values_needed else (None, None)
             state = policy.start(spec, kk, vv, rope)
             runs.append(_Run(state, n_events, n_step_total, len(curve_h), (n_layers, n_kv, n_pos)))
         for bi, budget in enumerate(budget_list):
@@ -298,63 +332,81 @@ def replay(
             row = sample.row(t)  # [layer, kv_head, final_len]
             cum += row
             qpos = int(sample.query_pos[t])
+            ahead = {h: f.at(t) for h, f in futures.items()}  # only the oracle may look ahead
             if t == 0:
                 for run in runs:
                     if run.state.policy.clairvoyant:
-                        run.state.observe_future(futures[run.state.policy.horizon].at(0))
+                        run.state.observe_future(ahead[run.state.policy.horizon])
                     run.state.prefill(colsum, tail)
+                exact_rows = {}
             else:
-                need_q = observe == "exact" or (with_errors and t in error_steps)
+                error_due = with_errors and t in error_steps
+                need_q = error_due or (observe == "exact" and any(r.state.policy.observes for r in runs))
                 query = sample.query(t) if need_q else None
-                reference = None
-                if need_q:
-                    reference = _reference(attention, query, k, v, qpos, n_kv)
-                for run in runs:
+                reference = _reference(attention, query, k32, v32, qpos, n_kv) if need_q else None
+                exact_rows = {}
+                for i, run in enumerate(runs):
                     st = run.state
                     st.append(qpos)
-                    exact_row = None
-                    if need_q:
-                        probs, l1, out_err = _against_full(attention, query, k, v, st, qpos, reference, n_kv)
-                        exact_row = probs
-                        if with_errors and t in error_steps:
+                    if error_due or (observe == "exact" and st.policy.observes):
+                        exact_rows[i], l1, out_err = _against_full(
+                            attention, query, k32, v32, st, qpos, reference, n_kv, buffers
+                        )
+                        if error_due:
                             run.l1[error_steps[t]] = l1
                             run.out[error_steps[t]] = out_err
-                    if observe == "exact":
-                        seen = exact_row
-                    else:
-                        seen = _renormalized(row[..., : st.length], st.accessible())
-                    st.observe(seen)
-                    if st.policy.clairvoyant:
-                        st.observe_future(futures[st.policy.horizon].at(t))
-                    st.compress()
-            for run in runs:
-                used = run.state.bytes_used()  # [layer, kv_head]
-                if run.state.reached and (used > run.state.spec.capacity * (1 + BYTES_TOLERANCE)).any():
-                    raise BudgetExceeded(
-                        f"{run.state.policy.label()} used {used.max():.0f} bytes per (layer, kv_head) at step {t} "
-                        f"of sample {s}, over its budget {run.state.spec.capacity:.0f} "
-                        f"(β = {run.state.spec.budget})"
-                    )
-                run.bytes[t] = used.sum()
-                if validate or t in event_index:
-                    run.state.check()
-            if t in event_index:
-                e = event_index[t]
-                for run in runs:
-                    run.tiers[e, ..., :final_len] = run.state.tiers
-                pending.append((e, t, cum.copy()))
+
+            resolved = []  # events whose horizon h ends at this step: (event, curve index, future, den, exists)
             for e, te, cum_e in pending:
-                h = t - te
-                if h in curve_h:
+                if t - te in curve_h:
                     future = cum - cum_e
                     exists = int(sample.query_pos[te]) + 1
-                    hi = curve_h.index(h)
-                    for run in runs:
-                        fp, qq, ev = _tier_shares(future, run.tiers[e], exists)
-                        run.curve[0, hi, e] = ev
-                        run.curve[1, hi, e] = qq + ev
-                        if h == horizon:
-                            run.mass[e] = np.stack([fp, qq, ev], -1)
+                    resolved.append((e, curve_h.index(t - te), t - te, future, future[..., :exists].sum(-1), exists))
+            event = event_index.get(t)
+
+            def advance(
+                i: int, run: _Run, t=t, row=row, exact_rows=exact_rows, ahead=ahead, resolved=resolved, event=event
+            ):
+                st = run.state
+                if t > 0:
+                    if st.policy.observes:
+                        seen = (
+                            exact_rows[i]
+                            if observe == "exact"
+                            else _renormalized(row[..., : st.length], st.accessible())
+                        )
+                        st.observe(seen)
+                    if st.policy.clairvoyant:
+                        st.observe_future(ahead[st.policy.horizon])
+                    st.compress()
+                used = st.bytes_used()  # [layer, kv_head]
+                if st.reached and (used > st.spec.capacity * (1 + BYTES_TOLERANCE)).any():
+                    raise BudgetExceeded(
+                        f"{st.policy.label()} used {used.max():.0f} bytes per (layer, kv_head) at step {t} "
+                        f"of sample {s}, over its budget {st.spec.capacity:.0f} (β = {st.spec.budget})"
+                    )
+                run.bytes[t] = used.sum()
+                if validate or event is not None:
+                    st.check()
+                if event is not None:
+                    run.tiers[event, ..., :final_len] = st.tiers
+                    now = st.tiers[..., : st.length]
+                    run.present[event] = tuple(bool((now == tier).any()) for tier in (TIER_FP, TIER_Q, TIER_EVICTED))
+                for e, hi, h, future, den, exists in resolved:
+                    fp, qq, ev = _tier_shares(future, den, run.tiers[e], exists, run.present[e])
+                    run.curve[0, hi, e] = ev
+                    run.curve[1, hi, e] = qq + ev
+                    if h == horizon:
+                        run.mass[e] = np.stack([fp, qq, ev], -1)
+
+            if pool is None:
+                for i, run in enumerate(runs):
+                    advance(i, run)
+            else:
+                for done in [pool.submit(advance, i, run) for i, run in enumerate(runs)]:
+                    done.result()
+            if event is not None:
+                pending.append((event, t, cum.copy()))
             pending = [p for p in pending if t - p[1] < curve_h[-1]]
             done_steps += 1
             if progress is not None:
@@ -371,6 +423,8 @@ def replay(
             reached[pi, bi, s] = run.state.reached
             quantized[pi, bi, s] = run.state.ledger.n_quantized if run.state.ledger is not None else 0
 
+    if pool is not None:
+        pool.shutdown()
     n_valid = valid_events(steps, np.asarray(ds["n_steps"].values))  # [sample]
     result = _dataset(
         ds,
@@ -435,6 +489,8 @@ class _Future:
 
     def at(self, t: int) -> np.ndarray:
         n = self.sample.n_steps
+        if t == self.t:
+            return self.total
         if self.total is None or t != self.t + 1:
             self.total = np.zeros(self.sample.row(0).shape, dtype=np.float64)
             for tt in range(t + 1, min(t + self.h, n - 1) + 1):
@@ -455,42 +511,57 @@ def _renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:
 
 
 def _reference(attention: _AttentionModel, query, k, v, qpos, n_kv):
-    """Full-KV attention of one query: probs ``[L, Hkv, g, n]`` and output ``[L, Hkv, g, D]``."""
+    """Full-KV attention of one query (torch): ``(scores, probs, output)`` with logits and
+    probabilities ``[L, Hkv, g, n]`` and output ``[L, Hkv, g, D]``."""
+    import torch
+
     n = qpos + 1
-    q = query.reshape(query.shape[0], n_kv, -1, query.shape[-1])
-    probs = attention.probs(q, np.ascontiguousarray(k[:, :, :n]), n, qpos)
-    return probs, np.matmul(probs, v[:, :, :n])
+    q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
+    scores = attention.scores(q, k[:, :, :n], qpos)
+    return (scores, *attention.attend(scores, v[:, :, :n]))
 
 
-def effective_kv(state: CacheState, k: np.ndarray, v: np.ndarray, n: int):
+def effective_kv(state: CacheState, k, v, n: int):
     """The cache a state serves over positions ``0..n−1``: ``keys, values [L, Hkv, n, D]``
-    float32 and ``present [L, Hkv, n]``. Positions in Q — and FP positions that were once
-    quantized (promoted windows) — hold their dequantized values; evicted ones are absent."""
-    tiers = state.tiers[..., :n]
-    keys, values = k[:, :, :n], v[:, :, :n]
+    and ``present [L, Hkv, n]``. Positions that were ever quantized hold their dequantized
+    values (in Q, and after a promotion: the originals are gone); evicted ones are absent.
+    ``k``/``v`` are the full-KV values (numpy or torch), returned where nothing was quantized."""
     ledger = state.ledger
-    if ledger is not None and ledger.k_hat is not None and ledger.n_quantized:
-        lossy = (ledger.done[..., :n] & (tiers >= TIER_Q))[..., None]
-        keys = np.where(lossy, ledger.k_hat[:, :, :n].astype(np.float32), keys)
-        values = np.where(lossy, ledger.v_hat[:, :, :n].astype(np.float32), values)
-    return np.ascontiguousarray(keys), values, tiers >= TIER_Q
+    present = state.tiers[..., :n] >= TIER_Q
+    if ledger is not None and ledger.k_eff is not None and ledger.n_quantized:
+        return ledger.k_eff[:, :, :n], ledger.v_eff[:, :, :n], present
+    return k[:, :, :n], v[:, :, :n], present
 
 
-def _against_full(attention, query, k, v, state: CacheState, qpos, reference, n_kv):
+def _against_full(attention, query, k, v, state: CacheState, qpos, reference, n_kv, buffers=None):
     """Attention with the state's cache (:func:`effective_kv`): its kv-group row
     ``[L, Hkv, n]``, the L1 distance to full KV and the output's relative L2 error, both
-    ``[L, Hkv]`` (means over the query heads of each group)."""
+    ``[L, Hkv]`` (means over the query heads of each group). ``k``/``v``: torch float32;
+    ``buffers``: two float32 tensors shaped like them to convert dequantized values into.
+    A cache that only evicts reuses the full-KV logits; one that lost nothing is exact."""
+    import torch
+
     n = qpos + 1
-    q = query.reshape(query.shape[0], n_kv, -1, query.shape[-1])
+    ref_scores, ref_probs, ref_out = reference
+    tiers = state.tiers[..., :n]
+    if (tiers == TIER_FP).all() and (state.ledger is None or not state.ledger.done[..., :n].any()):
+        zeros = np.zeros(tiers.shape[:2])
+        return ref_probs.mean(2).numpy(), zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
-    probs = attention.probs(q, keys, n, qpos, present)
-    out = np.matmul(probs, values)
-    ref_probs, ref_out = reference
-    l1 = np.abs(probs - ref_probs).sum(-1).mean(-1)
-    norm = np.linalg.norm(ref_out, axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rel = np.where(norm > 0, np.linalg.norm(out - ref_out, axis=-1) / norm, np.nan).mean(-1)
-    return probs.mean(2), l1, rel
+    if isinstance(keys, np.ndarray):  # quantized values: the logits change too
+        q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
+        if buffers is None:
+            buffers = (torch.empty(k.shape), torch.empty(v.shape))
+        keys = buffers[0][:, :, :n].copy_(torch.from_numpy(keys))  # reused memory: no page faults
+        values = buffers[1][:, :, :n].copy_(torch.from_numpy(values))
+        scores = attention.scores(q, keys, qpos)
+    else:
+        scores = ref_scores
+    probs, out = attention.attend(scores, values, torch.from_numpy(present))
+    l1 = (probs - ref_probs).abs().sum(-1).mean(-1)
+    norm = torch.linalg.vector_norm(ref_out, dim=-1)
+    rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref_out, dim=-1) / norm, torch.nan).mean(-1)
+    return probs.mean(2).numpy(), l1.numpy(), rel.numpy()
 
 
 def _fp_selection(tiers: np.ndarray, steps: np.ndarray, query_pos: np.ndarray, n_sink: int) -> np.ndarray:
@@ -534,7 +605,9 @@ def _dataset(
         for bi in range(n_b):
             for s in range(n_s):
                 nv = int(n_valid[s])
-                exists = np.where(steps < query_pos.shape[1], query_pos[s, np.minimum(steps, query_pos.shape[1] - 1)] + 1, 0)
+                exists = np.where(
+                    steps < query_pos.shape[1], query_pos[s, np.minimum(steps, query_pos.shape[1] - 1)] + 1, 0
+                )
                 churn[pi, bi, s] = np.moveaxis(_fp_churn(tiers[pi, bi, s], exists, n_sink, nv), 0, 0)
                 sel = _fp_selection(tiers[pi, bi, s], steps, query_pos[s], n_sink)  # [layer, kv_head, event, pos]
                 el, re = lir_kernel(sel, nv, m, h_lir)
@@ -620,7 +693,11 @@ def _dataset(
 def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:
     """The replayed tiers of one (policy, budget) as the analyses take them:
     ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
-    tiers = result["tiers"].sel(policy=policy, budget=budget).drop_vars(["policy", "budget", "policy_name", "policy_kind"], errors="ignore")
+    tiers = (
+        result["tiers"]
+        .sel(policy=policy, budget=budget)
+        .drop_vars(["policy", "budget", "policy_name", "policy_kind"], errors="ignore")
+    )
     tiers.attrs = {"policy": f"{policy}@{budget}"}
     return tiers
 

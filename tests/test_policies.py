@@ -258,7 +258,7 @@ def test_qevict_promotion_demotion_and_the_write_once_ledger():
     state.prefill(colsum, None)
     assert (_window(state, 0) == FP).all() and (_window(state, 1) == Q).all() and (_window(state, 2) == EVICTED).all()
     assert state.ledger.n_quantized == 4
-    codes_w1 = state.ledger.k_hat[0, 0, 8:12].copy()
+    codes_w1 = state.ledger.k_eff[0, 0, 8:12].copy()
 
     def step(target: slice, mass: float):
         state.append(state.length)
@@ -281,7 +281,7 @@ def test_qevict_promotion_demotion_and_the_write_once_ledger():
         step(slice(4, 8), 1.5)
     assert (_window(state, 0) == FP).all() and (_window(state, 1) == Q).all() and (_window(state, 4) == EVICTED).all()
     assert state.ledger.n_quantized == 8  # demote → promote → demote reused the codes
-    assert (state.ledger.k_hat[0, 0, 8:12] == codes_w1).all()
+    assert (state.ledger.k_eff[0, 0, 8:12] == codes_w1).all()
     with pytest.raises(LedgerError):
         state.ledger.quantize(np.array([[8, 9, 10, 11]]), np.array([0]), np.array([0]))
 
@@ -316,3 +316,46 @@ def test_oracle_keeps_the_most_future_mass():
         for hi in range(H):
             f = future[li, hi, : P + 10]
             assert f[kept[li, hi, : P + 10]].min() >= f[~kept[li, hi, : P + 10]].max() - 1e-7
+
+
+def test_rope_helpers_match_transformers_and_invert():
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from kvscope.policies.base import Rope, apply_rope, undo_rope
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=10000.0)
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.arange(0, 300, 7)[None]
+    k_pre = torch.randn(1, 1, positions.shape[1], 64)
+    cos, sin = rotary(k_pre, positions)
+    _, k_post = apply_rotary_pos_emb(k_pre, k_pre, cos, sin)
+    rope = Rope(rotary.inv_freq.numpy()[None].astype(np.float64), np.array([rotary.attention_scaling]))
+    c, s = rope.cos_sin(np.zeros(positions.shape[1], dtype=int), positions[0].numpy(), 64)
+    ours = apply_rope(k_pre[0, 0].numpy(), c, s, 64)
+    assert np.abs(ours - k_post[0, 0].numpy()).max() < 1e-4
+    back = undo_rope(k_post[0, 0].numpy(), c, s, 64, rope.scaling[0])
+    assert np.abs(back - k_pre[0, 0].numpy()).max() < 1e-4
+
+
+def test_qevict_quantizes_keys_before_rope_when_parameters_are_given():
+    from kvscope.policies.base import Rope, apply_rope
+
+    # keys with one large constant channel before RoPE: per-channel quantization is exact on
+    # it pre-RoPE, while rotation smears it across a pair of channels
+    rng = np.random.default_rng(0)
+    positions = np.arange(40)
+    inv_freq = 1.0 / (10000 ** (np.arange(0, 8, 2) / 8))
+    rope = Rope(inv_freq[None], np.array([1.0]))
+    pre = rng.standard_normal((40, 8)).astype(np.float32) * 0.1
+    pre[:, 0] = 5.0
+    c, s = rope.cos_sin(np.zeros(40, dtype=int), positions, 8)
+    post = apply_rope(pre, c, s, 8).astype(np.float32)[None, None]
+    spec = CacheSpec(1, 1, 8, prompt_len=40, final_len=40, budget=1.0, n_sink=4, w=4)
+    errors = {}
+    for prerope in (True, False):
+        ledger = make("qevict", key_prerope=prerope).start(spec, post, post.copy(), rope).ledger
+        ledger.quantize(np.array([[4, 5, 6, 7]]), np.array([0]), np.array([0]))
+        errors[prerope] = np.abs(ledger.k_eff[0, 0, 4:8] - post[0, 0, 4:8]).max()
+    assert errors[True] < errors[False]

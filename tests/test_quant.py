@@ -81,7 +81,7 @@ def test_ledger_is_write_once_and_counts_group_bytes():
     ledger.quantize(np.arange(4))  # one group of 4 tokens in every (layer, kv_head)
     # codes 2·8·2/8 = 4, value parameters 4·8/8 = 4, key parameters 4·8 per group of 4 tokens = 8 per token
     assert ledger.q_cost[0, 0, :4].tolist() == [16.0] * 4 and ledger.q_cost[0, 0, 4:].sum() == 0
-    assert np.abs(ledger.k_hat[0, 0, :4] - k[0, 0, :4]).max() > 0
+    assert np.abs(ledger.k_eff[0, 0, :4] - k[0, 0, :4]).max() > 0 and (ledger.k_eff[0, 0, 4:] == k[0, 0, 4:]).all()
     with pytest.raises(LedgerError):
         ledger.quantize(np.arange(2, 6))
     ledger.quantize(np.array([[4, 5, 6, 7]]), np.array([0]), np.array([1]))  # another head, fine

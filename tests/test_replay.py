@@ -93,6 +93,8 @@ def test_quantizers_lose_no_mass_and_evictors_serve_no_q(result):
 def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
     """The set that streaming evicts at β = 0.3, quantized to 2 bits instead: the attention
     distribution moves much less (the direction of LogQuant's Table 2)."""
+    import torch
+
     ds = kvscope.open_trace(qkv_trace)
     scaling, softcap, windows = attention_params(ds)
     attention = _AttentionModel(np.asarray(scaling, np.float32), softcap, windows)
@@ -108,7 +110,7 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
         gone = tiers[0, 0, :qpos] == 0  # streaming decides by position: the same set in every head
         assert gone.sum() > 50
         query = ds["q"].isel(sample=0, qpos=qpos).values.astype(np.float32)
-        reference = _reference(attention, query, k, v, qpos, 3)
+        reference = _reference(attention, query, torch.from_numpy(k), torch.from_numpy(v), qpos, 3)
         for how in l1:
             spec = kvscope.policies.CacheSpec(30, 3, 64, P, P + S, 1.0)
             ledger = Ledger(spec, 2, "channel", k=k, v=v) if how == "quantize" else None
@@ -122,7 +124,7 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
             else:
                 state.tiers[..., np.nonzero(gone)[0]] = 0
             state.length = qpos + 1
-            _, err, _ = _against_full(attention, query, k, v, state, qpos, reference, 3)
+            _, err, _ = _against_full(attention, query, torch.from_numpy(k), torch.from_numpy(v), state, qpos, reference, 3)
             l1[how].append(float(err.mean()))
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
 

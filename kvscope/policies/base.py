@@ -95,11 +95,11 @@ def _rotate_half(x: np.ndarray, n_rot: int) -> np.ndarray:
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
-    """``x·cos + rotate_half(x)·sin`` — ``x [..., n, D]``, ``cos``/``sin [n, D]``."""
+    """``x·cos + rotate_half(x)·sin`` — ``x``, ``cos``, ``sin`` broadcastable ``[..., D]``."""
     return x * cos + _rotate_half(x, n_rot) * sin
 
 
-def undo_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, scaling: float) -> np.ndarray:
+def undo_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, scaling) -> np.ndarray:
     """Inverse of :func:`apply_rope` (a rotation scaled by ``scaling``)."""
     return (x * cos - _rotate_half(x, n_rot) * sin) / (scaling * scaling)
 
@@ -111,17 +111,32 @@ class Rope:
     inv_freq: np.ndarray
     scaling: np.ndarray
 
+    def __post_init__(self):
+        self._tables = None
+
     def usable(self) -> bool:
         return bool(np.isfinite(self.inv_freq).all() and self.inv_freq.size)
+
+    def cos_sin(self, layers: np.ndarray, positions: np.ndarray, head_dim: int):
+        """``cos, sin [..., D]`` for ``layers`` and ``positions`` of the same shape (tables
+        ``[layer, pos, D]`` built once and grown when needed)."""
+        need = int(np.max(positions)) + 1
+        if self._tables is None or self._tables[0].shape[1] < need:
+            size = max(need, 1024, 2 * (self._tables[0].shape[1] if self._tables else 0))
+            tables = [rope_cos_sin(np.arange(size), self.inv_freq[l], float(self.scaling[l]), head_dim) for l in range(len(self.scaling))]  # noqa: E741
+            self._tables = (np.stack([c for c, _ in tables]), np.stack([s for _, s in tables]))
+        return self._tables[0][layers, positions], self._tables[1][layers, positions]
 
 
 class Ledger:
     """Write-once quantized copies of K and V for one sequence, per (layer, kv_head, pos).
 
     Every position is quantized at most once (:class:`LedgerError` otherwise); later
-    demotions reuse the codes. With the recorded ``k``/``v`` (``[layer, kv_head, pos, D]``
-    float32) it keeps the dequantized values (float16, as a live cache would hold them);
-    without them it keeps only membership and bytes.
+    demotions reuse the codes. With the recorded ``k``/``v`` (``[layer, kv_head, pos, D]``)
+    it keeps ``k_eff``/``v_eff``: the values this cache serves — the originals until a
+    position is quantized, its dequantized values from then on, also after a promotion
+    (the original is gone), in the dtype of the recording (fp16 by default, as a live fp16
+    cache would hold them). Without them it keeps only membership and bytes.
 
     ``q_cost [layer, kv_head, pos]``: bytes a position costs while it is in tier Q (codes +
     value parameters + its share of its key group's parameters).
@@ -147,11 +162,9 @@ class Ledger:
         shape = (spec.n_layers, spec.n_kv, spec.final_len)
         self.done = np.zeros(shape, dtype=bool)
         self.q_cost = np.zeros(shape, dtype=np.float64)
-        self.k, self.v, self.rope = k, v, rope
-        self.k_hat = self.v_hat = None
-        if k is not None:
-            self.k_hat = np.zeros(k.shape, dtype=np.float16)
-            self.v_hat = np.zeros(v.shape, dtype=np.float16)
+        self.rope = rope
+        self.k_eff = None if k is None else np.array(k)  # [layer, kv_head, pos, D] copies
+        self.v_eff = None if v is None else np.array(v)
         self.n_quantized = 0
 
     @property
@@ -167,58 +180,62 @@ class Ledger:
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size == 0:
             return
-        if layers is None:
-            n_l, n_h = self.spec.n_layers, self.spec.n_kv
-            ll, hh = np.meshgrid(np.arange(n_l), np.arange(n_h), indexing="ij")
-            layers, heads = ll.ravel(), hh.ravel()
-            positions = np.broadcast_to(positions, (layers.size, positions.size))
+        key_share = 4.0 * self.spec.head_dim / positions.shape[-1] if self.key_axis == "channel" else 0.0
+        if layers is None:  # one group in every (layer, kv_head): plain slicing
+            if self.done[:, :, positions].any():
+                raise LedgerError("a ledger entry was quantized twice (write-once violated)")
+            self.done[:, :, positions] = True
+            self.q_cost[:, :, positions] = self.token_value_bytes + key_share
+            self.n_quantized += positions.size * self.spec.n_layers * self.spec.n_kv
+            if self.k_eff is not None:
+                keys = self.k_eff[:, :, positions].astype(np.float32)  # [L, Hkv, G, D]
+                values = self.v_eff[:, :, positions].astype(np.float32)
+                n_l, n_h = keys.shape[:2]
+                ll = np.repeat(np.arange(n_l), n_h)
+                k_hat, v_hat = self._dequantized(
+                    keys.reshape(n_l * n_h, *keys.shape[2:]),
+                    values.reshape(n_l * n_h, *values.shape[2:]),
+                    np.broadcast_to(positions, (n_l * n_h, positions.size)),
+                    ll,
+                )
+                self.k_eff[:, :, positions] = k_hat.reshape(keys.shape)
+                self.v_eff[:, :, positions] = v_hat.reshape(values.shape)
+            return
         layers = np.asarray(layers, dtype=np.int64)
         heads = np.asarray(heads, dtype=np.int64)
         li, hi = layers[:, None], heads[:, None]
         if self.done[li, hi, positions].any():
             raise LedgerError("a ledger entry was quantized twice (write-once violated)")
         self.done[li, hi, positions] = True
-        g = positions.shape[1]
-        key_share = 4.0 * self.spec.head_dim / g if self.key_axis == "channel" else 0.0
         self.q_cost[li, hi, positions] = self.token_value_bytes + key_share
         self.n_quantized += positions.size
-        if self.k is not None:
-            self._quantize_values(positions, layers, heads)
+        if self.k_eff is not None:
+            keys = self.k_eff[li, hi, positions].astype(np.float32)  # [n, G, D] still the originals
+            values = self.v_eff[li, hi, positions].astype(np.float32)
+            k_hat, v_hat = self._dequantized(keys, values, positions, layers)
+            self.k_eff[li, hi, positions] = k_hat
+            self.v_eff[li, hi, positions] = v_hat
 
-    def _quantize_values(self, positions, layers, heads) -> None:
+    def _dequantized(self, keys, values, positions, layers):
+        """Quantize then dequantize groups ``keys``/``values [n, G, D]`` (float32) of
+        ``positions [n, G]`` in ``layers [n]`` → ``(k̂, v̂)``."""
         d = self.spec.head_dim
-        li, hi = layers[:, None], heads[:, None]
-        keys = self.k[li, hi, positions]  # [n, G, D]
-        values = self.v[li, hi, positions]  # [n, G, D]
         rope = self.rope if (self.rope is not None and self.rope.usable()) else None
-        if rope is not None:  # quantize keys before rotation (pre-RoPE)
+        if rope is not None:  # quantize keys before rotation (pre-RoPE), rotate the result back
             n_rot = 2 * rope.inv_freq.shape[1]
-            pre = np.empty_like(keys)
-            for layer in np.unique(layers):
-                rows = layers == layer
-                scale = float(rope.scaling[layer])
-                cos, sin = rope_cos_sin(positions[rows].ravel(), rope.inv_freq[layer], scale, d)
-                shape = keys[rows].shape
-                flat = keys[rows].reshape(-1, d)
-                pre[rows] = undo_rope(flat, cos, sin, n_rot, scale).reshape(shape)
-            keys = pre
+            cos, sin = rope.cos_sin(np.broadcast_to(layers[:, None], positions.shape), positions, d)  # [n, G, D]
+            scale = rope.scaling[layers].astype(np.float32)[:, None, None]
+            keys = undo_rope(keys, cos, sin, n_rot, scale)
         if self.key_axis == "channel":
             k_hat = quantize(keys, self.bits, axis=1).dequantize()  # per channel over the G tokens
         else:
             grouped = keys.reshape(*keys.shape[:2], d // self.key_group, self.key_group)
             k_hat = quantize(grouped, self.bits, axis=-1).dequantize().reshape(keys.shape)
         if rope is not None:
-            post = np.empty_like(k_hat)
-            for layer in np.unique(layers):
-                rows = layers == layer
-                scale = float(rope.scaling[layer])
-                cos, sin = rope_cos_sin(positions[rows].ravel(), rope.inv_freq[layer], scale, d)
-                post[rows] = apply_rope(k_hat[rows].reshape(-1, d), cos, sin, n_rot).reshape(k_hat[rows].shape)
-            k_hat = post
+            k_hat = apply_rope(k_hat, cos, sin, n_rot)
         vg = values.reshape(*values.shape[:2], d // self.value_group, self.value_group)
         v_hat = quantize(vg, self.bits, axis=-1).dequantize().reshape(values.shape)
-        self.k_hat[li, hi, positions] = k_hat
-        self.v_hat[li, hi, positions] = v_hat
+        return k_hat, v_hat
 
 
 class CacheState:
@@ -276,9 +293,9 @@ class CacheState:
     def bytes_used(self) -> np.ndarray:
         """``[layer, kv_head]`` bytes resident now."""
         t = self.tiers[..., : self.length]
-        total = (t == FP).sum(-1) * self.spec.fp_bytes
-        if self.ledger is not None:
-            total = total + np.where(t == Q, self.ledger.q_cost[..., : self.length], 0.0).sum(-1)
+        total = np.count_nonzero(t == FP, axis=-1) * self.spec.fp_bytes
+        if self.ledger is not None and self.ledger.n_quantized:
+            total = total + self.ledger.q_cost[..., : self.length].sum(-1, where=t == Q)
         return total
 
     def check(self) -> None:
@@ -303,6 +320,7 @@ class Policy:
     kind: ClassVar[str] = ""
     clairvoyant: ClassVar[bool] = False
     quantizes: ClassVar[bool] = False
+    observes: ClassVar[bool] = False  # decisions use the rows served at each step
 
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
         raise NotImplementedError
@@ -322,13 +340,24 @@ def top_k_mask(scores: np.ndarray, candidates: np.ndarray, k) -> np.ndarray:
     ties go to the newer (higher-index) position."""
     n = scores.shape[-1]
     masked = np.where(candidates, scores, -np.inf)
-    # stable sort of the reversed scores: equal scores keep reversed order → newer first
+    if np.ndim(k) == 0:
+        k = int(k)
+        if k <= 0:
+            return np.zeros(candidates.shape, dtype=bool)
+        if k >= n:
+            return candidates.copy()
+        # the k-th largest value, then everything above it and the newest of those equal to it
+        threshold = -np.partition(-masked, k - 1, axis=-1)[..., k - 1 : k]
+        above = masked > threshold
+        equal = masked == threshold
+        need = k - above.sum(-1, keepdims=True)
+        from_newest = np.cumsum(equal[..., ::-1], axis=-1)[..., ::-1]
+        return candidates & (above | (equal & (from_newest <= need)))
     order = np.argsort(-masked[..., ::-1], axis=-1, kind="stable")
     order = n - 1 - order
     ranks = np.empty_like(order)
     np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n), order.shape), axis=-1)
-    k = np.asarray(k)[..., None] if np.ndim(k) else k
-    return candidates & (ranks < k)
+    return candidates & (ranks < np.asarray(k)[..., None])
 
 
 def window_sums(x: np.ndarray, n_sink: int, w: int, n_windows: int) -> np.ndarray:

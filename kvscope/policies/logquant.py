@@ -22,6 +22,7 @@ sequence; when even ``W = 1`` does not, it runs at ``W = 1`` and reports its flo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -98,6 +99,20 @@ def fp_transitions(prompt_len: int, final_len: int, W: int) -> Iterator[tuple[in
         yield position + 1, after, left
 
 
+@functools.lru_cache(maxsize=4096)
+def _max_bytes(prompt_len: int, final_len: int, W: int, head_dim: int, token_bytes: float, G: int) -> float:
+    """Peak bytes of the LogQuant cache (the same for every budget: cached). ``G`` tokens per
+    key group when keys are quantized per channel, 0 when per token."""
+    n_q, key_meta, worst = 0, 0.0, 0.0
+    for _, fp, left in fp_transitions(prompt_len, final_len, W):
+        if left:
+            n_q += len(left)
+            if G:
+                key_meta += 4.0 * head_dim * math.ceil(len(left) / G)
+        worst = max(worst, len(fp) * 4.0 * head_dim + n_q * token_bytes + key_meta)
+    return worst
+
+
 def _chunks(positions: list[int], size: int) -> list[list[int]]:
     return [positions[i : i + size] for i in range(0, len(positions), size)]
 
@@ -135,15 +150,8 @@ class LogQuant(Policy):
     def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
         """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
         ledger = ledger or self._ledger(spec)
-        d, token = spec.head_dim, ledger.token_value_bytes
-        n_q, key_meta, worst = 0, 0.0, 0.0
-        for length, fp, left in fp_transitions(spec.prompt_len, spec.final_len, W):
-            if left:
-                n_q += len(left)
-                if self.key_axis == "channel":
-                    key_meta += 4.0 * d * math.ceil(len(left) / self.G)
-            worst = max(worst, len(fp) * spec.fp_bytes + n_q * token + key_meta)
-        return worst
+        groups = self.G if self.key_axis == "channel" else 0
+        return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, ledger.token_value_bytes, groups)
 
     def _fit_W(self, spec: CacheSpec, ledger: Ledger) -> int:
         """The largest ``W`` that fits; bytes fall with ``W`` while per-flush key groups are

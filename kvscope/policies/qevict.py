@@ -41,6 +41,7 @@ class QEvict(Policy):
 
     name = "qevict"
     kind = "tiered"
+    observes = True
     quantizes = True
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:

@@ -1,0 +1,154 @@
+"""Replay speed: the whole policy × budget grid replayed offline vs one decode of the model.
+
+Records one trace (default model, a 1,024-token prompt of real prose + 128 new tokens, with
+q/k/v), times a plain untraced decode of the same sequence (what re-running the model for
+one policy would cost at least), then replays all 8 policies × 3 budgets in a fresh process
+(attention and output errors included; each repeat in a fresh process after one small
+warm-up replay, as the decode timing drops its first run; medians of ``--repeats``) and prints
+
+    replay time / decode time      target ≤ 1.0 — the grid costs less than one decode,
+                                   where re-decoding would cost 24 of them
+    peak RSS of the replay process
+
+    python benchmarks/replay_speed.py [--prompt-tokens 1024] [--new-tokens 128] [--budgets 0.2,0.35,0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
+
+REPLAY = """
+import json, sys, time, resource
+import kvscope
+from kvscope.replay import comparison
+store, policies, budgets, observe = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
+t0 = time.perf_counter()
+kvscope.replay(store, ["full"], [1.0], observe=observe)  # warm-up, as the decode's first run is
+warm_up = time.perf_counter() - t0
+t0 = time.perf_counter()
+r = kvscope.replay(store, policies, [float(b) for b in budgets.split(",")], observe=observe)
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up,
+                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rows": comparison(r)}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--budgets", default="0.2,0.35,0.5")
+    ap.add_argument("--observe", default="renorm")
+    ap.add_argument("--repeats", type=int, default=3, help="plain decodes and grid replays (medians)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import statistics
+
+    import torch
+    from trace_overhead import prose_prompt, untraced_decode
+
+    from kvscope.cli import _quiet_libraries
+    from kvscope.models import load, resolve
+    from kvscope.tracing.runner import Prompt, TraceSettings, trace_loaded
+
+    _quiet_libraries()
+    source = resolve(args.model)
+    model, tokenizer = load(source, "cpu")
+    prompt = prose_prompt(tokenizer, args.prompt_tokens)
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    decodes = []
+    for r in range(args.repeats + 1):  # the first one warms up
+        model.set_attn_implementation("sdpa")
+        prefill_s, decode_s, _ = untraced_decode(model, input_ids, args.new_tokens, lambda: None)
+        if r:
+            decodes.append((prefill_s, decode_s))
+    plain_prefill = statistics.median(p for p, _ in decodes)
+    plain_decode = statistics.median(d for _, d in decodes)
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvscope-replay-bench-"))
+    try:
+        store = workdir / "trace.zarr"
+        settings = TraceSettings(model=args.model, max_new_tokens=args.new_tokens, stop_at_eos=False, record_qkv=True)
+        t0 = time.perf_counter()
+        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], store, settings)
+        traced_s = time.perf_counter() - t0
+        del model
+        runs = []
+        for _ in range(args.repeats):  # each in a fresh process: its own peak RSS
+            proc = subprocess.run(
+                [sys.executable, "-c", REPLAY, str(store), ",".join(POLICIES), args.budgets, args.observe],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+            )
+            runs.append(json.loads(proc.stdout))
+        replayed = {
+            "seconds": statistics.median(r["seconds"] for r in runs),
+            "all_seconds": [r["seconds"] for r in runs],
+            "warm_up_seconds": statistics.median(r["warm_up_seconds"] for r in runs),
+            "rss_kib": max(r["rss_kib"] for r in runs),
+            "rows": runs[-1]["rows"],
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    n_budgets = len(args.budgets.split(","))
+    one_decode = plain_prefill + plain_decode
+    report = {
+        "model": args.model,
+        "device": "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "prompt_tokens": int(input_ids.shape[1]),
+        "new_tokens": args.new_tokens,
+        "policies": POLICIES,
+        "budgets": args.budgets,
+        "observe": args.observe,
+        "plain_prefill_s": plain_prefill,
+        "plain_decode_s": plain_decode,
+        "traced_with_qkv_s": traced_s,
+        "replay_s": replayed["seconds"],
+        "replay_all_s": replayed["all_seconds"],
+        "replay_warm_up_s": replayed["warm_up_seconds"],
+        "replay_over_one_decode": replayed["seconds"] / one_decode,
+        "replay_over_decode_steps_only": replayed["seconds"] / plain_decode,
+        "re_decoding_would_cost_s": one_decode * len(POLICIES) * n_budgets,
+        "replay_peak_rss_mib": replayed["rss_kib"] / 1024,
+        "rows": replayed["rows"],
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    grid = len(POLICIES) * n_budgets
+    print(
+        f"replay speed ({args.model}, cpu, {report['prompt_tokens']} + {args.new_tokens} tokens, q/k/v, "
+        f"{len(POLICIES)} policies × {n_budgets} budgets = {grid} runs, observe={args.observe}):\n"
+        f"  one plain decode      prefill {plain_prefill:.2f} s + decode {plain_decode:.2f} s = {one_decode:.2f} s\n"
+        f"  replay of the grid    {replayed['seconds']:.2f} s  →  replay / one decode = "
+        f"{report['replay_over_one_decode']:.3f}  (target ≤ 1.0; re-decoding: {grid} decodes = "
+        f"{report['re_decoding_would_cost_s']:.0f} s)\n"
+        f"                        replay / decode steps only = {report['replay_over_decode_steps_only']:.3f}\n"
+        f"  replay peak RSS       {report['replay_peak_rss_mib']:.0f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
