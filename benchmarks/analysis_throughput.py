@@ -32,9 +32,8 @@ def bytes_per_sample() -> int:
 
 
 def measure(path: str, repeats: int, what: str) -> dict:
-    """In a fresh process: time ``what`` (plain read, or the analyses) and its peak RSS."""
-    import resource
-
+    """In a fresh process: time ``what`` (plain read, or the analyses) and its peak RSS
+    (``VmHWM`` of this process: ``ru_maxrss`` would carry the parent's peak across exec)."""
     import dask
 
     import kvscope
@@ -43,7 +42,7 @@ def measure(path: str, repeats: int, what: str) -> dict:
     dask.config.set(scheduler="threads")
     ds = kvscope.open_trace(path, chunks={})
     attn = ds["attn"].data
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_before = _peak_rss_mb()
 
     def plain_read():
         attn[..., :1].sum().compute()  # every chunk is fetched and decoded; almost nothing computed
@@ -60,10 +59,15 @@ def measure(path: str, repeats: int, what: str) -> dict:
         times.append(time.perf_counter() - t0)
     return {
         "seconds": statistics.median(times),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": _peak_rss_mb(),
         "rss_after_imports_mb": rss_before,
         "values": values,
     }
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def main() -> None:

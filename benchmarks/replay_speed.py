@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 
 REPLAY = """
-import json, sys, time, resource
+import json, sys, time
 import kvscope
 from kvscope.replay import comparison
 store, policies, budgets, observe = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
@@ -43,8 +42,9 @@ warm_up = time.perf_counter() - t0
 t0 = time.perf_counter()
 r = kvscope.replay(store, policies, [float(b) for b in budgets.split(",")], observe=observe)
 seconds = time.perf_counter() - t0
-print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up,
-                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rows": comparison(r)}))
+# VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork + exec)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up, "rss_kib": hwm, "rows": comparison(r)}))
 """
 
 

@@ -11,9 +11,9 @@ import pytest
 
 import kvscope
 from kvscope import analysis
+from kvscope.analysis.recompute import attention_params
 from kvscope.policies import CacheState, Ledger, make
 from kvscope.replay import _against_full, _AttentionModel, _reference, effective_kv, tiers_for
-from kvscope.analysis.recompute import attention_params
 
 from .conftest import run_cli
 
