@@ -52,8 +52,11 @@ def _add_trace(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
+    p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
+    p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
     p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
     p.add_argument("--out", required=True, help="store path (*.zarr)")
     p.add_argument("--heads", default="kv", help="all | kv | mean (default kv: kv-group rows)")
     p.add_argument("--resolution", default="token", help="token | window")
@@ -87,12 +90,29 @@ def _cmd_trace(args) -> int:
     for item in args.record:
         if item != "qkv":
             raise KvscopeError(f"--record accepts qkv only (got {item!r})")
-    if args.prompt is not None:
-        if not args.prompt.strip():
-            raise KvscopeError("--prompt is empty")
-        prompts = [Prompt(args.prompt, "cli")]
+    workload = None
+    if args.workload is not None:
+        from . import workloads
+
+        workload = workloads.get(args.workload)
+        recipe = workload.recipe
+        args.max_new_tokens = args.max_new_tokens or int(recipe.get("max_new_tokens", 64))
+        args.chat = args.chat or bool(recipe.get("chat", False))
+        prompts = workloads.prompts_for_model(
+            args.workload, args.model, context=args.context, seed=args.seed, samples=args.samples,
+            chat=args.chat, max_new_tokens=args.max_new_tokens, trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
     else:
-        prompts = load_prompts_file(args.prompts)
+        if args.context is not None or args.samples is not None:
+            raise KvscopeError("--context and --samples go with --workload")
+        if args.max_new_tokens is None:
+            raise KvscopeError("--max-new-tokens is required (except with --workload)")
+        if args.prompt is not None:
+            if not args.prompt.strip():
+                raise KvscopeError("--prompt is empty")
+            prompts = [Prompt(args.prompt, "cli")]
+        else:
+            prompts = load_prompts_file(args.prompts)
     settings = TraceSettings(
         model=args.model,
         max_new_tokens=args.max_new_tokens,
@@ -148,7 +168,54 @@ def _cmd_trace(args) -> int:
         f"[{_human_bytes(info['stored_bytes'])} on disk, compression {info['compression_ratio'] or 0:.2f}×]"
     )
     for n, text in enumerate(result.texts):
-        print(f"  sample {n}: {text[:120]!r}")
+        graded = ""
+        if workload is not None and workload.scorer is not None:
+            graded = f" score {workload.scorer(text, prompts[n].expected):.2f} (expected {prompts[n].expected})"
+        print(f"  sample {n}: {text[:120]!r}{graded}")
+    return 0
+
+
+# -- workloads ----------------------------------------------------------------------
+
+
+def _add_workloads(sub) -> None:
+    p = sub.add_parser("workloads", help="list the built-in workloads (kvscope trace --workload NAME)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_workloads)
+
+
+def _cmd_workloads(args) -> int:
+    from .workloads import RECIPES, available
+
+    rows = []
+    for name, w in available().items():
+        r = w.recipe
+        rows.append(
+            {
+                "name": name,
+                "description": r.get("description", ""),
+                "context": r.get("context"),
+                "samples": r.get("samples", 1),
+                "max_new_tokens": r.get("max_new_tokens"),
+                "chat": bool(r.get("chat", False)),
+                "scorer": w.scorer.__name__ if w.scorer else None,
+                "recipe": str(RECIPES / f"{name}.toml"),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "description", "context", "samples", "new tokens", "chat", "scorer")
+    for r in rows:
+        table.add_row(
+            r["name"], r["description"], str(r["context"]), str(r["samples"]), str(r["max_new_tokens"]),
+            "yes" if r["chat"] else "no", r["scorer"] or "—",
+        )  # fmt: skip
+    Console(width=max(110, Console().width)).print(table)
+    print(f"recipes: {RECIPES}/NAME.toml · kvscope trace --workload NAME [--context TOKENS] [--seed S] --out NAME.zarr")
     return 0
 
 
@@ -577,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_replay(sub)
     _add_compare(sub)
+    _add_workloads(sub)
     _add_models(sub)
     return parser
 

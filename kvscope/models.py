@@ -227,6 +227,18 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The tokenizer of ``source`` alone (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            source.load_path, trust_remote_code=trust_remote_code, local_files_only=source.kind != "hub"
+        )
+    except OSError as exc:
+        raise KvscopeError(f"cannot load the tokenizer of {source.load_path}: {str(exc).splitlines()[0]}") from exc
+
+
 def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False):
     """Load (model, tokenizer) in eval mode on ``device``."""
     import torch

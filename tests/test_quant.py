@@ -16,7 +16,9 @@ finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
 
 @settings(max_examples=200, deadline=None)
-@given(arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 40)), elements=finite), st.sampled_from([2, 4, 8]))
+@given(
+    arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 40)), elements=finite), st.sampled_from([2, 4, 8])
+)
 def test_error_at_most_half_a_step_per_group(x, bits):
     q = quantize(x, bits, axis=-1)
     x_hat = q.dequantize()

@@ -87,7 +87,9 @@ def test_quantizers_lose_no_mass_and_evictors_serve_no_q(result):
         assert float(result["tier_mean"].sel(policy=p, budget=0.3, tier="Q")) == 0
     # a bigger budget never loses more
     for p in ("streaming", "h2o", "oracle"):
-        assert float(result["fmm_mean"].sel(policy=p, budget=0.6)) <= float(result["fmm_mean"].sel(policy=p, budget=0.3))
+        assert float(result["fmm_mean"].sel(policy=p, budget=0.6)) <= float(
+            result["fmm_mean"].sel(policy=p, budget=0.3)
+        )
 
 
 def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
@@ -124,7 +126,9 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
             else:
                 state.tiers[..., np.nonzero(gone)[0]] = 0
             state.length = qpos + 1
-            _, err, _ = _against_full(attention, query, torch.from_numpy(k), torch.from_numpy(v), state, qpos, reference, 3)
+            _, err, _ = _against_full(
+                attention, query, torch.from_numpy(k), torch.from_numpy(v), state, qpos, reference, 3
+            )
             l1[how].append(float(err.mean()))
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
 
@@ -175,7 +179,9 @@ def test_cli_replay_compare_and_analyze(tmp_path, qkv_trace):
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
     again = json.loads(run_cli("compare", out, "--json", check=True).stdout)
     assert again["rows"] == doc["rows"]
-    fmm = json.loads(run_cli("analyze", "fmm", qkv_trace, "--policy", "h2o", "--budget", "0.3", "--json", check=True).stdout)
+    fmm = json.loads(
+        run_cli("analyze", "fmm", qkv_trace, "--policy", "h2o", "--budget", "0.3", "--json", check=True).stdout
+    )
     h2o = next(r for r in doc["rows"] if r["policy"] == "h2o" and r["budget"] == 0.3)
     assert fmm["selection"] == "h2o@0.3" and fmm["fmm"] == pytest.approx(h2o["fmm"], abs=1e-5)
     for name in ("lir", "churn"):

@@ -97,6 +97,17 @@ class TraceSettings:
 class Prompt:
     text: str
     source: str = "cli"
+    expected: object = None  # a workload's answer (what its scorer grades against)
+    meta: dict = field(default_factory=dict)
+
+    def doc(self) -> dict:
+        """What the store's ``prompts`` attribute holds for this prompt."""
+        out = {"text": self.text, "source": self.source}
+        if self.expected is not None:
+            out["expected"] = self.expected
+        if self.meta:
+            out["meta"] = self.meta
+        return out
 
 
 @dataclass
@@ -414,7 +425,7 @@ def _store_attrs(source, facts, model, tokenizer, settings, layout, prompts, set
         "obs_window": settings.obs_window,
         "block_steps": layout.block_steps,
         "record_qkv": settings.record_qkv,
-        "prompts": [{"text": p.text, "source": p.source} for p in prompts],
+        "prompts": [p.doc() for p in prompts],
         "settings": settings_doc,
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
     }

@@ -1,0 +1,384 @@
+"""Workloads: deterministic, offline prompt sets cut to a requested token length.
+
+    available()                                  {name: Workload}
+    prompts("niah", tokenizer, context=2048, seed=0, samples=3, chat=True)  → [Prompt]
+    score("niah", output_text, expected)         → task score in [0, 1]
+
+Every workload reads its recipe (context, samples, templates) from ``traces/NAME.toml``;
+the text comes from what ships with Python — the reference-manual topics of ``pydoc_data``
+(prose, haystacks) and standard-library source files (code) — so nothing is downloaded and a
+seed gives the same prompts on every machine with the same Python. A prompt's length is
+counted in the tokens the model receives (chat template included when the workload is a
+chat task) and lands within 2% of ``context``.
+
+| name | task | scorer |
+|---|---|---|
+| ``prose`` | continue reference-manual prose | — |
+| ``code`` | continue standard-library source | — |
+| ``niah`` | RULER-style needle in a haystack: single, multi-key, multi-value | share of the expected numbers in the answer |
+| ``vt`` | RULER-style variable tracking | share of the chain's variables in the answer |
+| ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import operator
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from .errors import KvscopeError
+from .tracing.runner import Prompt
+
+RECIPES = Path(__file__).resolve().parents[1] / "traces"
+TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    build: Callable  # (recipe, fill, rng, sample index) -> (text, expected, meta); fill(n_units) grows the prompt
+    scorer: Callable[[str, object], float] | None = None
+
+    @property
+    def recipe(self) -> dict:
+        return load_recipe(self.name)
+
+    @property
+    def description(self) -> str:
+        return self.recipe.get("description", "")
+
+
+def load_recipe(name: str) -> dict:
+    path = RECIPES / f"{name}.toml"
+    if not path.is_file():
+        raise KvscopeError(f"workload recipe {path} is missing")
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+# -- text sources ---------------------------------------------------------------------------
+
+
+def prose_text() -> str:
+    """The reference-manual topics that ship with Python, in a fixed order."""
+    import pydoc_data.topics as topics
+
+    return "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
+
+
+def prose_sentences() -> list[str]:
+    text = re.sub(r"\s+", " ", prose_text())
+    return [s.strip() + "." for s in re.split(r"(?<=[a-z])\. ", text) if 40 <= len(s) <= 300]
+
+
+def code_text(modules: list[str], rng: random.Random) -> str:
+    order = list(modules)
+    rng.shuffle(order)
+    parts = []
+    for name in order:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        parts.append(f"# ---- {name}.py ----\n" + Path(spec.origin).read_text(encoding="utf-8"))
+    return "\n\n".join(parts)
+
+
+# -- builders: each returns a function of the amount of filler --------------------------------
+
+
+_TOKENIZED: dict = {}
+
+
+def _token_ids(tokenizer, text: str) -> list[int]:
+    key = (getattr(tokenizer, "name_or_path", id(tokenizer)), len(tokenizer), hash(text))
+    if key not in _TOKENIZED:
+        _TOKENIZED[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _TOKENIZED[key]
+
+
+def _continuation(text: str, rng: random.Random, tokenizer):
+    ids = _token_ids(tokenizer, text)
+
+    def make(n: int):
+        start = rng_start % max(1, len(ids) - n)
+        return tokenizer.decode(ids[start : start + n]), None, {"start_token": start}
+
+    rng_start = rng.randrange(0, 1 << 30)
+    return make, len(ids)
+
+
+def build_prose(recipe, tokenizer, rng, index):
+    return _continuation(prose_text(), rng, tokenizer)
+
+
+def build_code(recipe, tokenizer, rng, index):
+    return _continuation(code_text(recipe["modules"], rng), rng, tokenizer)
+
+
+def _haystack_words(rng: random.Random, n_words: int) -> list[str]:
+    """``n_words`` words of consecutive reference-manual sentences from a seeded start."""
+    sentences = prose_sentences()
+    start = rng.randrange(0, len(sentences))
+    words: list[str] = []
+    i = start
+    while len(words) < n_words:
+        words += sentences[i % len(sentences)].split()
+        i += 1
+    return words[:n_words]
+
+
+def build_niah(recipe, tokenizer, rng, index):
+    variant = recipe["variants"][index % len(recipe["variants"])]
+    keys = rng.sample(recipe["keys"], recipe["n_keys"] if variant == "multikey" else 1)
+    key = keys[0]
+    n_values = recipe["n_values"] if variant == "multivalue" else 1
+    needles = [(key, rng.randrange(1_000_000, 10_000_000)) for _ in range(n_values)]
+    needles += [(k, rng.randrange(1_000_000, 10_000_000)) for k in keys[1:]]
+    depths = [rng.random() for _ in needles]
+    expected = [str(v) for k, v in needles if k == key]
+    question = recipe["question"].format(key=key)
+    hay_seed = rng.randrange(0, 1 << 30)
+
+    def make(n: int):
+        hay = _haystack_words(random.Random(hay_seed), n)
+        ends = [i + 1 for i, word in enumerate(hay) if word.endswith(".")] or [len(hay)]
+        for (k, v), depth in sorted(zip(needles, depths), key=lambda x: -x[1]):
+            at = next((e for e in ends if e >= depth * len(hay)), len(hay))  # after a sentence
+            hay.insert(at, recipe["needle"].format(key=k, value=v))
+        text = recipe["template"].format(haystack=" ".join(hay), question=question, key=key)
+        return text, expected, {"variant": variant, "key": key, "depths": [round(d, 3) for d in depths]}
+
+    return make, None
+
+
+def build_vt(recipe, tokenizer, rng, index):
+    def name():
+        return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+    chains = []
+    values = rng.sample(range(10_000, 100_000), recipe["chains"] + 1)
+    for value in values:
+        names = [name() for _ in range(recipe["hops"] + 1)]
+        lines = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        chains.append((value, names, lines))
+    value, names, _ = chains[0]
+    # a seeded merge of the chains (each chain keeps its order) placed at sorted depths
+    pending = [list(lines) for _, _, lines in chains]
+    merged = []
+    while any(pending):
+        merged.append(rng.choice([p for p in pending if p]).pop(0))
+    depths = sorted(rng.random() for _ in merged)
+    noise = [x.strip() + "." for x in recipe["noise"].split(".") if x.strip()]
+
+    def make(n: int):
+        body = [noise[i % len(noise)] for i in range(n)]
+        for statement, depth in sorted(zip(merged, depths), key=lambda x: -x[1]):
+            body.insert(round(depth * n), statement)
+        text = recipe["template"].format(body=" ".join(body), value=value, n=len(names))
+        return text, names, {"value": value, "hops": recipe["hops"], "chains": recipe["chains"]}
+
+    return make, None
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def evaluate(expression: str, names: dict) -> int:
+    """Integer arithmetic with + - * // and parentheses over ``names`` (nothing else)."""
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Name) and node.id in names:
+            return int(names[node.id])
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        raise KvscopeError(f"recipe expression {expression!r}: only integers, names, + - * // allowed")
+
+    return ev(ast.parse(expression, mode="eval"))
+
+
+def _problem(recipe, rng):
+    p = rng.choice(recipe["problems"])
+    names = {k: rng.randint(lo, hi) for k, (lo, hi) in p["ranges"].items()}
+    for k, expr in p.get("define", {}).items():
+        names[k] = evaluate(expr, names)
+    names["answer"] = evaluate(p["answer"], names)
+    return p["text"].format(**names), p["steps"].format(**names), names["answer"]
+
+
+def build_reasoning(recipe, tokenizer, rng, index):
+    """Solved examples fill the context: the last ``n`` words of a long run of them (so the
+    context may open mid-example, as a sliding window would), then the asked problem."""
+    question, _, answer = _problem(recipe, rng)
+    r = random.Random(rng.randrange(0, 1 << 30))
+    shots: list[str] = []
+
+    def make(n: int):
+        while len("\n\n".join(shots).split(" ")) < n:
+            q, steps, a = _problem(recipe, r)
+            shots.insert(0, f"Problem: {q}\nSolution: {steps} The answer is {a}.")
+        words = "\n\n".join(shots).split(" ")
+        context = " ".join(words[len(words) - n :]) if n else ""
+        text = "\n\n".join(x for x in (recipe["instruction"], context, f"Problem: {question}\nSolution:") if x)
+        return text, str(answer), {"shot_words": n}
+
+    return make, None
+
+
+# -- scorers ------------------------------------------------------------------------------------
+
+
+def score_all_present(output: str, expected) -> float:
+    """RULER's string-match-all: the share of expected strings that occur in the output."""
+    expected = [expected] if isinstance(expected, str) else list(expected)
+    if not expected:
+        return 0.0
+    return sum(1.0 for e in expected if str(e) in output) / len(expected)
+
+
+def score_final_number(output: str, expected) -> float:
+    """1 when the number after 'The answer is' (else the last number) equals the answer."""
+    found = re.findall(r"answer is\s*\$?(-?[\d,]+)", output, flags=re.IGNORECASE)
+    numbers = found or re.findall(r"-?\d[\d,]*", output)
+    if not numbers:
+        return 0.0
+    return 1.0 if numbers[-1].replace(",", "") == str(expected) else 0.0
+
+
+WORKLOADS = {
+    "prose": Workload("prose", build_prose),
+    "code": Workload("code", build_code),
+    "niah": Workload("niah", build_niah, score_all_present),
+    "vt": Workload("vt", build_vt, score_all_present),
+    "reasoning": Workload("reasoning", build_reasoning, score_final_number),
+}
+
+
+def available() -> dict[str, Workload]:
+    return dict(WORKLOADS)
+
+
+def get(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise KvscopeError(f"unknown workload {name!r} (available: {', '.join(WORKLOADS)})")
+    return WORKLOADS[name]
+
+
+def count_tokens(tokenizer, text: str, chat: bool) -> int:
+    """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it)."""
+    from .tracing.runner import _encode
+
+    return len(_encode(tokenizer, [Prompt(text, "count")], chat)[0])
+
+
+def _fit(make, tokenizer, chat: bool, context: int, limit: int | None):
+    """The filler amount whose prompt is closest to ``context`` tokens (monotone search)."""
+    smallest = count_tokens(tokenizer, make(0)[0], chat) if make(0)[0] else 0
+    if smallest > context * (1 + TOLERANCE):
+        raise KvscopeError(f"this workload needs at least {smallest} tokens; asked for --context {context}")
+    lo, hi = 0, 1
+    while count_tokens(tokenizer, make(hi)[0], chat) < context:
+        lo, hi = hi, hi * 2
+        if limit is not None and hi >= limit:
+            hi = limit
+            break
+        if hi > 1 << 22:
+            raise KvscopeError(f"cannot build a prompt of {context} tokens")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_tokens(tokenizer, make(mid)[0], chat) < context:
+            lo = mid
+        else:
+            hi = mid
+    best = min((lo, hi), key=lambda n: abs(count_tokens(tokenizer, make(n)[0], chat) - context))
+    return make(best)
+
+
+def prompts(
+    name: str,
+    tokenizer,
+    *,
+    context: int | None = None,
+    seed: int = 0,
+    samples: int | None = None,
+    chat: bool | None = None,
+) -> list[Prompt]:
+    """``samples`` prompts of workload ``name``, each ``context`` tokens (±2%) as the model
+    receives them; ``Prompt.expected`` holds the answer a scorer grades against."""
+    workload = get(name)
+    recipe = workload.recipe
+    context = int(context or recipe["context"])
+    samples = int(samples or recipe.get("samples", 1))
+    chat = recipe.get("chat", False) if chat is None else chat
+    if context < 64:
+        raise KvscopeError(f"--context must be at least 64 tokens (got {context})")
+    if samples < 1:
+        raise KvscopeError(f"--samples must be ≥ 1 (got {samples})")
+    out = []
+    for index in range(samples):
+        rng = random.Random(f"{name}:{seed}:{index}")
+        make, available_tokens = workload.build(recipe, tokenizer, rng, index)
+        if available_tokens is not None and available_tokens < context:
+            raise KvscopeError(f"workload {name} has only {available_tokens} tokens of text; asked for {context}")
+        text, expected, meta = _fit(make, tokenizer, chat, context, available_tokens)
+        n = count_tokens(tokenizer, text, chat)
+        if abs(n - context) > TOLERANCE * context:
+            raise KvscopeError(f"workload {name}: could not reach {context} tokens (got {n})")
+        out.append(
+            Prompt(
+                text,
+                f"workload:{name}:seed={seed}:sample={index}",
+                expected=expected,
+                meta={"workload": name, "seed": seed, "context": context, "tokens": n, **meta},
+            )
+        )
+    return out
+
+
+def score(name: str, output: str, expected) -> float | None:
+    """The workload's task score of one generated text (None without a scorer)."""
+    workload = get(name)
+    return None if workload.scorer is None else float(workload.scorer(output, expected))
+
+
+def prompts_for_model(
+    name: str,
+    model: str,
+    *,
+    context: int | None = None,
+    seed: int = 0,
+    samples: int | None = None,
+    chat: bool | None = None,
+    max_new_tokens: int = 0,
+    trust_remote_code: bool = False,
+) -> list[Prompt]:
+    """:func:`prompts` with the tokenizer of ``model`` (as ``--model`` names it); refuses a
+    context that, with ``max_new_tokens``, does not fit the model before building anything."""
+    import json
+
+    from .models import load_tokenizer, resolve
+
+    workload = get(name)
+    context = int(context or workload.recipe["context"])
+    source = resolve(model)
+    config = Path(source.load_path) / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        cfg = cfg.get("text_config", cfg)
+        limit = cfg.get("max_position_embeddings")
+        if limit and context + max_new_tokens > limit:
+            raise KvscopeError(
+                f"--context {context} + --max-new-tokens {max_new_tokens} exceeds the model context of {limit}"
+            )
+    tokenizer = load_tokenizer(source, trust_remote_code)
+    return prompts(name, tokenizer, context=context, seed=seed, samples=samples, chat=chat)
