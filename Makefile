@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 KVSCOPE := $(PY) cli.py
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench study clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ bench: setup
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/analysis_throughput.py
 	$(PY) benchmarks/replay_speed.py
+
+# the three studies of analyses/ on every workload (traces recorded once into results/traces)
+study: setup
+	$(PY) analyses/workload_traces.py
+	$(PY) analyses/observation.py
+	$(PY) analyses/logpeaks.py
+	$(PY) analyses/policies.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache

@@ -129,46 +129,67 @@ PLOTS = {
 
 
 def plot_compare(result, path) -> None:
-    """Replay comparison: FMM vs budget, output error vs budget, tier-mass stacks."""
+    """Replay comparison: FMM and output error against the bytes each policy really used
+    (hollow markers: the policy could not fit β and used more), and tier-mass stacks."""
     has_err = "output_rel_l2_mean" in result
     fig, axes = _figure(width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
     budgets = result["budget"].values
     policies = list(result["policy"].values)
-    ax = axes[0]
-    for p in policies:
-        r = result.sel(policy=p)
-        ax.errorbar(
-            budgets,
-            r["fmm_fp_mean"].values,
-            yerr=[r["fmm_fp_mean"].values - r["fmm_fp_ci_low"].values, r["fmm_fp_ci_high"].values - r["fmm_fp_mean"].values],
-            marker="o",
-            capsize=3,
-            label=p,
-        )
-    ax.set_xlabel("budget β (share of the full cache)")
-    ax.set_ylabel(f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)")
-    ax.set_title("Future Missed Mass vs budget")
-    ax.legend(fontsize=7)
-    if has_err:
-        ax = axes[1]
+
+    def lines(ax, values_of, ylabel, title, with_ci=False):
         for p in policies:
-            ax.plot(budgets, result["output_rel_l2_mean"].sel(policy=p).values, marker="o", label=p)
-        ax.set_xlabel("budget β")
-        ax.set_ylabel("attention output relative L2 error")
-        ax.set_title("Output error vs budget")
+            r = result.sel(policy=p)
+            if str(r["policy_name"].values) == "full":
+                continue  # the reference: 0 at 100% of the memory
+            x = r["byte_ratio_used"].values
+            y = values_of(r)
+            line = ax.plot(x, y, marker="o", label=p)[0]
+            if with_ci:
+                ax.fill_between(
+                    x, r["fmm_fp_ci_low"].values, r["fmm_fp_ci_high"].values, color=line.get_color(), alpha=0.15
+                )
+            floors = ~r["budget_reached"].values
+            if floors.any():
+                ax.plot(x[floors], y[floors], "o", markerfacecolor="white", color=line.get_color())
+        ax.set_xlabel("bytes used (share of the full cache); hollow = could not fit β")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.legend(fontsize=7)
+
+    lines(
+        axes[0],
+        lambda r: r["fmm_fp_mean"].values,
+        f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)",
+        "Future Missed Mass vs memory (full KV: 0)",
+        with_ci=True,
+    )
+    if has_err:
+        lines(
+            axes[1],
+            lambda r: r["output_rel_l2_mean"].values,
+            "attention output relative L2 error",
+            "Output error vs memory (full KV: 0)",
+        )
     ax = axes[-1]
     tiers = result["tier_mean"].values  # [policy, budget, tier]
-    labels = [f"{p}\n{b:g}" for p in policies for b in budgets]
-    x = np.arange(len(labels))
-    bottom = np.zeros(len(labels))
+    width = 0.8 / len(budgets)
     colors = {"FP": "#4c72b0", "Q": "#dd8452", "EVICTED": "#c44e52"}
-    for i, tier in enumerate(result["tier"].values):
-        values = np.nan_to_num(tiers[..., i].reshape(-1))
-        ax.bar(x, values, bottom=bottom, label=str(tier), color=colors.get(str(tier)))
-        bottom += values
-    ax.set_xticks(x, labels, fontsize=6, rotation=90)
+    for bi in range(len(budgets)):
+        x = np.arange(len(policies)) + (bi - (len(budgets) - 1) / 2) * width
+        bottom = np.zeros(len(policies))
+        for ti, tier in enumerate(result["tier"].values):
+            values = np.nan_to_num(tiers[:, bi, ti])
+            ax.bar(
+                x,
+                values,
+                width=width * 0.9,
+                bottom=bottom,
+                color=colors.get(str(tier)),
+                label=str(tier) if bi == 0 else None,
+            )
+            bottom += values
+    ax.set_xticks(np.arange(len(policies)), policies, fontsize=7, rotation=30)
     ax.set_ylabel("share of future attention mass")
-    ax.set_title("Where the future mass sits")
+    ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")", fontsize=9)
     ax.legend(fontsize=7)
     _save(fig, path)
