@@ -421,3 +421,22 @@ def test_rows_from_qk_needs_qk():
 
     with pytest.raises(KvscopeError, match="no recorded q/k"):
         rows_from_qk(_two_window_trace())
+
+
+def test_study_splits_heads_of_large_units_with_the_same_numbers(tmp_path, monkeypatch):
+    import kvscope.analysis.study as study_module
+    from kvscope.store import open_trace
+    from kvscope.synthetic import write_synthetic_store
+
+    path = write_synthetic_store(
+        tmp_path / "syn.zarr", n_samples=1, n_steps=24, n_layers=2, n_kv=3, prompt_len=40, block_steps=8
+    )
+    ds = open_trace(path, chunks={})
+    whole = A.study(ds, horizon=8, n_boot=20)
+    monkeypatch.setattr(study_module, "TASK_BYTES", 1)  # one head per stage-2 task
+    split = A.study(ds, horizon=8, n_boot=20)
+    for name in whole:
+        for var in whole[name].data_vars:
+            np.testing.assert_allclose(
+                np.asarray(split[name][var].values, float), np.asarray(whole[name][var].values, float), rtol=1e-12
+            )

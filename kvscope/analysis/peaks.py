@@ -186,6 +186,9 @@ def peak_statistics(
     return a, per_unit
 
 
+MASK_CACHE_BYTES = 64 * 2**20  # coverage masks kept per process (every layer of a sample reuses them)
+
+
 class LogQuantSets:
     """LogQuant FP positions of every step of a sample, built on first use (per process)."""
 
@@ -235,7 +238,7 @@ class LogQuantSets:
         masks = torch.from_numpy(np.stack([visible, lq[:, :n_pos] & visible, recent], -1).astype(np.float32))
         with self._lock:
             self._masks[key] = masks
-            while len(self._masks) > 2:
+            while len(self._masks) > 1 and sum(v.numel() * 4 for v in self._masks.values()) > MASK_CACHE_BYTES:
                 self._masks.pop(next(iter(self._masks)))
         return masks
 

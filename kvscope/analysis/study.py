@@ -1,13 +1,20 @@
 """Several analyses of one trace over a single streaming read, in bounded memory.
 
-One dask task per (sample, layer) receives all its steps of ``attn`` (``S × H × T`` values,
-the memory bound), converts them once, and computes everything there: window masses, the
-history selection shared by FMM, churn and LIR, and the peak and coverage statistics. Only
-a few numbers per trace unit leave the task. (Sharing chunk reads between separate graphs
-instead let dask hold converted chunks, and peak memory grew with the trace.)
+Two fused stages, each chunk of ``attn`` read and converted exactly once:
+
+1. per stored chunk (one block of steps × one layer): fp16 → fp32 in a chunk-sized buffer,
+   window masses ``[step, H, window]`` and the peak and coverage sums of the block — the
+   rows themselves never leave the task;
+2. per (sample, layer): the window masses of all its steps (``S × H × U`` float64, the memory
+   bound) give the history selection shared by FMM, churn and LIR.
+
+Only a few numbers per trace unit leave stage 2. (Sharing chunk reads between separate
+graphs instead let dask hold converted chunks, and peak memory grew with the trace.)
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import xarray as xr
@@ -16,10 +23,21 @@ from .churn import churn
 from .common import Prepared, UnitData, make_units
 from .fmm import fmm
 from .lir import lir
-from .mass import filled_rows, window_sums
+from .mass import head_dim, rows, window_sums
 from .peaks import LogQuantSets, _block_rows, n_bins_for, peaks
 
-TASK_BYTES = 256 * 2**20  # rows per task: all heads of a (sample, layer) unless that exceeds this
+TASK_BYTES = 256 * 2**20  # window masses per stage-2 task: all heads of a (sample, layer) unless larger
+_LOCAL = threading.local()
+
+
+def _scratch(shape: tuple):
+    """A float32 torch buffer of ``shape`` owned by the calling thread."""
+    import torch
+
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or tuple(buf.shape) != tuple(shape):
+        buf = _LOCAL.buf = torch.empty(tuple(shape), dtype=torch.float32)
+    return buf
 
 
 def study(
@@ -53,41 +71,61 @@ def study(
     }
     bounds = np.cumsum([0] + [p.width for p in plans.values()])
     n_sink_ = units.n_sink
-    rows = filled_rows(ds, layers, heads)  # [sample, step, layer, H, pos] float32 blocks
-    S_, H_, T_ = rows.shape[1], rows.shape[3], rows.shape[4]
-    per_head = S_ * T_ * 4  # float32 bytes of one trace unit's rows
-    heads_per_task = max(1, min(H_, TASK_BYTES // max(1, per_head)))
-    rows = rows.data.rechunk({1: -1, 3: heads_per_task})  # all steps of a (sample, layer), heads split if large
-    pre = prep.prefill.data[:, None].rechunk({3: heads_per_task})  # [sample, 1, layer, H, unit]
+    a = rows(ds, layers, heads).transpose("sample", "step", "layer", head_dim(rows(ds, layers, heads)), "pos")
+    if not isinstance(a.data, dsa.Array):
+        a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
+    raw = a.data.rechunk({4: -1})  # [sample, step, layer, H, pos] as stored (fp16 by default)
     qpos, n_steps_all = prep.query_pos, prep.n_steps
     fp_sets = LogQuantSets(ds, logquant_window)
     n_units, lo, wsize = prep.n_units, units.n_sink, units.w
-    n_peak = 2 + n_bins_for(rows.shape[-1]) + 3
+    n_peak = 2 + n_bins_for(raw.shape[-1]) + 3
+    packed_width = n_units + n_peak
     width = int(bounds[-1]) + n_peak
 
-    def per_sample_layer(x, pb, block_info=None):
+    def per_chunk(x, block_info=None):
+        """Stage 1: ``[1, step, 1, H, pos]`` stored rows → ``[1, step, 1, H, U + n_peak]``:
+        window masses per step, the block's peak/coverage sums in its first step's row."""
+        import torch
+
         sample = block_info[0]["chunk-location"][0]
-        m = window_sums(x[0, :, 0], lo, n_units, wsize)  # [step, H, unit]
-        out = np.empty((1, 1, 1, x.shape[3], width))
-        for h in range(x.shape[3]):
-            u = UnitData(m[:, h], pb[0, 0, 0, h], qpos[sample], int(n_steps_all[sample]), units)
+        t0, t1 = block_info[0]["array-location"][1]
+        x32 = _scratch(x.shape)  # reused per thread: a fresh buffer per chunk costs more in page faults
+        x32.copy_(torch.from_numpy(np.ascontiguousarray(x))).nan_to_num_(0.0)
+        x32 = x32.numpy()
+        out = np.zeros(x.shape[:4] + (packed_width,))
+        out[0, :, 0, :, :n_units] = window_sums(x32[0, :, 0], lo, n_units, wsize)
+        q = qpos[sample, t0:t1][None, :, None, None, None]
+        info = [{"chunk-location": (sample, 0, 0, 0, 0), "array-location": [(sample, sample + 1), (t0, t1)]}]
+        out[0, 0, 0, :, n_units:] = _block_rows(x32, q, fp_sets, n_sink_, k, block_info=info, inplace=True)[0, 0, 0]
+        return out
+
+    per_head = raw.shape[1] * packed_width * 8  # float64 bytes of one trace unit's window masses
+    heads_per_task = max(1, min(raw.shape[3], TASK_BYTES // max(1, per_head)))
+    packed = dsa.map_blocks(per_chunk, raw, dtype=np.float64, chunks=raw.chunks[:4] + ((packed_width,),)).rechunk(
+        {1: -1, 3: heads_per_task}
+    )  # all steps of a (sample, layer): S × H × (U + n_peak) float64, heads split when that is large
+    pre = prep.prefill.data[:, None]  # [sample, 1, layer, H, unit]
+
+    def per_sample_layer(y, pb, block_info=None):
+        """Stage 2: FMM, churn and LIR of each head from its window masses; peaks summed."""
+        sample = block_info[0]["chunk-location"][0]
+        out = np.empty((1, 1, 1, y.shape[3], width))
+        for h in range(y.shape[3]):
+            u = UnitData(y[0, :, 0, h, :n_units], pb[0, 0, 0, h], qpos[sample], int(n_steps_all[sample]), units)
             out[0, 0, 0, h, : bounds[-1]] = np.concatenate([p.per_unit(u) for p in plans.values()])
-        q = qpos[sample][None, :, None, None, None]
-        info = [{"chunk-location": (sample, 0, 0, 0, 0), "array-location": [(sample, sample + 1), (0, x.shape[1])]}]
-        out[0, 0, 0, :, bounds[-1] :] = _block_rows(x, q, fp_sets, n_sink_, k, block_info=info, inplace=True)[0, 0, 0]
+        out[0, 0, 0, :, bounds[-1] :] = y[0, :, 0, :, n_units:].sum(0)
         return out
 
     flat = dsa.map_blocks(
         per_sample_layer,
-        rows,
-        pre,
+        packed,
+        pre.rechunk({3: heads_per_task}),
         dtype=np.float64,
         drop_axis=[4],
         new_axis=[4],
-        chunks=(rows.chunks[0], (1,), rows.chunks[2], rows.chunks[3], (width,)),
+        chunks=(packed.chunks[0], (1,), packed.chunks[2], packed.chunks[3], (width,)),
     )[:, 0].compute()  # [sample, layer, H, width]
     results = {name: p.finish(flat[..., bounds[i] : bounds[i + 1]]) for i, (name, p) in enumerate(plans.items())}
-    a = filled_rows(ds, layers, heads)
     results["peaks"] = peaks(
         ds,
         k=k,
