@@ -424,7 +424,8 @@ def test_rows_from_qk_needs_qk():
 
 
 def test_study_splits_heads_of_large_units_with_the_same_numbers(tmp_path, monkeypatch):
-    import kvscope.analysis.study as study_module
+    import sys
+
     from kvscope.store import open_trace
     from kvscope.synthetic import write_synthetic_store
 
@@ -433,7 +434,7 @@ def test_study_splits_heads_of_large_units_with_the_same_numbers(tmp_path, monke
     )
     ds = open_trace(path, chunks={})
     whole = A.study(ds, horizon=8, n_boot=20)
-    monkeypatch.setattr(study_module, "TASK_BYTES", 1)  # one head per stage-2 task
+    monkeypatch.setattr(sys.modules["kvscope.analysis.study"], "TASK_BYTES", 1)  # one head per stage-2 task
     split = A.study(ds, horizon=8, n_boot=20)
     for name in whole:
         for var in whole[name].data_vars:
