@@ -407,10 +407,7 @@ def _fp_selection(tiers, ds):
         return None
     from .analysis import selection_from_tiers
 
-    sel = selection_from_tiers(tiers, accessible=False)
-    n_sink = int(ds.attrs.get("n_sink", 4))
-    sel[..., :n_sink] = -1
-    return sel
+    return selection_from_tiers(tiers, accessible=False, n_sink=int(ds.attrs.get("n_sink", 4)))
 
 
 def _check_subset(ds, layers, heads) -> None:

@@ -41,7 +41,8 @@ import numpy as np
 import xarray as xr
 
 from .analysis.churn import valid_events
-from .analysis.common import bootstrap_ratio, event_steps
+from .analysis.common import bootstrap_ratio, event_steps, selection_codes
+from .analysis.fmm import default_horizons
 from .analysis.lir import lir_kernel, transition_counts
 from .analysis.recompute import attention_params
 from .errors import KvscopeError
@@ -260,7 +261,7 @@ def replay(
     head_dim = int(ds.sizes["dim"]) if "dim" in ds.sizes else int(config.get("head_dim") or 64)
     n_sink, w = int(ds.attrs.get("n_sink", 4)), int(ds.attrs.get("w", 8))
     every = every or w
-    curve_h = sorted(set(horizons or _default_horizons(horizon)) | {horizon})
+    curve_h = sorted(set(horizons or default_horizons(horizon)) | {horizon})
     n_layers = ds.sizes["layer"]
     n_samples, n_step_total, n_pos = ds.sizes["sample"], ds.sizes["step"], ds.sizes["pos"]
     steps = event_steps(n_step_total, every)
@@ -471,14 +472,6 @@ def replay(
     return result
 
 
-def _default_horizons(horizon: int) -> list[int]:
-    hs, h = [], 1
-    while h < horizon:
-        hs.append(h)
-        h *= 2
-    return hs + [horizon]
-
-
 class _Future:
     """Full-KV attention over the next ``h`` steps per position — only the oracle may ask:
     ``at(t) = Σ_{t'=t+1}^{min(t+h, S−1)} row[t']``, kept as a sliding sum."""
@@ -564,15 +557,6 @@ def _against_full(attention, query, k, v, state: CacheState, qpos, reference, n_
     return probs.mean(2).numpy(), l1.numpy(), rel.numpy()
 
 
-def _fp_selection(tiers: np.ndarray, steps: np.ndarray, query_pos: np.ndarray, n_sink: int) -> np.ndarray:
-    """FP-set selection codes from tiers ``[..., event, layer, kv_head, pos]`` of one sample:
-    −1 not existing or sink, 1 FP, 0 otherwise; returned ``[layer, kv_head, event, pos]``."""
-    sel = np.where(tiers == TIER_FP, 1, 0).astype(np.int8)
-    sel[tiers < 0] = -1
-    sel[..., :n_sink] = -1
-    return np.moveaxis(sel, 0, 2)
-
-
 def _fp_churn(tiers: np.ndarray, exists: np.ndarray, n_sink: int, n_valid: int) -> np.ndarray:
     """``[event−1, layer, kv_head]`` Jaccard distance of consecutive FP sets over positions that
     existed at the earlier event (sinks excluded); NaN past the sample's events."""
@@ -609,7 +593,8 @@ def _dataset(
                     steps < query_pos.shape[1], query_pos[s, np.minimum(steps, query_pos.shape[1] - 1)] + 1, 0
                 )
                 churn[pi, bi, s] = np.moveaxis(_fp_churn(tiers[pi, bi, s], exists, n_sink, nv), 0, 0)
-                sel = _fp_selection(tiers[pi, bi, s], steps, query_pos[s], n_sink)  # [layer, kv_head, event, pos]
+                # FP-set selection, sinks not candidates: [layer, kv_head, event, pos]
+                sel = np.moveaxis(selection_codes(tiers[pi, bi, s], accessible=False, n_sink=n_sink), 0, 2)
                 el, re = lir_kernel(sel, nv, m, h_lir)
                 eligible[pi, bi, s], reactivated[pi, bi, s] = el, re
                 if n_events > delta:

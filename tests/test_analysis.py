@@ -372,12 +372,17 @@ def test_study_equals_the_separate_analyses(tmp_path):
         "lir": A.lir(ds, n_boot=50),
         "peaks": A.peaks(ds, n_boot=50),
     }
-    for name, r in apart.items():
+    _assert_same_results(together, apart, rtol=1e-9)
+
+
+def _assert_same_results(got: dict, expected: dict, rtol: float) -> None:
+    """Every variable of every analysis result in ``expected`` equals the one in ``got``."""
+    for name, r in expected.items():
         for var in r.data_vars:
             np.testing.assert_allclose(
-                np.asarray(together[name][var].values, float),
+                np.asarray(got[name][var].values, float),
                 np.asarray(r[var].values, float),
-                rtol=1e-9,
+                rtol=rtol,
                 err_msg=f"{name}.{var}",
             )
 
@@ -436,8 +441,15 @@ def test_study_splits_heads_of_large_units_with_the_same_numbers(tmp_path, monke
     whole = A.study(ds, horizon=8, n_boot=20)
     monkeypatch.setattr(sys.modules["kvscope.analysis.study"], "TASK_BYTES", 1)  # one head per stage-2 task
     split = A.study(ds, horizon=8, n_boot=20)
-    for name in whole:
-        for var in whole[name].data_vars:
-            np.testing.assert_allclose(
-                np.asarray(split[name][var].values, float), np.asarray(whole[name][var].values, float), rtol=1e-12
-            )
+    _assert_same_results(split, whole, rtol=1e-12)
+
+
+def test_selection_codes_from_tiers_by_hand():
+    from kvscope.analysis.common import selection_codes
+
+    tiers = np.array([[2, 2, 0, 1, 2, -1], [2, 1, 1, 0, -1, -1]], dtype=np.int8)  # [event, pos]
+    assert selection_codes(tiers).tolist() == [[1, 1, 0, 1, 1, -1], [1, 1, 1, 0, -1, -1]]
+    assert selection_codes(tiers, accessible=False).tolist() == [[1, 1, 0, 0, 1, -1], [1, 0, 0, 0, -1, -1]]
+    assert selection_codes(tiers, accessible=False, n_sink=2).tolist() == [[-1, -1, 0, 0, 1, -1], [-1, -1, 0, 0, -1, -1]]
+    da = A.selection_from_tiers(xr.DataArray(tiers, dims=("event", "pos"), attrs={"policy": "x"}), n_sink=1)
+    assert da.values.tolist() == [[-1, 1, 0, 1, 1, -1], [-1, 1, 1, 0, -1, -1]] and da.attrs["policy"] == "x"

@@ -35,10 +35,20 @@ def make_units(ds: xr.Dataset, granularity: str = "window", w: int | None = None
     )
 
 
-def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True) -> xr.DataArray:
-    """Binary selection from tiers: selected = FP or Q (``accessible``) or FP only."""
+def selection_codes(tiers: np.ndarray, accessible: bool = True, n_sink: int = 0) -> np.ndarray:
+    """int8 selection codes from tier codes ``[..., pos]``: −1 where nothing exists (and for
+    the first ``n_sink`` positions when given), 1 for FP or Q (``accessible``) or FP only, else 0."""
+    tiers = np.asarray(tiers)
     keep = tiers >= TIER_Q if accessible else tiers == TIER_FP
-    sel = xr.where(tiers < 0, NOT_CANDIDATE, xr.where(keep, SELECTED, NOT_SELECTED)).astype(np.int8)
+    sel = np.where(tiers < 0, NOT_CANDIDATE, np.where(keep, SELECTED, NOT_SELECTED)).astype(np.int8)
+    sel[..., :n_sink] = NOT_CANDIDATE
+    return sel
+
+
+def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True, n_sink: int = 0) -> xr.DataArray:
+    """Binary selection from tiers (``pos`` last): selected = FP or Q (``accessible``) or FP
+    only; the first ``n_sink`` positions are not candidates when ``n_sink`` is given."""
+    sel = tiers.copy(data=selection_codes(tiers.values, accessible, n_sink))
     sel.attrs = dict(tiers.attrs)
     return sel
 

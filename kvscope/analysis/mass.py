@@ -147,20 +147,26 @@ def _fill_f32(block: np.ndarray) -> np.ndarray:
     return t.nan_to_num_(0.0).numpy()
 
 
-def filled_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
-    """Token rows as float32 dask blocks with NaN → 0 ``[sample, step, layer, H, pos]``.
-
-    Deterministic task names: every analysis that asks for the same rows shares these
-    tasks, so one ``dask.compute`` reads and converts each chunk once.
-    """
+def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
+    """Token rows as stored (fp16 by default, NaN beyond query_pos), as dask blocks of one
+    block of steps × one layer × all positions ``[sample, step, layer, H, pos]``."""
     import dask.array as dsa
 
     a = rows(ds, layers, heads)
     a = a.transpose("sample", "step", "layer", head_dim(a), "pos")
     if not isinstance(a.data, dsa.Array):
         a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
-    data = a.data.rechunk({4: -1}).map_blocks(_fill_f32, dtype=np.float32)
-    return a.copy(data=data)
+    return a.copy(data=a.data.rechunk({4: -1}))
+
+
+def filled_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
+    """Token rows as float32 dask blocks with NaN → 0 ``[sample, step, layer, H, pos]``.
+
+    Deterministic task names: every analysis that asks for the same rows shares these
+    tasks, so one ``dask.compute`` reads and converts each chunk once.
+    """
+    a = stored_rows(ds, layers, heads)
+    return a.copy(data=a.data.map_blocks(_fill_f32, dtype=np.float32))
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:

@@ -23,7 +23,7 @@ from .churn import churn
 from .common import Prepared, UnitData, make_units
 from .fmm import fmm
 from .lir import lir
-from .mass import head_dim, rows, window_sums
+from .mass import stored_rows, window_sums
 from .peaks import LogQuantSets, _block_rows, n_bins_for, peaks
 
 TASK_BYTES = 256 * 2**20  # window masses per stage-2 task: all heads of a (sample, layer) unless larger
@@ -71,10 +71,8 @@ def study(
     }
     bounds = np.cumsum([0] + [p.width for p in plans.values()])
     n_sink_ = units.n_sink
-    a = rows(ds, layers, heads).transpose("sample", "step", "layer", head_dim(rows(ds, layers, heads)), "pos")
-    if not isinstance(a.data, dsa.Array):
-        a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
-    raw = a.data.rechunk({4: -1})  # [sample, step, layer, H, pos] as stored (fp16 by default)
+    a = stored_rows(ds, layers, heads)
+    raw = a.data  # [sample, step, layer, H, pos] as stored (fp16 by default)
     qpos, n_steps_all = prep.query_pos, prep.n_steps
     fp_sets = LogQuantSets(ds, logquant_window)
     n_units, lo, wsize = prep.n_units, units.n_sink, units.w

@@ -38,12 +38,15 @@ def make(name: str, **params) -> Policy:
     """The policy ``name`` with ``params`` as its fields."""
     if name not in REGISTRY:
         raise KvscopeError(f"unknown policy {name!r} (available: {', '.join(REGISTRY)})")
-    cls = REGISTRY[name]
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(params) - known
+    _check_parameters(name, params)
+    return REGISTRY[name](**params)
+
+
+def _check_parameters(name: str, keys) -> None:
+    known = {f.name for f in dataclasses.fields(REGISTRY[name])}
+    unknown = set(keys) - known
     if unknown:
         raise KvscopeError(f"policy {name} has no parameter {sorted(unknown)[0]!r} (has: {', '.join(sorted(known)) or 'none'})")
-    return cls(**params)
 
 
 def _convert(cls: type[Policy], key: str, text: str):
@@ -78,8 +81,7 @@ def parse(spec: str) -> Policy:
         if "=" not in pair:
             raise KvscopeError(f"policy parameter {pair!r} must read key=value")
         key, value = pair.split("=", 1)
-        if key not in {f.name for f in dataclasses.fields(REGISTRY[name])}:
-            make(name, **{key: None})  # raises the unknown-parameter message
+        _check_parameters(name, [key])
         params[key] = _convert(REGISTRY[name], key, value)
     return make(name, **params)
 
