@@ -450,6 +450,9 @@ def test_selection_codes_from_tiers_by_hand():
     tiers = np.array([[2, 2, 0, 1, 2, -1], [2, 1, 1, 0, -1, -1]], dtype=np.int8)  # [event, pos]
     assert selection_codes(tiers).tolist() == [[1, 1, 0, 1, 1, -1], [1, 1, 1, 0, -1, -1]]
     assert selection_codes(tiers, accessible=False).tolist() == [[1, 1, 0, 0, 1, -1], [1, 0, 0, 0, -1, -1]]
-    assert selection_codes(tiers, accessible=False, n_sink=2).tolist() == [[-1, -1, 0, 0, 1, -1], [-1, -1, 0, 0, -1, -1]]
+    assert selection_codes(tiers, accessible=False, n_sink=2).tolist() == [
+        [-1, -1, 0, 0, 1, -1],
+        [-1, -1, 0, 0, -1, -1],
+    ]
     da = A.selection_from_tiers(xr.DataArray(tiers, dims=("event", "pos"), attrs={"policy": "x"}), n_sink=1)
     assert da.values.tolist() == [[-1, 1, 0, 1, 1, -1], [-1, 1, 1, 0, -1, -1]] and da.attrs["policy"] == "x"

@@ -46,7 +46,9 @@ def _check_parameters(name: str, keys) -> None:
     known = {f.name for f in dataclasses.fields(REGISTRY[name])}
     unknown = set(keys) - known
     if unknown:
-        raise KvscopeError(f"policy {name} has no parameter {sorted(unknown)[0]!r} (has: {', '.join(sorted(known)) or 'none'})")
+        raise KvscopeError(
+            f"policy {name} has no parameter {sorted(unknown)[0]!r} (has: {', '.join(sorted(known)) or 'none'})"
+        )
 
 
 def _convert(cls: type[Policy], key: str, text: str):

@@ -123,7 +123,10 @@ class Rope:
         need = int(np.max(positions)) + 1
         if self._tables is None or self._tables[0].shape[1] < need:
             size = max(need, 1024, 2 * (self._tables[0].shape[1] if self._tables else 0))
-            tables = [rope_cos_sin(np.arange(size), self.inv_freq[l], float(self.scaling[l]), head_dim) for l in range(len(self.scaling))]  # noqa: E741
+            tables = [
+                rope_cos_sin(np.arange(size), self.inv_freq[l], float(self.scaling[l]), head_dim)
+                for l in range(len(self.scaling))
+            ]  # noqa: E741
             self._tables = (np.stack([c for c, _ in tables]), np.stack([s for _, s in tables]))
         return self._tables[0][layers, positions], self._tables[1][layers, positions]
 

@@ -46,7 +46,9 @@ class _SnapKVState(CacheState):
         p = self.length
         obs = min(self.policy.obs_window or tail.shape[-2], tail.shape[-2], p)
         if self.policy.obs_window and self.policy.obs_window > tail.shape[-2]:
-            raise KvscopeError(f"snapkv obs_window {self.policy.obs_window} > the {tail.shape[-2]} rows the trace stored")
+            raise KvscopeError(
+                f"snapkv obs_window {self.policy.obs_window} > the {tail.shape[-2]} rows the trace stored"
+            )
         n_prompt = self.spec.fp_capacity_tokens - self.spec.decode_steps
         if n_prompt < obs:
             self.reached = False
