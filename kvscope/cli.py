@@ -75,21 +75,19 @@ def _add_trace(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even after EOS")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--policy", default=None, help="decode under this live policy cache (e.g. qevict)")
+    p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
+    p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
     p.add_argument("--resume", action="store_true", help="continue a partial store")
     p.add_argument("--force", action="store_true", help="overwrite an existing store")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_trace)
 
 
-def _cmd_trace(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _prompts(args):
+    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
+    from .tracing.runner import Prompt, load_prompts_file
 
-    from .tracing.runner import Prompt, TraceSettings, load_prompts_file, trace
-
-    for item in args.record:
-        if item != "qkv":
-            raise KvscopeError(f"--record accepts qkv only (got {item!r})")
     workload = None
     if args.workload is not None:
         from . import workloads
@@ -113,6 +111,19 @@ def _cmd_trace(args) -> int:
             prompts = [Prompt(args.prompt, "cli")]
         else:
             prompts = load_prompts_file(args.prompts)
+    return prompts, workload
+
+
+def _cmd_trace(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .tracing.runner import TraceSettings, trace
+
+    for item in args.record:
+        if item != "qkv":
+            raise KvscopeError(f"--record accepts qkv only (got {item!r})")
+    prompts, workload = _prompts(args)
     settings = TraceSettings(
         model=args.model,
         max_new_tokens=args.max_new_tokens,
@@ -133,6 +144,9 @@ def _cmd_trace(args) -> int:
         stop_at_eos=not args.ignore_eos,
         chat=args.chat,
         trust_remote_code=args.trust_remote_code,
+        policy=args.policy,
+        budget=args.budget,
+        kv_dtype=args.kv_dtype,
     )
     console = Console(stderr=True)
     bar = Progress(
@@ -173,6 +187,137 @@ def _cmd_trace(args) -> int:
             graded = f" score {workload.scorer(text, prompts[n].expected):.2f} (expected {prompts[n].expected})"
         print(f"  sample {n}: {text[:120]!r}{graded}")
     return 0
+
+
+# -- run ----------------------------------------------------------------------------
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate under a policy cache and compare with full-KV decoding")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--workload", help="a built-in workload (see kvscope workloads)")
+    p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens")
+    p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts")
+    p.add_argument("--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5")
+    p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
+    p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
+    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
+    p.add_argument("--window", type=int, default=8, help="window size w")
+    p.add_argument("--sinks", type=int, default=4, dest="n_sink", help="sink positions")
+    p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .live.run import parse_kv_dtype, run
+    from .policies import parse
+    from .replay import check_budget
+
+    budget = check_budget(args.budget)
+    policy = parse(args.policy)
+    parse_kv_dtype(args.kv_dtype)
+    if args.workload is None and args.max_new_tokens is None:
+        args.max_new_tokens = 64
+    prompts, workload = _prompts(args)
+    bar = Progress(
+        TextColumn("[bold]run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+        console=Console(stderr=True), disable=args.quiet, transient=True,
+    )  # fmt: skip
+    with bar:
+        task = bar.add_task("run", total=len(prompts))
+        results = run(
+            prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
+            device=args.device, model_dtype=args.model_dtype, attn=args.attn, chat=args.chat, n_sink=args.n_sink,
+            w=args.window, scorer=workload.scorer if workload is not None else None,
+            trust_remote_code=args.trust_remote_code, progress=lambda done, total: bar.update(task, completed=done),
+        )  # fmt: skip
+    if args.json:
+        docs = [r.doc() for r in results]
+        for d in docs:
+            d.pop("bytes_actual")
+        print(json.dumps({"model": args.model, "samples": docs}, indent=1))
+        return 0
+    from rich.table import Table
+
+    r0 = results[0]
+    table = Table(
+        "sample", "agree", "KL", "ppl (full)", "tok/s (full)", "cache peak", "of full", "score (full)",
+        title=f"run · {r0.policy} at β = {r0.budget} · {args.model} · kv {r0.kv_dtype}",
+    )  # fmt: skip
+    for n, r in enumerate(results):
+        score = "" if r.score is None else f"{r.score:.2f} ({r.score_full:.2f})"
+        table.add_row(
+            str(n), f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.perplexity:.3f} ({r.perplexity_full:.3f})",
+            f"{r.tokens_per_s:.1f} ({r.tokens_per_s_full:.1f})", _human_bytes(r.bytes_actual_peak),
+            f"{r.bytes_actual_peak / r.full_bytes:.3f}" + ("" if r.budget_reached else " floor"), score,
+        )  # fmt: skip
+    Console(width=max(110, Console().width)).print(table)
+    for n, r in enumerate(results):
+        print(f"  sample {n}: {r.text[:120]!r}")
+    return 0
+
+
+def _add_validate(sub) -> None:
+    p = sub.add_parser("validate", help="check that replay predicts a live policy cache (decisions, errors)")
+    p.add_argument("store", help="a full-KV trace recorded with --record qkv")
+    p.add_argument("--policy", required=True, help="a policy, e.g. h2o or qevict:q_frac=0.5")
+    p.add_argument("--budget", required=True, help="β in (0, 1]")
+    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
+    p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _cmd_validate(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .live.run import parse_kv_dtype
+    from .live.validate import validate
+    from .policies import parse
+    from .replay import check_budget
+    from .store import read_attrs
+
+    budget = check_budget(args.budget)
+    policy = parse(args.policy)
+    parse_kv_dtype(args.kv_dtype)
+    read_attrs(args.store)
+    report = validate(args.store, policy, budget, live_out=args.live_out, kv_dtype=args.kv_dtype)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0 if report["decisions_identical"] else 1
+    table = Table("layer", "open-loop error (predicted)", "live error", "predicted / live",
+                  title=f"validate · {report['policy']} at β = {budget} · {args.store}")  # fmt: skip
+    fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
+    for row in report["layers"]:
+        table.add_row(str(row["layer"]), fmt(row["predicted"]), fmt(row["live"]), fmt(row["ratio"]))
+    table.add_row("mean", fmt(report["predicted_mean"]), fmt(report["live_mean"]), "")
+    Console(width=max(100, Console().width)).print(table)
+    verdict = "identical" if report["decisions_identical"] else "DIFFERENT"
+    print(
+        f"decisions: {verdict} — {report['decisions_agreeing']:,} of {report['decisions_compared']:,} "
+        f"(event, layer, kv_head, position) tiers agree"
+        + ("" if report["first_mismatch"] is None else f"; first mismatch {report['first_mismatch']}")
+    )
+    print(
+        f"tokens: {report['token_agreement']:.3f} of the live decode's tokens equal the full-KV trace's; "
+        f"correlation of per-layer errors {fmt(report['correlation'])}"
+    )
+    return 0 if report["decisions_identical"] else 1
 
 
 # -- workloads ----------------------------------------------------------------------
@@ -641,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_replay(sub)
     _add_compare(sub)
+    _add_run(sub)
+    _add_validate(sub)
     _add_workloads(sub)
     _add_models(sub)
     return parser

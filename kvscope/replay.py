@@ -217,6 +217,7 @@ def replay(
     threads: int | None = None,
     n_boot: int = 1000,
     seed: int = 0,
+    kv_itemsize: int = 2,
     progress=None,
 ) -> xr.Dataset:
     """Replay ``policies`` × ``budgets`` against a trace; returns the Dataset described in
@@ -227,7 +228,8 @@ def replay(
     ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
     every policy invariant at every step (tests). ``threads``: cache states advanced in
     parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
-    ``progress(done, total)`` is called per step.
+    ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
+    compares with a live cache of an fp32 model). ``progress(done, total)`` is called per step.
     """
     from .store import open_trace
 
@@ -313,14 +315,14 @@ def replay(
             buffers = (torch.empty(k32.shape), torch.empty(v32.shape))
         runs: list[_Run] = []
         for policy, budget in grid:
-            spec = CacheSpec(n_layers, n_kv, head_dim, sample.prompt_len, final_len, budget, n_sink, w)
+            spec = CacheSpec(n_layers, n_kv, head_dim, sample.prompt_len, final_len, budget, n_sink, w, kv_itemsize)
             values_needed = policy.quantizes and (with_errors or observe == "exact")
             kk, vv = (k, v) if values_needed else (None, None)
             state = policy.start(spec, kk, vv, rope)
             runs.append(_Run(state, n_events, n_step_total, len(curve_h), (n_layers, n_kv, n_pos)))
         for bi, budget in enumerate(budget_list):
-            budget_bytes[bi, s] = budget * final_len * 4.0 * head_dim * n_layers * n_kv
-        full_bytes[s] = final_len * 4.0 * head_dim * n_layers * n_kv
+            budget_bytes[bi, s] = budget * final_len * 2.0 * kv_itemsize * head_dim * n_layers * n_kv
+        full_bytes[s] = final_len * 2.0 * kv_itemsize * head_dim * n_layers * n_kv
 
         oracle_h = sorted({r.state.policy.horizon for r in runs if r.state.policy.clairvoyant})
         futures = {h: _Future(sample, h) for h in oracle_h}
@@ -466,6 +468,7 @@ def replay(
             "trace": str(trace) if isinstance(trace, (str, os.PathLike)) else ds.encoding.get("source", ""),
             "model": ds.attrs.get("model", {}).get("name", ""),
             "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in policy_list}),
+            "kv_itemsize": kv_itemsize,
             "replay_seconds": round(time.perf_counter() - started, 3),
         }
     )

@@ -21,6 +21,11 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
     k, v            [sample, layer, kv_head, pos, dim]      f16/f32  optional, post-RoPE keys / values
     rope_inv_freq   [layer, rope_freq]                      f32      optional, rotary inverse frequencies
     rope_attention_scaling [layer]                          f32      optional
+    policy_tiers    [sample, event, layer, kv_head, pos]    i8       optional (trace --policy): tiers of the
+                                                                     live cache after deciding at steps
+                                                                     0, w, 2w, … (−1 none, 0 EVICTED, 1 Q, 2 FP)
+    policy_bytes    [sample, step]                          f64      its bytes by the SPEC §5 accounting
+    policy_cache_bytes [sample, step]                       i64      nbytes of its tensors
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class Layout:
     record_qkv: bool
     dtype: str  # float16 | float32
     rope_freqs: int = 0
+    policy_events: int = 0  # > 0: traced under a live policy cache (tier snapshots)
 
     @property
     def head_dim_name(self) -> str:
@@ -223,6 +229,20 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
             nan,
         )
         arr("rope_attention_scaling", (L.n_layers,), ("layer",), "float32", (L.n_layers,), nan)
+    if L.policy_events:
+        coord("event", L.policy_events)
+        if hs != "kv_head" and not L.record_qkv:
+            coord("kv_head", L.n_kv_heads)
+        arr(
+            "policy_tiers",
+            (S, L.policy_events, L.n_layers, L.n_kv_heads, T),
+            ("sample", "event", "layer", "kv_head", "pos"),
+            "int8",
+            (1, 1, L.n_layers, L.n_kv_heads, T),
+            -1,
+        )
+        arr("policy_bytes", (S, L.n_steps), ("sample", "step"), "float64", (1, L.n_steps), nan)
+        arr("policy_cache_bytes", (S, L.n_steps), ("sample", "step"), "int64", (1, L.n_steps), -1)
 
 
 # -- reading ------------------------------------------------------------------------

@@ -44,7 +44,9 @@ class CacheSpec:
     """Geometry and budget of one sequence's cache.
 
     ``budget`` β is a share of ``FP_bytes(P + S)``: the capacity per (layer, kv_head) is
-    ``β · (P + S) · 4·D`` bytes, the same for every policy."""
+    ``β · (P + S) · 4·D`` bytes, the same for every policy. ``fp_itemsize`` = 4 accounts
+    full-precision entries at 32 bit (a live cache of an fp32 model: ``β · (P + S) · 8·D``);
+    quantized entries keep their 16-bit scale and zero either way."""
 
     n_layers: int
     n_kv: int
@@ -54,10 +56,12 @@ class CacheSpec:
     budget: float
     n_sink: int = 4
     w: int = 8
+    fp_itemsize: int = 2  # bytes per element of a full-precision K/V entry (16-bit by default)
 
     @property
     def fp_bytes(self) -> float:
-        return fp_token_bytes(self.head_dim)
+        """Bytes of one full-precision token: ``2·D·fp_itemsize``."""
+        return fp_token_bytes(self.head_dim) * self.fp_itemsize / 2
 
     @property
     def capacity(self) -> float:
@@ -169,6 +173,9 @@ class Ledger:
         self.k_eff = None if k is None else np.array(k)  # [layer, kv_head, pos, D] copies
         self.v_eff = None if v is None else np.array(v)
         self.n_quantized = 0
+        # a live cache holds the data itself: sink(positions [n, G], layers [n], heads [n]) is
+        # called for every quantization, before the tiers change
+        self.sink = None
 
     @property
     def token_value_bytes(self) -> float:
@@ -190,6 +197,13 @@ class Ledger:
             self.done[:, :, positions] = True
             self.q_cost[:, :, positions] = self.token_value_bytes + key_share
             self.n_quantized += positions.size * self.spec.n_layers * self.spec.n_kv
+            if self.sink is not None:
+                n_l, n_h = self.spec.n_layers, self.spec.n_kv
+                self.sink(
+                    np.broadcast_to(positions, (n_l * n_h, positions.size)),
+                    np.repeat(np.arange(n_l), n_h),
+                    np.tile(np.arange(n_h), n_l),
+                )
             if self.k_eff is not None:
                 keys = self.k_eff[:, :, positions].astype(np.float32)  # [L, Hkv, G, D]
                 values = self.v_eff[:, :, positions].astype(np.float32)
@@ -212,6 +226,8 @@ class Ledger:
         self.done[li, hi, positions] = True
         self.q_cost[li, hi, positions] = self.token_value_bytes + key_share
         self.n_quantized += positions.size
+        if self.sink is not None:
+            self.sink(positions, layers, heads)
         if self.k_eff is not None:
             keys = self.k_eff[li, hi, positions].astype(np.float32)  # [n, G, D] still the originals
             values = self.v_eff[li, hi, positions].astype(np.float32)
@@ -219,26 +235,46 @@ class Ledger:
             self.k_eff[li, hi, positions] = k_hat
             self.v_eff[li, hi, positions] = v_hat
 
+    def _rotary(self, positions, layers):
+        """``(cos, sin [n, G, D], scaling [n, 1, 1], n_rot)`` for pre-RoPE keys, or None."""
+        rope = self.rope if (self.rope is not None and self.rope.usable()) else None
+        if rope is None:
+            return None
+        cos, sin = rope.cos_sin(np.broadcast_to(layers[:, None], positions.shape), positions, self.spec.head_dim)
+        return cos, sin, rope.scaling[layers].astype(np.float32)[:, None, None], 2 * rope.inv_freq.shape[1]
+
+    def encode(self, keys, values, positions, layers):
+        """Quantize groups ``keys``/``values [n, G, D]`` (float32, post-RoPE as attention sees
+        them) of ``positions [n, G]`` in ``layers [n]`` → ``(qk, qv)``: key codes over the G
+        tokens per channel (``[n, G, D]``, parameters ``[n, 1, D]``) or per token in groups of
+        ``key_group`` channels (``[n, G, D/kg, kg]``), taken before RoPE when rotary parameters
+        are known; value codes ``[n, G, D/g_v, g_v]``."""
+        d = self.spec.head_dim
+        rotary = self._rotary(positions, layers)
+        if rotary is not None:  # quantize keys before rotation (pre-RoPE)
+            cos, sin, scale, n_rot = rotary
+            keys = undo_rope(keys, cos, sin, n_rot, scale)
+        if self.key_axis == "channel":
+            qk = quantize(keys, self.bits, axis=1)  # per channel over the G tokens
+        else:
+            qk = quantize(keys.reshape(*keys.shape[:2], d // self.key_group, self.key_group), self.bits, axis=-1)
+        qv = quantize(values.reshape(*values.shape[:2], d // self.value_group, self.value_group), self.bits, axis=-1)
+        return qk, qv
+
+    def decode_keys(self, k_hat, positions, layers):
+        """Dequantized keys ``[n, G, D]`` (pre-RoPE when quantized so) → as attention sees them."""
+        rotary = self._rotary(positions, layers)
+        if rotary is None:
+            return k_hat
+        cos, sin, _, n_rot = rotary
+        return apply_rope(k_hat, cos, sin, n_rot)
+
     def _dequantized(self, keys, values, positions, layers):
         """Quantize then dequantize groups ``keys``/``values [n, G, D]`` (float32) of
         ``positions [n, G]`` in ``layers [n]`` → ``(k̂, v̂)``."""
-        d = self.spec.head_dim
-        rope = self.rope if (self.rope is not None and self.rope.usable()) else None
-        if rope is not None:  # quantize keys before rotation (pre-RoPE), rotate the result back
-            n_rot = 2 * rope.inv_freq.shape[1]
-            cos, sin = rope.cos_sin(np.broadcast_to(layers[:, None], positions.shape), positions, d)  # [n, G, D]
-            scale = rope.scaling[layers].astype(np.float32)[:, None, None]
-            keys = undo_rope(keys, cos, sin, n_rot, scale)
-        if self.key_axis == "channel":
-            k_hat = quantize(keys, self.bits, axis=1).dequantize()  # per channel over the G tokens
-        else:
-            grouped = keys.reshape(*keys.shape[:2], d // self.key_group, self.key_group)
-            k_hat = quantize(grouped, self.bits, axis=-1).dequantize().reshape(keys.shape)
-        if rope is not None:
-            k_hat = apply_rope(k_hat, cos, sin, n_rot)
-        vg = values.reshape(*values.shape[:2], d // self.value_group, self.value_group)
-        v_hat = quantize(vg, self.bits, axis=-1).dequantize().reshape(values.shape)
-        return k_hat, v_hat
+        qk, qv = self.encode(keys, values, positions, layers)
+        k_hat = self.decode_keys(qk.dequantize().reshape(keys.shape), positions, layers)
+        return k_hat, qv.dequantize().reshape(values.shape)
 
 
 class CacheState:

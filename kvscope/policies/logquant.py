@@ -100,7 +100,9 @@ def fp_transitions(prompt_len: int, final_len: int, W: int) -> Iterator[tuple[in
 
 
 @functools.lru_cache(maxsize=4096)
-def _max_bytes(prompt_len: int, final_len: int, W: int, head_dim: int, token_bytes: float, G: int) -> float:
+def _max_bytes(
+    prompt_len: int, final_len: int, W: int, head_dim: int, token_bytes: float, G: int, fp_bytes: float
+) -> float:
     """Peak bytes of the LogQuant cache (the same for every budget: cached). ``G`` tokens per
     key group when keys are quantized per channel, 0 when per token."""
     n_q, key_meta, worst = 0, 0.0, 0.0
@@ -109,7 +111,7 @@ def _max_bytes(prompt_len: int, final_len: int, W: int, head_dim: int, token_byt
             n_q += len(left)
             if G:
                 key_meta += 4.0 * head_dim * math.ceil(len(left) / G)
-        worst = max(worst, len(fp) * 4.0 * head_dim + n_q * token_bytes + key_meta)
+        worst = max(worst, len(fp) * fp_bytes + n_q * token_bytes + key_meta)
     return worst
 
 
@@ -151,7 +153,9 @@ class LogQuant(Policy):
         """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
         ledger = ledger or self._ledger(spec)
         groups = self.G if self.key_axis == "channel" else 0
-        return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, ledger.token_value_bytes, groups)
+        return _max_bytes(
+            spec.prompt_len, spec.final_len, W, spec.head_dim, ledger.token_value_bytes, groups, spec.fp_bytes
+        )
 
     def _fit_W(self, spec: CacheSpec, ledger: Ledger) -> int:
         """The largest ``W`` that fits; bytes fall with ``W`` while per-flush key groups are

@@ -14,7 +14,10 @@ real post-RoPE q/k/v of every model that routes through ``AttentionInterface``.
 Key slots are mapped to absolute positions: the keys handed to the function are always
 the last ``kv`` slots of the sequence (dynamic layers return every slot, sliding-window
 layers the window), so slot ``s = seq_len − kv + j`` and position ``p = s − pad[b]``
-under left padding.
+under left padding — except for the keys of a live policy cache (:mod:`kvscope.live`),
+which hands over a :class:`SlotView` with its keys: the absolute position of every slot per
+KV head, and which slots are padding (heads that keep fewer positions than others). The
+function then masks the padding per head and scatters rows onto positions by that map.
 """
 
 from __future__ import annotations
@@ -32,6 +35,30 @@ HEAD_MODES = ("all", "kv", "mean")
 _ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar(
     "kvscope_active_recorder", default=None
 )
+
+
+@dataclass
+class SlotView:
+    """What a live policy cache layer hands to the attention function with its keys."""
+
+    keys: torch.Tensor  # the very tensor the cache layer returned (matched by identity)
+    slot_pos: torch.Tensor  # [kv_head, kv] absolute position of each key slot, −1 = padding
+    head_mask: torch.Tensor | None  # [kv_head, kv] bool, True = a real slot (None: no padding)
+    recorder: "AttentionRecorder | None" = None  # the cache's own observer (rows it decides on)
+    used: bool = False  # set by the attention function: the cache checks that it was seen
+
+
+_LIVE: contextvars.ContextVar["SlotView | None"] = contextvars.ContextVar("kvscope_live_slots", default=None)
+
+
+def offer_slots(view: "SlotView | None") -> None:
+    """Called by a live cache layer's ``update`` right before the layer's attention."""
+    _LIVE.set(view)
+
+
+def _slot_view(key: torch.Tensor) -> "SlotView | None":
+    view = _LIVE.get()
+    return view if view is not None and view.keys is key else None
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -177,6 +204,7 @@ class AttentionRecorder:
         mask: torch.Tensor | None,
         scaling: float,
         softcap: float | None,
+        slot_pos: torch.Tensor | None = None,  # [kv_head, kv] positions of a live cache's slots
     ) -> None:
         ctx = self.ctx
         if ctx is None or not self.enabled:
@@ -184,6 +212,22 @@ class AttentionRecorder:
         layer = int(module.layer_idx)
         b, h, q_len, _ = query.shape
         n_kv, kv_len = key.shape[1], key.shape[2]
+        if slot_pos is not None and q_len == 1:
+            probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
+            pos = slot_pos.repeat_interleave(h // n_kv, dim=0)[None].expand(b, h, kv_len)  # [batch, head, kv]
+            real = pos >= 0
+            by_pos = torch.zeros((b, h, ctx.seq_len), device=query.device)
+            by_pos.scatter_add_(-1, pos.clamp(min=0), torch.where(real, probs, torch.zeros((), device=probs.device)))
+            if self.rows is None:
+                self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
+            self._reduce_heads(by_pos, n_kv, out=self.rows[:, layer])
+            cap = LayerCapture()
+            if self.record_qkv:  # the new key sits in the last slot of every head
+                cap.q = query.detach().to(torch.float32)
+                cap.k = key[:, :, -1:].detach().to(torch.float32)
+                cap.v = value[:, :, -1:].detach().to(torch.float32)
+            self.layers[layer] = cap
+            return
         if kv_len > ctx.seq_len:
             raise RuntimeError(
                 f"layer {layer}: {kv_len} keys for a sequence of {ctx.seq_len} slots; "
@@ -288,6 +332,29 @@ def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, traini
     return out.transpose(1, 2).contiguous()
 
 
+def _per_head_mask(head_mask, n_heads, q_len, mask):
+    """A live cache's ``head_mask [kv_head, kv]`` as a bool mask ``[1, head, q, kv]`` (query
+    heads of a group share their KV head's slots), combined with transformers' ``mask``."""
+    n_kv, kv = head_mask.shape
+    out = head_mask.repeat_interleave(n_heads // n_kv, dim=0)[None, :, None, :].expand(1, n_heads, q_len, kv)
+    if mask is None:
+        return out
+    if mask.dtype == torch.bool:
+        return out & mask[..., -kv:]
+    return out & (mask[..., -kv:] == 0)
+
+
+def _masked_output(query, key, value, mask, scaling, softcap):
+    """Attention output ``[batch, q, head, D]`` with a per-head bool ``mask`` (any kernel)."""
+    if softcap is not None:
+        return _eager_output(query, key, value, mask, scaling, softcap)
+    n_rep = query.shape[1] // key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=mask, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous()
+
+
 def _base_forward(kernel: str):
     """The layer-output function of ``kernel``, resolved once (not per call)."""
     if kernel == "sdpa":
@@ -315,14 +382,28 @@ def _capturing(kernel: str):
     base = _base_forward(kernel)
 
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-        out = base(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
-        )
-        recorder = _ACTIVE.get()
-        if recorder is not None:
+        view = _slot_view(key)
+        slot_pos = None
+        if view is not None:
+            view.used = True
+            if view.head_mask is not None:  # padding slots of a live cache: mask them per head
+                attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
+                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                out = _masked_output(query, key, value, attention_mask, scale, softcap)
+            slot_pos = view.slot_pos if query.shape[2] == 1 else None
+        if view is None or view.head_mask is None:
+            out = base(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
+            )
+        recorders = [_ACTIVE.get()]
+        if view is not None and view.recorder is not None and view.recorder is not recorders[0]:
+            recorders.append(view.recorder)
+        if any(r is not None for r in recorders):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             with torch.no_grad():
-                recorder.observe(module, query, key, value, attention_mask, scale, softcap)
+                for recorder in recorders:
+                    if recorder is not None:
+                        recorder.observe(module, query, key, value, attention_mask, scale, softcap, slot_pos)
         return out, None
 
     kvscope_attention.__name__ = f"kvscope_{kernel}_attention"

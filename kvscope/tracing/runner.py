@@ -55,6 +55,9 @@ class TraceSettings:
     stop_at_eos: bool = True
     chat: bool = False
     trust_remote_code: bool = False
+    policy: str | None = None  # decode under this live policy cache (kvscope.live)
+    budget: float | None = None  # its budget β
+    kv_dtype: str = "model"  # its storage of FP entries
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -86,6 +89,23 @@ class TraceSettings:
                 raise KvscopeError("--device cuda asked for, but torch sees no CUDA device")
         elif self.device != "cpu":
             raise KvscopeError(f"--device must be cpu or cuda[:N] (got {self.device!r})")
+        if self.policy is not None:
+            from ..live.run import parse_kv_dtype
+            from ..policies import parse
+            from ..replay import check_budget
+
+            if self.budget is None:
+                raise KvscopeError("--policy needs --budget")
+            self.budget = check_budget(self.budget)
+            if parse(self.policy).clairvoyant:
+                raise KvscopeError(f"{self.policy} is clairvoyant (it reads future attention): it has no live cache")
+            if self.batch_size != 1:
+                raise KvscopeError("--policy decodes one sample at a time (--batch-size 1)")
+            if self.resolution != "token":
+                raise KvscopeError("--policy records token-resolution rows (--resolution token)")
+            parse_kv_dtype(self.kv_dtype)
+        elif self.budget is not None:
+            raise KvscopeError("--budget goes with --policy")
         if self.attn == "flash_attention_2":
             import importlib.util
 
@@ -360,6 +380,7 @@ def trace_loaded(
         record_qkv=settings.record_qkv,
         dtype=settings.dtype,
         rope_freqs=_rope_parameters(model, facts["n_layers"])[0].shape[1] if settings.record_qkv else 0,
+        policy_events=len(range(0, S, settings.window)) if settings.policy else 0,
     )
 
     if existing is None:
@@ -427,7 +448,28 @@ def _store_attrs(source, facts, model, tokenizer, settings, layout, prompts, set
         "record_qkv": settings.record_qkv,
         "prompts": [p.doc() for p in prompts],
         "settings": settings_doc,
+        **({"policy": _policy_doc(settings, model)} if settings.policy else {}),
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+    }
+
+
+def _policy_doc(settings: TraceSettings, model) -> dict:
+    """What a trace recorded under a live policy cache says about it."""
+    import torch
+
+    from ..live.run import parse_kv_dtype
+    from ..policies import parse
+
+    policy = parse(settings.policy)
+    dtype = parse_kv_dtype(settings.kv_dtype) or next(model.parameters()).dtype
+    return {
+        "label": policy.label(),
+        "name": policy.name,
+        "params": policy.params(),
+        "budget": settings.budget,
+        "kv_dtype": str(dtype).removeprefix("torch."),
+        "kv_itemsize": torch.empty(0, dtype=dtype).element_size(),
+        "every": settings.window,
     }
 
 
@@ -536,7 +578,19 @@ def _decode_batch(model, tokenizer, encoded, batch, layout, settings, writer, pr
         obs_window=layout.obs_window,
         record_qkv=settings.record_qkv,
     )
-    cache = DynamicCache(config=model.config)
+    if settings.policy is not None:
+        from ..live import PolicyCache
+        from ..live.run import parse_kv_dtype
+
+        cache = PolicyCache(
+            model, settings.policy, settings.budget, S, kv_dtype=parse_kv_dtype(settings.kv_dtype),
+            n_sink=settings.n_sink, w=settings.window, obs_window=settings.obs_window, every=settings.window,
+            keep_tiers=True,
+        )  # fmt: skip
+        policy_buffers = _PolicyBuffers(layout)
+    else:
+        cache = DynamicCache(config=model.config)
+        policy_buffers = None
     dtype = np.float16 if settings.dtype == "float16" else np.float32
     n_steps = np.full(B, S, dtype=np.int64)  # final number of steps per sample
     finished = np.zeros(B, dtype=bool)
@@ -563,6 +617,9 @@ def _decode_batch(model, tokenizer, encoded, batch, layout, settings, writer, pr
                 use_cache=True,
             )
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            if policy_buffers is not None:
+                cache.end_step()
+                policy_buffers.add_step(t, cache)
             token = sample(out.logits[:, -1])
             if stored_tokens is not None and t < committed:
                 for i in range(B):
@@ -585,7 +642,10 @@ def _decode_batch(model, tokenizer, encoded, batch, layout, settings, writer, pr
             end_of_block = (t + 1) % blk == 0 or t == S - 1 or finished.all()
             if end_of_block and t >= committed:
                 prompt_ids = [encoded[s] for s in batch]
-                writer.submit(buffers.block(batch, t + 1, prompt_ids, generated, n_steps, finished, S))
+                block = buffers.block(batch, t + 1, prompt_ids, generated, n_steps, finished, S)
+                if policy_buffers is not None:
+                    policy_buffers.flush_into(block, batch[0])
+                writer.submit(block)
                 buffers.reset()
             if t >= committed:
                 counter["done"] += 1
@@ -728,6 +788,33 @@ class _BlockBuffers:
             blk.commit[s] = counts[i]
             blk.done[s] = bool(finished[i] or t_end >= S)
         return blk
+
+
+class _PolicyBuffers:
+    """Tier snapshots and bytes of a live policy cache, written with each block."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.every = layout.window
+        self.events: dict[int, np.ndarray] = {}  # event → tiers [layer, kv_head, pos]
+        self.bytes: dict[int, tuple[float, int]] = {}  # step → (SPEC accounting, actual)
+
+    def add_step(self, t: int, cache) -> None:
+        self.bytes[t] = (cache.bytes_model[-1], cache.bytes_actual[-1])
+        if t in cache.tier_events:
+            tiers = cache.tier_events.pop(t)
+            out = np.full(tiers.shape[:2] + (self.layout.n_pos,), -1, dtype=np.int8)
+            n = min(tiers.shape[-1], self.layout.n_pos)
+            out[..., :n] = tiers[..., :n]
+            self.events[t // self.every] = out
+
+    def flush_into(self, block: Block, s: int) -> None:
+        for e, tiers in self.events.items():
+            block.writes.append(("policy_tiers", (slice(s, s + 1), slice(e, e + 1)), tiers[None, None]))
+        for t, (model_bytes, actual) in self.bytes.items():
+            block.writes.append(("policy_bytes", (slice(s, s + 1), slice(t, t + 1)), np.array([[model_bytes]])))
+            block.writes.append(("policy_cache_bytes", (slice(s, s + 1), slice(t, t + 1)), np.array([[actual]])))
+        self.events, self.bytes = {}, {}
 
 
 def window_sums(row: np.ndarray, n_sink: int, w: int, n_windows: int) -> np.ndarray:

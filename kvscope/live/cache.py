@@ -1,0 +1,496 @@
+"""A transformers cache that runs a kvscope policy during real decoding (SPEC §5 contract).
+
+The same policy objects that :func:`kvscope.replay` drives offline run here inside
+``model(..., cache=PolicyCache(...))`` or ``model.generate(cache=...)``. The cache drives the
+policy's :class:`~kvscope.policies.CacheState` exactly as replay does — ``prefill(colsum,
+tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
+``compress()`` — with the rows this cache really served, and then makes the decision real::
+
+    EVICTED        the position's K/V are deleted
+    Q              packed codes + 16-bit scale/zero (the policy's write-once ledger holds
+                   the codes); dequantized for attention at every step
+    FP             the original K/V in ``kv_dtype`` (the model's dtype by default)
+    FP, promoted   (QEvict) a promotion restores the dequantized values, which the ledger's
+                   codes already give: served from the codes, counted as FP by the byte model
+
+Per layer the cache holds two flat pools of rows, each row one (kv_head, position)::
+
+    fp_k, fp_v        [n_fp, D]          kv_dtype      originals
+    fp_pos, fp_head   [n_fp]             int64         index
+    k_codes, v_codes  [n_q, D·b/8]       uint8         2/4/8-bit codes packed along channels
+    v_scale, v_zero   [n_q, D/g_v]       fp16          per token
+    k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
+                      [n_q, D/g_k]                     or per token (key_axis=token)
+    q_pos, q_head     [n_q]              int64         index
+
+At each forward a layer hands attention ``[1, kv_head, T, D]`` keys/values: per KV head its
+FP rows and dequantized Q rows in position order, right-aligned (heads that keep fewer
+positions are padded on the left and masked per head by the kvscope attention function, so
+the newest key is always the last slot). A cache whose heads keep the same positions with
+nothing quantized hands over exactly what a ``DynamicCache`` would.
+
+Bytes per step: ``bytes_model`` (SPEC §5 accounting, what replay reports) and
+``bytes_actual`` (``nbytes`` of every data tensor above; index tensors apart in
+``bytes_index``); both must stay within ``β · FP_bytes(P + S)`` at ``kv_dtype``.
+One sequence at a time (batch 1). Needs a kvscope attention implementation
+(:func:`prepare`), which also computes the rows the policy observes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..errors import KvscopeError
+from ..policies import BudgetExceeded, CacheSpec, Policy, Rope, parse
+from ..policies.quant import pack
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
+from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
+
+BYTES_TOLERANCE = 1e-6
+
+
+def prepare(model, kernel: str = "sdpa"):
+    """Route ``model``'s attention through kvscope (needed by :class:`PolicyCache`)."""
+    register()
+    model.set_attn_implementation(implementation_name(kernel))
+    return model
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """``[..., bytes]`` uint8 → ``[..., n]`` codes (first code in the lowest bits, as
+    :func:`kvscope.policies.quant.pack`)."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
+    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def _rotate_half(x: torch.Tensor, n_rot: int) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    half = n_rot // 2
+    out[..., :half] = -x[..., half:n_rot]
+    out[..., half:n_rot] = x[..., :half]
+    return out
+
+
+class _Pool:
+    """The rows of one layer (see the module docstring)."""
+
+    def __init__(self, head_dim: int, kv_dtype, device):
+        d = head_dim
+        self.fp_k = torch.empty((0, d), dtype=kv_dtype, device=device)
+        self.fp_v = torch.empty((0, d), dtype=kv_dtype, device=device)
+        self.fp_pos = torch.empty(0, dtype=torch.long, device=device)
+        self.fp_head = torch.empty(0, dtype=torch.long, device=device)
+        self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
+
+    def data_tensors(self):
+        out = [self.fp_k, self.fp_v]
+        if self.q is not None:
+            out += [self.q[k] for k in ("k_codes", "v_codes", "v_scale", "v_zero", "k_scale", "k_zero")]
+        return out
+
+    def index_tensors(self):
+        out = [self.fp_pos, self.fp_head]
+        if self.q is not None:
+            out += [self.q[k] for k in ("q_pos", "q_head", "k_group")]
+        return out
+
+    def n_q(self) -> int:
+        return 0 if self.q is None else int(self.q["q_pos"].shape[0])
+
+
+class PolicyLayer(DynamicLayer):
+    """One layer of a :class:`PolicyCache`: it delegates to the cache, which owns the policy."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "PolicyCache", index: int):
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.n_seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache._update(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.n_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # decode rows need no mask (batch 1); the prefill sees every position
+        return self.cache.slots(self.index) + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvscopeError("a PolicyCache cannot be cropped (its positions are decided by the policy)")
+
+    def reset(self) -> None:
+        raise KvscopeError("a PolicyCache serves one sequence; make a new one")
+
+
+class PolicyCache(DynamicCache):
+    """A transformers ``Cache`` that compresses with ``policy`` at budget ``β`` while decoding.
+
+    ``max_new_tokens`` = S fixes the final length ``P + S`` and with it the byte budget
+    ``β · FP_bytes(P + S)`` (SPEC §5; ``generate(max_new_tokens=S)`` runs S forwards).
+    ``kv_dtype``: storage of FP entries (default: the model's dtype; the byte model counts
+    ``2·D·itemsize`` per FP token). ``every``: tier snapshots kept every that many steps
+    (``tier_events``; default the policy window ``w``). ``check``: verify every policy
+    invariant and the physical content at every step (tests)."""
+
+    def __init__(
+        self,
+        model,
+        policy: Policy | str,
+        budget: float,
+        max_new_tokens: int,
+        *,
+        kv_dtype: torch.dtype | None = None,
+        n_sink: int = 4,
+        w: int = 8,
+        obs_window: int = 32,
+        every: int | None = None,
+        keep_tiers: bool = False,
+        check: bool = False,
+    ):
+        from ..replay import check_budget
+        from ..tracing.runner import _model_facts, _rope_parameters
+
+        policy = parse(policy) if isinstance(policy, str) else policy
+        if policy.clairvoyant:
+            raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+        if max_new_tokens < 1:
+            raise KvscopeError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        facts = _model_facts(model)
+        if any(t != "full_attention" for t in facts["layer_types"]) or (
+            facts["sliding_window"] and not facts["layer_types"]
+        ):
+            raise KvscopeError("live policy caches support global-attention layers only (this model slides windows)")
+        self.policy, self.budget = policy, check_budget(budget)
+        self.max_new_tokens = int(max_new_tokens)
+        self.n_layers, self.n_kv, self.head_dim = facts["n_layers"], facts["n_kv_heads"], facts["head_dim"]
+        parameter = next(model.parameters())
+        self.compute_dtype = parameter.dtype
+        self.kv_dtype = kv_dtype or parameter.dtype
+        self.itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
+        self.device = parameter.device
+        self.n_sink, self.w = n_sink, w
+        self.every = every or w
+        inv_freq, scaling = _rope_parameters(model, self.n_layers)
+        rope = Rope(np.asarray(inv_freq, np.float64), np.asarray(scaling))
+        self.rope = rope if rope.usable() else None
+        self.recorder = AttentionRecorder(n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window)
+        self.keep_tiers, self.check = keep_tiers, check
+        Cache.__init__(self, layers=[PolicyLayer(self, i) for i in range(self.n_layers)])
+        self.pools = [_Pool(self.head_dim, self.kv_dtype, self.device) for _ in range(self.n_layers)]
+        self.state = None
+        self.seen = 0  # positions that exist
+        self.step = -1  # last step whose decision was applied
+        self._pending: str | None = None
+        self._views: list[SlotView] = []
+        self.bytes_model: list[float] = []  # [step] SPEC accounting, all layers and heads
+        self.bytes_actual: list[int] = []  # [step] nbytes of the data tensors
+        self.bytes_index: list[int] = []  # [step] nbytes of the index tensors
+        self.tier_events: dict[int, np.ndarray] = {}  # step → tiers [layer, kv_head, pos] after deciding
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def spec(self) -> CacheSpec:
+        if self.state is None:
+            raise KvscopeError("the cache has not seen a prompt yet")
+        return self.state.spec
+
+    @property
+    def budget_bytes(self) -> float:
+        """``β · FP_bytes(P + S)`` over all layers and KV heads."""
+        return self.spec.capacity * self.n_layers * self.n_kv
+
+    @property
+    def full_bytes(self) -> float:
+        """``FP_bytes(P + S)``: a full cache of the final length at ``kv_dtype``."""
+        return self.spec.final_len * self.spec.fp_bytes * self.n_layers * self.n_kv
+
+    def slots(self, layer: int) -> int:
+        """Key slots per head the layer hands to attention now (before this forward's key)."""
+        pool = self.pools[layer]
+        heads = torch.cat([pool.fp_head, pool.q["q_head"]]) if pool.q is not None else pool.fp_head
+        return int(torch.bincount(heads, minlength=self.n_kv).max()) if heads.numel() else 0
+
+    def actual_bytes(self) -> tuple[int, int]:
+        """``(data, index)`` bytes of every tensor the cache holds now."""
+        data = sum(t.nbytes for pool in self.pools for t in pool.data_tensors())
+        index = sum(t.nbytes for pool in self.pools for t in pool.index_tensors())
+        return int(data), int(index)
+
+    # -- the forward ------------------------------------------------------------------------
+    def _begin_forward(self, n_new: int) -> None:
+        self.end_step()
+        if self.state is None:
+            spec = CacheSpec(
+                self.n_layers,
+                self.n_kv,
+                self.head_dim,
+                n_new,
+                n_new + self.max_new_tokens,
+                self.budget,
+                self.n_sink,
+                self.w,
+                self.itemsize,
+            )
+            self.state = self.policy.start(spec, rope=self.rope)
+            if self.state.ledger is not None:
+                self.state.ledger.sink = self._quantize
+            self._pending = "prefill"
+        else:
+            if n_new != 1:
+                raise KvscopeError("after the prompt a PolicyCache takes one token per forward")
+            if self.seen + 1 > self.state.spec.final_len:
+                raise KvscopeError(
+                    f"this PolicyCache was made for {self.max_new_tokens} new tokens; decoding went past them"
+                )
+            self.state.append(self.seen)
+            self._pending = "decode"
+        self.seen += n_new
+        self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
+        self.recorder.enabled = self._pending == "prefill" or self.policy.observes
+        self._views = []
+
+    def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        if key_states.shape[0] != 1:
+            raise KvscopeError("a PolicyCache decodes one sequence at a time (batch size 1)")
+        n_new = key_states.shape[2]
+        if layer == 0:
+            self._begin_forward(n_new)
+        self.layers[layer].n_seen += n_new
+        pool = self.pools[layer]
+        positions = torch.arange(self.seen - n_new, self.seen, device=key_states.device)
+        heads = torch.arange(self.n_kv, device=key_states.device)
+        pool.fp_k = torch.cat([pool.fp_k, key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
+        pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
+        pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
+        pool.fp_head = torch.cat([pool.fp_head, heads.repeat_interleave(n_new)])
+        recorder = self.recorder if self.recorder.enabled else None
+        if self._pending == "prefill":  # every position of every head, in order: as given
+            if self.kv_dtype == key_states.dtype:
+                keys, values = key_states, value_states
+            else:
+                keys, values = (
+                    key_states.to(self.kv_dtype).to(key_states.dtype),
+                    value_states.to(self.kv_dtype).to(value_states.dtype),
+                )
+            view = SlotView(keys, None, None, recorder)
+        else:
+            keys, values, slot_pos, head_mask = self._served(layer, key_states.dtype)
+            view = SlotView(keys, slot_pos, head_mask, recorder)
+        self._views.append(view)
+        offer_slots(view)
+        return keys, values
+
+    def _served(self, layer: int, dtype):
+        """``keys, values [1, kv_head, T, D]``, ``slot_pos [kv_head, T]`` (−1: padding) and
+        ``head_mask [kv_head, T]`` (None when every head has T real slots)."""
+        pool = self.pools[layer]
+        pos, head = pool.fp_pos, pool.fp_head
+        k, v = pool.fp_k.to(dtype), pool.fp_v.to(dtype)
+        if pool.n_q():
+            qk, qv = self._dequantized(layer)
+            pos = torch.cat([pos, pool.q["q_pos"]])
+            head = torch.cat([head, pool.q["q_head"]])
+            k = torch.cat([k, qk.to(dtype)])
+            v = torch.cat([v, qv.to(dtype)])
+        final = self.state.spec.final_len
+        order = torch.argsort(head * final + pos)
+        head_sorted = head[order]
+        counts = torch.bincount(head, minlength=self.n_kv)
+        width = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(order.numel(), device=order.device) - starts[head_sorted] + (width - counts)[head_sorted]
+        if bool((counts == width).all()):
+            shape = (1, self.n_kv, width, self.head_dim)
+            slot_pos = pos[order].view(self.n_kv, width)
+            return k[order].view(shape), v[order].view(shape), slot_pos, None
+        keys = torch.zeros((1, self.n_kv, width, self.head_dim), dtype=dtype, device=k.device)
+        values = torch.zeros_like(keys)
+        keys[0, head_sorted, slot] = k[order]
+        values[0, head_sorted, slot] = v[order]
+        slot_pos = torch.full((self.n_kv, width), -1, dtype=torch.long, device=k.device)
+        slot_pos[head_sorted, slot] = pos[order]
+        return keys, values, slot_pos, slot_pos >= 0
+
+    # -- quantized rows -------------------------------------------------------------------
+    def _quantize(self, positions: np.ndarray, layers: np.ndarray, heads: np.ndarray) -> None:
+        """The ledger's sink: quantize groups ``positions [n, G]`` of (``layers [n]``,
+        ``heads [n]``) from the FP originals this cache holds, and keep their codes."""
+        ledger = self.state.ledger
+        final = self.state.spec.final_len
+        d = self.head_dim
+        for layer in np.unique(layers):
+            rows = np.nonzero(layers == layer)[0]
+            pos = positions[rows]  # [n, G]
+            pool = self.pools[layer]
+            lookup = torch.full((self.n_kv * final,), -1, dtype=torch.long)
+            lookup[(pool.fp_head * final + pool.fp_pos).cpu()] = torch.arange(pool.fp_pos.numel())
+            index = lookup[torch.from_numpy(heads[rows][:, None] * final + pos)]  # [n, G]
+            if bool((index < 0).any()):
+                raise RuntimeError("the policy quantized a position this cache does not hold at full precision")
+            index = index.to(pool.fp_k.device)
+            keys = pool.fp_k[index].float().cpu().numpy()  # [n, G, D]
+            values = pool.fp_v[index].float().cpu().numpy()
+            layer_ids = np.full(len(rows), layer)
+            qk, qv = ledger.encode(keys, values, pos, layer_ids)
+            n, g = pos.shape
+            dev = self.device
+            new = {
+                "q_pos": torch.from_numpy(pos.reshape(-1).copy()).to(dev),
+                "q_head": torch.from_numpy(np.repeat(heads[rows], g)).to(dev),
+                "k_codes": torch.from_numpy(pack(qk.codes.reshape(n * g, d), ledger.bits)).to(dev),
+                "v_codes": torch.from_numpy(pack(qv.codes.reshape(n * g, d), ledger.bits)).to(dev),
+                "v_scale": torch.from_numpy(qv.scale.reshape(n * g, -1)).to(dev),
+                "v_zero": torch.from_numpy(qv.zero.reshape(n * g, -1)).to(dev),
+            }
+            if ledger.key_axis == "channel":
+                first = 0 if pool.q is None else int(pool.q["k_scale"].shape[0])
+                new["k_scale"] = torch.from_numpy(qk.scale.reshape(n, d)).to(dev)  # [group, D]
+                new["k_zero"] = torch.from_numpy(qk.zero.reshape(n, d)).to(dev)
+                new["k_group"] = torch.arange(first, first + n, device=dev).repeat_interleave(g)
+            else:
+                new["k_scale"] = torch.from_numpy(qk.scale.reshape(n * g, -1)).to(dev)  # [token, D/g_k]
+                new["k_zero"] = torch.from_numpy(qk.zero.reshape(n * g, -1)).to(dev)
+                new["k_group"] = torch.empty(0, dtype=torch.long, device=dev)
+            if pool.q is None:
+                pool.q = new
+            else:
+                pool.q = {name: torch.cat([pool.q[name], new[name]]) for name in new}
+
+    def _dequantized(self, layer: int):
+        """``keys, values [n_q, D]`` float32 of the layer's Q rows — the same arithmetic as
+        :meth:`kvscope.policies.Ledger.encode`'s inverse in replay."""
+        ledger = self.state.ledger
+        q = self.pools[layer].q
+        d, bits = self.head_dim, ledger.bits
+        n = q["q_pos"].shape[0]
+        k_codes = _unpack(q["k_codes"], bits, d).float()  # [n, D]
+        v_codes = _unpack(q["v_codes"], bits, d).float()
+        if ledger.key_axis == "channel":
+            group = q["k_group"]
+            keys = k_codes * q["k_scale"][group].float() + q["k_zero"][group].float()
+        else:
+            kg = ledger.key_group
+            keys = (
+                k_codes.view(n, d // kg, kg) * q["k_scale"].float()[..., None] + q["k_zero"].float()[..., None]
+            ).view(n, d)
+        gv = ledger.value_group
+        values = (v_codes.view(n, d // gv, gv) * q["v_scale"].float()[..., None] + q["v_zero"].float()[..., None]).view(
+            n, d
+        )
+        if ledger.rope is not None and ledger.rope.usable():
+            rope = ledger.rope
+            pos = q["q_pos"].cpu().numpy()
+            cos, sin = rope.cos_sin(np.full(pos.shape, layer), pos, d)  # [n, D] float32
+            cos, sin = torch.from_numpy(cos).to(keys.device), torch.from_numpy(sin).to(keys.device)
+            keys = keys * cos + _rotate_half(keys, 2 * rope.inv_freq.shape[1]) * sin
+        return keys, values
+
+    # -- deciding ---------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Apply the decision of the forward that just ran (called by the next forward, or by
+        a decode loop right after each forward): the policy observes, compresses, and the
+        cache deletes, quantizes and keeps accordingly."""
+        if self._pending is None:
+            return
+        kind, self._pending = self._pending, None
+        if not all(view.used for view in self._views):
+            raise KvscopeError(
+                "a PolicyCache needs kvscope's attention implementation: call kvscope.live.prepare(model) first"
+            )
+        self._views = []
+        offer_slots(None)
+        st = self.state
+        if kind == "prefill":
+            caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
+            colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
+            tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
+            st.prefill(np.nan_to_num(colsum), np.nan_to_num(tail))
+        else:
+            if self.policy.observes:
+                st.observe(self.recorder.rows[0, :, :, : self.seen].float().cpu().numpy())
+            st.compress()
+        self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
+        self._sync()
+        self.step += 1
+        used = st.bytes_used()  # [layer, kv_head]
+        data, index = self.actual_bytes()
+        self.bytes_model.append(float(used.sum()))
+        self.bytes_actual.append(data)
+        self.bytes_index.append(index)
+        if st.reached:
+            limit = st.spec.capacity * (1 + BYTES_TOLERANCE)
+            if (used > limit).any() or data > self.budget_bytes * (1 + BYTES_TOLERANCE):
+                raise BudgetExceeded(
+                    f"{self.policy.label()} holds {data} bytes ({used.max():.0f} per layer and head by the byte "
+                    f"model) at step {self.step}, over its budget {self.budget_bytes:.0f} (β = {self.budget})"
+                )
+        if self.check:
+            st.check()
+            self._check_content()
+        if self.keep_tiers and self.step % self.every == 0:
+            self.tier_events[self.step] = st.tiers.copy()
+
+    def _sync(self) -> None:
+        """Make the pools match the state's tiers: FP rows stay while their position is FP
+        and was never quantized; Q rows stay unless their position was evicted."""
+        st = self.state
+        tiers = torch.from_numpy(st.tiers[..., : self.seen])  # [layer, kv_head, pos]
+        done = torch.from_numpy(st.ledger.done[..., : self.seen]) if st.ledger is not None else None
+        for layer, pool in enumerate(self.pools):
+            head, pos = pool.fp_head.cpu(), pool.fp_pos.cpu()
+            keep = tiers[layer, head, pos] == TIER_FP
+            if done is not None:
+                keep &= ~done[layer, head, pos]
+            if not bool(keep.all()):
+                keep = keep.to(pool.fp_k.device)
+                pool.fp_k, pool.fp_v = pool.fp_k[keep], pool.fp_v[keep]
+                pool.fp_pos, pool.fp_head = pool.fp_pos[keep], pool.fp_head[keep]
+            if pool.q is None:
+                continue
+            q = pool.q
+            keep = (tiers[layer, q["q_head"].cpu(), q["q_pos"].cpu()] >= TIER_Q).to(q["q_pos"].device)
+            if bool(keep.all()):
+                continue
+            kept = {name: q[name][keep] for name in ("q_pos", "q_head", "k_codes", "v_codes", "v_scale", "v_zero")}
+            if st.ledger.key_axis == "channel":
+                groups, new_index = torch.unique(q["k_group"][keep], return_inverse=True)
+                kept["k_scale"], kept["k_zero"] = q["k_scale"][groups], q["k_zero"][groups]
+                kept["k_group"] = new_index
+            else:
+                kept["k_scale"], kept["k_zero"] = q["k_scale"][keep], q["k_zero"][keep]
+                kept["k_group"] = q["k_group"]
+            pool.q = kept
+
+    def _check_content(self) -> None:
+        """Every accessible position is held exactly once, nothing else is."""
+        tiers = self.state.tiers[..., : self.seen]
+        for layer, pool in enumerate(self.pools):
+            held = np.zeros(tiers.shape[1:], dtype=np.int64)
+            np.add.at(held, (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
+            if pool.q is not None:
+                np.add.at(held, (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
+            if not np.array_equal(held, (tiers[layer] >= TIER_Q).astype(np.int64)):
+                raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
+            if (
+                pool.q is not None
+                and (tiers[layer][pool.q["q_head"].cpu(), pool.q["q_pos"].cpu()] == TIER_EVICTED).any()
+            ):
+                raise AssertionError("an evicted position is still held")

@@ -1,0 +1,248 @@
+"""``kvscope run``: generate under a policy cache and measure how far it strays from full KV.
+
+Three decodes of the same prompt, greedy, ``S`` forwards each (no stop at EOS, so every
+metric compares the same steps)::
+
+    full       DynamicCache                      tokens y*_t, logits z*_t          [S], [S, vocab]
+    free       PolicyCache, own greedy tokens    tokens y_t (the text, the score)  [S]
+    forced     PolicyCache, fed y*_t             logits z_t                        [S, vocab]
+
+    agreement   = mean_t [y_t = y*_t]
+    kl          = mean_t KL(softmax z*_t ‖ softmax z_t)             nats per token
+    perplexity  = exp(mean_t −log softmax(z_t)[y*_t])               of the full-KV continuation
+                  (``perplexity_full`` = the same under full KV, for reference)
+
+Forward ``t`` of the forced decode sees the same tokens as forward ``t`` of the full
+decode, so ``kl`` isolates what the cache changed. Bytes are the policy cache's own (free
+decode): the peak of ``bytes_actual`` and of the SPEC accounting, against the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import KvscopeError
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # [S] greedy choice of every forward
+    logits: object  # torch [S, vocab] float32
+    seconds: float
+
+
+def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | None = None) -> Decoded:
+    """``steps`` greedy forwards (the prompt, then one token each) with ``cache``; with
+    ``forced`` the next input is ``forced[t]`` instead of the greedy token."""
+    import torch
+
+    device = next(model.parameters()).device
+    tokens, logits = [], []
+    inputs = torch.tensor([prompt_ids], device=device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for t in range(steps):
+            out = model(input_ids=inputs, cache=cache, use_cache=True)
+            cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            if hasattr(cache, "end_step"):
+                cache.end_step()
+            last = out.logits[0, -1].float()
+            logits.append(last.cpu())
+            tokens.append(int(last.argmax()))
+            nxt = tokens[-1] if forced is None else int(forced[t])
+            inputs = torch.tensor([[nxt]], device=device)
+    return Decoded(tokens, torch.stack(logits), time.perf_counter() - started)
+
+
+def agreement(full: Decoded, free: Decoded, forced: Decoded) -> dict:
+    """The metrics of the module docstring."""
+    import torch
+
+    ref_logp = torch.log_softmax(full.logits, -1)  # [S, vocab]
+    logp = torch.log_softmax(forced.logits, -1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [S]
+    target = torch.tensor(full.tokens)[:, None]
+    nll = -logp.gather(-1, target)[:, 0]
+    nll_full = -ref_logp.gather(-1, target)[:, 0]
+    same = np.mean([a == b for a, b in zip(free.tokens, full.tokens)])
+    return {
+        "agreement": float(same),
+        "first_divergence": next((t for t, (a, b) in enumerate(zip(free.tokens, full.tokens)) if a != b), None),
+        "kl": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "perplexity": float(math.exp(nll.mean())),
+        "perplexity_full": float(math.exp(nll_full.mean())),
+    }
+
+
+@dataclass
+class RunResult:
+    policy: str
+    budget: float
+    prompt_tokens: int
+    new_tokens: int
+    text: str
+    text_full: str
+    agreement: float
+    first_divergence: int | None
+    kl: float
+    kl_max: float
+    perplexity: float
+    perplexity_full: float
+    tokens_per_s: float
+    tokens_per_s_full: float
+    bytes_actual_peak: int
+    bytes_index_peak: int
+    bytes_model_peak: float
+    budget_bytes: float
+    full_bytes: float
+    budget_reached: bool
+    kv_dtype: str
+    score: float | None = None
+    score_full: float | None = None
+    bytes_actual: list[int] = field(default_factory=list)  # [step]
+
+    def doc(self) -> dict:
+        return asdict(self)
+
+
+def run_loaded(
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    policy,
+    budget: float,
+    max_new_tokens: int,
+    *,
+    kv_dtype=None,
+    n_sink: int = 4,
+    w: int = 8,
+    scorer=None,
+    expected=None,
+    full: Decoded | None = None,
+) -> RunResult:
+    """Run the three decodes of the module docstring with a loaded, prepared model."""
+    from transformers import DynamicCache
+
+    from .cache import PolicyCache
+
+    def make():
+        return PolicyCache(model, policy, budget, max_new_tokens, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
+
+    probe = make()  # refuse bad input before decoding anything
+    if full is None:
+        full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens)
+    free = decode(model, prompt_ids, probe, max_new_tokens)
+    forced = decode(model, prompt_ids, make(), max_new_tokens, forced=full.tokens)
+    metrics = agreement(full, free, forced)
+    text = _text(tokenizer, model, free.tokens)
+    text_full = _text(tokenizer, model, full.tokens)
+    result = RunResult(
+        policy=probe.policy.label(),
+        budget=float(budget),
+        prompt_tokens=len(prompt_ids),
+        new_tokens=max_new_tokens,
+        text=text,
+        text_full=text_full,
+        tokens_per_s=max_new_tokens / free.seconds,
+        tokens_per_s_full=max_new_tokens / full.seconds,
+        bytes_actual_peak=max(probe.bytes_actual),
+        bytes_index_peak=max(probe.bytes_index),
+        bytes_model_peak=max(probe.bytes_model),
+        budget_bytes=probe.budget_bytes,
+        full_bytes=probe.full_bytes,
+        budget_reached=bool(probe.state.reached),
+        kv_dtype=str(probe.kv_dtype).removeprefix("torch."),
+        bytes_actual=list(probe.bytes_actual),
+        **metrics,
+    )
+    if scorer is not None and expected is not None:
+        result.score = float(scorer(text, expected))
+        result.score_full = float(scorer(text_full, expected))
+    return result
+
+
+def _text(tokenizer, model, tokens: list[int]) -> str:
+    """The generated text up to the first end-of-sequence token."""
+    from ..tracing.runner import _eos_ids
+
+    eos = set(_eos_ids(model, tokenizer))
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokenizer.decode(tokens[:cut])
+
+
+def parse_kv_dtype(name: str | None):
+    import torch
+
+    if name in (None, "", "model"):
+        return None
+    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in table:
+        raise KvscopeError(f"--kv-dtype must be model, float16, bfloat16 or float32 (got {name!r})")
+    return table[name]
+
+
+def run(
+    prompts,
+    policy,
+    budget: float,
+    *,
+    model: str = "smollm2-135m",
+    max_new_tokens: int = 64,
+    kv_dtype: str | None = None,
+    device: str = "cpu",
+    model_dtype: str = "auto",
+    attn: str = "sdpa",
+    chat: bool = False,
+    n_sink: int = 4,
+    w: int = 8,
+    scorer=None,
+    trust_remote_code: bool = False,
+    progress=None,
+) -> list[RunResult]:
+    """Generate every prompt (text or :class:`~kvscope.tracing.runner.Prompt`) under
+    ``policy`` at ``budget`` and compare with full KV (module docstring)."""
+    from ..models import load, resolve
+    from ..policies import parse
+    from ..replay import check_budget
+    from ..tracing.runner import Prompt, _encode, _model_facts
+    from .cache import prepare
+
+    check_budget(budget)
+    policy = parse(policy) if isinstance(policy, str) else policy
+    if policy.clairvoyant:
+        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    if max_new_tokens < 1:
+        raise KvscopeError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    dtype = parse_kv_dtype(kv_dtype)
+    prompts = [
+        p if isinstance(p, Prompt) else Prompt(str(p)) for p in ([prompts] if isinstance(prompts, str) else prompts)
+    ]
+    if not prompts:
+        raise KvscopeError("no prompts given")
+    source = resolve(model)
+    loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
+    prepare(loaded, attn)
+    encoded = _encode(tokenizer, prompts, chat)
+    context = _model_facts(loaded)["max_position_embeddings"]
+    for n, ids in enumerate(encoded):
+        if context and len(ids) + max_new_tokens > context:
+            raise KvscopeError(
+                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                f"it exceeds the model context of {context}"
+            )
+    results = []
+    for n, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        results.append(
+            run_loaded(
+                loaded, tokenizer, ids, policy, budget, max_new_tokens, kv_dtype=dtype, n_sink=n_sink, w=w,
+                scorer=scorer, expected=prompt.expected,
+            )
+        )  # fmt: skip
+        if progress is not None:
+            progress(n + 1, len(prompts))
+    return results

@@ -1,0 +1,179 @@
+"""``kvscope validate``: does offline replay predict the live cache?
+
+Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget::
+
+    1. open loop   replay(STORE, observe=exact)                  output error e_open[layer]
+    2. live        re-decode STORE's prompts under a PolicyCache,  → LIVE.zarr (q/k/v in fp32,
+                   recording what the live cache served          the cache's tiers at every event)
+    3. agreement   replay(LIVE, observe=exact): its tier at every (event, layer, kv_head,
+                   position) must equal the live cache's recorded tier
+    4. live error  with 3 exact, replay's effective cache on LIVE *is* the live cache, so its
+                   output error against full KV of the same (live) trajectory is the live
+                   error e_live[layer]
+
+Errors are the attention-output relative L2 errors of the first query after each event
+(SPEC §5), averaged over events, KV heads and samples. ``predicted/live`` near 1 means the
+open-loop number can be trusted for that layer; the token agreement of the two decodes says
+how far the trajectories themselves parted.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KvscopeError
+
+
+def validate(
+    store,
+    policy,
+    budget: float,
+    *,
+    live_out: str | Path | None = None,
+    kv_dtype: str | None = None,
+    progress=None,
+) -> dict:
+    """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
+    ``predicted`` and ``live`` errors and the decision agreement."""
+    from ..models import load, resolve
+    from ..policies import parse
+    from ..replay import check_budget, replay
+    from ..store import open_trace
+    from ..tracing.runner import Prompt, TraceSettings, trace_loaded
+    from .run import parse_kv_dtype
+
+    budget = check_budget(budget)
+    policy = parse(policy) if isinstance(policy, str) else policy
+    if policy.clairvoyant:
+        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    ds = open_trace(store)
+    if not all(name in ds for name in ("q", "k", "v")):
+        raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")
+    if "policy" in ds.attrs:
+        raise KvscopeError(f"{store} was recorded under a policy; validate needs a full-KV trace")
+    attrs = ds.attrs
+    settings_doc = attrs.get("settings", {})
+    source = resolve(attrs["model"]["name"])
+    model, tokenizer = load(source, attrs.get("device", "cpu"), settings_doc.get("model_dtype", "auto"))
+    dtype = parse_kv_dtype(kv_dtype) or next(model.parameters()).dtype
+    import torch
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    open_loop = replay(ds, [policy], [budget], observe="exact", kv_itemsize=itemsize)
+    settings = TraceSettings(
+        model=attrs["model"]["name"],
+        max_new_tokens=int(ds.sizes["step"]),
+        heads="kv",
+        window=int(attrs.get("w", 8)),
+        n_sink=int(attrs.get("n_sink", 4)),
+        obs_window=int(attrs.get("obs_window", 32)),
+        record_qkv=True,
+        dtype="float32",
+        device=attrs.get("device", "cpu"),
+        attn=attrs.get("attn_kernel", "sdpa"),
+        model_dtype=settings_doc.get("model_dtype", "auto"),
+        stop_at_eos=bool(attrs.get("generation", {}).get("stop_at_eos", True)),
+        chat=bool(attrs.get("generation", {}).get("chat_template", False)),
+        policy=policy.label() if ":" in policy.label() else policy.name,
+        budget=budget,
+        kv_dtype=str(dtype).removeprefix("torch."),
+    )
+    settings.check()
+    prompts = [
+        Prompt(p["text"], p.get("source", "cli"), p.get("expected"), p.get("meta") or {}) for p in attrs["prompts"]
+    ]
+    tmp = None
+    if live_out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvscope-validate-")
+        live_out = Path(tmp.name) / "live.zarr"
+    try:
+        trace_loaded(model, tokenizer, source, prompts, Path(live_out), settings, force=True, progress=progress)
+        live = open_trace(live_out)
+        closed = replay(live, [policy], [budget], observe="exact", kv_itemsize=itemsize, every=settings.window)
+        report = _report(ds, live, open_loop, closed, policy.label(), budget, itemsize)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    report["live_store"] = None if tmp is not None else str(live_out)
+    return report
+
+
+def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:
+    replayed = closed["tiers"].values[0, 0]  # [sample, event, layer, kv_head, pos]
+    recorded = live["policy_tiers"].values  # [sample, event, layer, kv_head, pos]
+    n_events = min(replayed.shape[1], recorded.shape[1])
+    compared = agreeing = 0
+    first = None
+    query_pos = np.asarray(live["query_pos"].values)
+    n_steps = np.asarray(live["n_steps"].values)
+    every = int(live.attrs["policy"]["every"])
+    for s in range(replayed.shape[0]):
+        for e in range(n_events):
+            step = e * every
+            if step >= n_steps[s]:
+                break
+            exists = int(query_pos[s, step]) + 1
+            a, b = replayed[s, e, ..., :exists], recorded[s, e, ..., :exists]
+            same = a == b
+            compared += same.size
+            agreeing += int(same.sum())
+            if first is None and not same.all():
+                layer, head, pos = np.argwhere(~same)[0]
+                first = {
+                    "sample": s,
+                    "event": e,
+                    "step": step,
+                    "layer": int(layer),
+                    "kv_head": int(head),
+                    "pos": int(pos),
+                }
+    predicted = _per_layer(open_loop["output_rel_l2"])
+    measured = _per_layer(closed["output_rel_l2"])
+    tokens_full = [_generated(full, s) for s in range(full.sizes["sample"])]
+    tokens_live = [_generated(live, s) for s in range(live.sizes["sample"])]
+    same_tokens = [
+        np.mean([a == b for a, b in zip(x, y)]) if min(len(x), len(y)) else np.nan
+        for x, y in zip(tokens_full, tokens_live)
+    ]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = predicted / measured
+    return {
+        "policy": label,
+        "budget": budget,
+        "kv_itemsize": itemsize,
+        "decisions_compared": int(compared),
+        "decisions_agreeing": int(agreeing),
+        "decision_agreement": agreeing / compared if compared else float("nan"),
+        "decisions_identical": bool(compared and agreeing == compared),
+        "first_mismatch": first,
+        "token_agreement": float(np.nanmean(same_tokens)),
+        "bytes_ratio_live": float(np.max(live["policy_cache_bytes"].values) / closed["full_bytes"].values.max()),
+        "layers": [
+            {"layer": int(layer), "predicted": _num(p), "live": _num(m), "ratio": _num(r)}
+            for layer, (p, m, r) in enumerate(zip(predicted, measured, ratio))
+        ],
+        "predicted_mean": _num(np.nanmean(predicted)),
+        "live_mean": _num(np.nanmean(measured)),
+        "correlation": _num(np.corrcoef(predicted, measured)[0, 1]) if len(predicted) > 2 else None,
+    }
+
+
+def _per_layer(err) -> np.ndarray:
+    """``[policy, budget, sample, event, layer, kv_head]`` → mean per layer."""
+    values = np.asarray(err.values[0, 0], dtype=np.float64)  # [sample, event, layer, kv_head]
+    with np.errstate(invalid="ignore"):
+        return np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
+
+
+def _generated(ds, s: int) -> list[int]:
+    n = int(ds["n_steps"].values[s])
+    return [int(t) for t in ds["token_id"].values[s, :n]]
+
+
+def _num(x):
+    x = float(x)
+    return None if not np.isfinite(x) else x
