@@ -92,9 +92,21 @@ def test_existing_scheduler_over_tcp(prose_trace):
     from distributed import LocalCluster
 
     plain = json.loads(run_cli("analyze", "churn", prose_trace, "--json", "--layers", "0-3", check=True).stdout)
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None,
-                      protocol="tcp://", host="127.0.0.1") as cluster:
+    with LocalCluster(
+        n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None, protocol="tcp://", host="127.0.0.1"
+    ) as cluster:
         assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
-        remote = json.loads(run_cli("analyze", "churn", prose_trace, "--json", "--layers", "0-3", "--dask",
-                                    cluster.scheduler_address, check=True).stdout)
+        remote = json.loads(
+            run_cli(
+                "analyze",
+                "churn",
+                prose_trace,
+                "--json",
+                "--layers",
+                "0-3",
+                "--dask",
+                cluster.scheduler_address,
+                check=True,
+            ).stdout
+        )
     assert remote["churn"] == plain["churn"] and remote["per_layer"] == plain["per_layer"]

@@ -328,13 +328,14 @@ def test_rope_helpers_match_transformers_and_invert():
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=10000.0)
     rotary = LlamaRotaryEmbedding(config)
     positions = torch.arange(0, 300, 7)[None]
-    k_pre = torch.randn(1, 1, positions.shape[1], 64)
+    k_pre = torch.randn(1, 1, positions.shape[1], 64, generator=torch.Generator().manual_seed(0))
     cos, sin = rotary(k_pre, positions)
     _, k_post = apply_rotary_pos_emb(k_pre, k_pre, cos, sin)
     rope = Rope(rotary.inv_freq.numpy()[None].astype(np.float64), np.array([rotary.attention_scaling]))
     c, s = rope.cos_sin(np.zeros(positions.shape[1], dtype=int), positions[0].numpy(), 64)
     ours = apply_rope(k_pre[0, 0].numpy(), c, s, 64)
-    assert np.abs(ours - k_post[0, 0].numpy()).max() < 1e-4
+    # transformers takes the angles p·θ in fp32 (ours in fp64): ~1e-5 relative at p ≈ 300
+    assert np.abs(ours - k_post[0, 0].numpy()).max() < 1e-3
     back = undo_rope(k_post[0, 0].numpy(), c, s, 64, rope.scaling[0])
     assert np.abs(back - k_pre[0, 0].numpy()).max() < 1e-4
 

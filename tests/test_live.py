@@ -1,0 +1,243 @@
+"""Live decoding under policy caches on the real SmolLM2: `full` is plain decoding token for
+token, every policy stays within its budget at every step (by the byte model and by the
+tensors it really holds), QEvict's ledger is write-once live too, replay makes exactly the
+live cache's decisions on a trace recorded under it, and the CLI (run, trace --policy,
+validate) works end to end with one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvscope
+from kvscope.errors import KvscopeError
+from kvscope.live import PolicyCache, prepare
+from kvscope.live.run import agreement, decode
+from kvscope.policies import LedgerError, available
+
+from .conftest import run_cli
+
+LIVE_POLICIES = [name for name, cls in available().items() if not cls.clairvoyant]
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_dir):
+    from kvscope.models import load, resolve
+
+    source = resolve("smollm2-135m")
+    model, tokenizer = load(source)
+    prepare(model)
+    return source, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded):
+    import pydoc_data.topics as topics
+
+    _, _, tokenizer = loaded
+    return tokenizer(topics.topics["assignment"][:2400]).input_ids[:360]
+
+
+@pytest.fixture(scope="module")
+def full_decode(loaded, prompt_ids):
+    _, model, _ = loaded
+    return decode(model, prompt_ids, DynamicCache(config=model.config), STEPS)
+
+
+def test_full_policy_is_plain_decoding(loaded, prompt_ids, full_decode):
+    _, model, _ = loaded
+    cache = PolicyCache(model, "full", 1.0, STEPS, check=True)
+    live = decode(model, prompt_ids, cache, STEPS)
+    assert live.tokens == full_decode.tokens
+    assert torch.equal(live.logits, full_decode.logits)  # bit for bit: the same keys in the same order
+    assert cache.bytes_actual[-1] == cache.bytes_model[-1] == (len(prompt_ids) + STEPS - 1) * 30 * 3 * 2 * 64 * 4
+    metrics = agreement(full_decode, live, live)
+    assert metrics["agreement"] == 1.0 and metrics["kl"] == 0.0 and metrics["first_divergence"] is None
+    assert metrics["perplexity"] == metrics["perplexity_full"]
+
+
+def test_generate_accepts_the_cache(loaded, prompt_ids, full_decode):
+    _, model, _ = loaded
+    cache = PolicyCache(model, "h2o", 0.3, 12)
+    out = model.generate(torch.tensor([prompt_ids]), cache=cache, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    manual = decode(model, prompt_ids, PolicyCache(model, "h2o", 0.3, 12), 12)
+    assert out[0, len(prompt_ids) :].tolist() == manual.tokens
+    assert cache.step == 10  # 12 forwards: the last decision is applied by the next forward, which never comes
+
+
+@pytest.mark.parametrize("name", LIVE_POLICIES)
+@pytest.mark.parametrize("budget", [0.2, 0.5])
+def test_every_policy_stays_within_budget(loaded, prompt_ids, full_decode, name, budget):
+    _, model, _ = loaded
+    cache = PolicyCache(model, name, budget, STEPS, check=True)  # check: invariants + rows == tiers each step
+    live = decode(model, prompt_ids, cache, STEPS)
+    assert len(cache.bytes_actual) == STEPS - 1 + 1 - 1 or len(cache.bytes_actual) >= STEPS - 1
+    actual = np.asarray(cache.bytes_actual, dtype=np.float64)
+    model_bytes = np.asarray(cache.bytes_model)
+    if cache.state.reached:
+        assert (actual <= cache.budget_bytes * (1 + 1e-9)).all()
+        assert (model_bytes <= cache.budget_bytes * (1 + 1e-9)).all()
+    assert (actual <= model_bytes + 1e-6).all()  # a promoted window is served from its codes, never more
+    if name != "full":
+        assert actual.max() < cache.full_bytes
+    tiers = cache.state.tiers[..., : cache.seen]
+    if not cache.policy.quantizes:
+        assert not (tiers == 1).any()
+    held = sum(int(p.fp_pos.numel()) + p.n_q() for p in cache.pools)
+    assert held == int((tiers >= 1).sum())  # exactly the accessible positions are held
+    assert live.logits.shape == full_decode.logits.shape
+
+
+def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
+    _, model, _ = loaded
+    cache = PolicyCache(model, "qevict", 0.3, STEPS, check=True)
+    model_inputs = torch.tensor([prompt_ids])
+    snapshots = {}
+    with torch.no_grad():
+        inputs = model_inputs
+        for t in range(STEPS):
+            out = model(input_ids=inputs, cache=cache, use_cache=True)
+            cache.end_step()
+            pool = cache.pools[5]
+            if pool.q is not None:  # codes of a position never change while it is held
+                for h, p, row in zip(pool.q["q_head"].tolist(), pool.q["q_pos"].tolist(), pool.q["k_codes"]):
+                    key = (h, p)
+                    if key in snapshots:
+                        assert torch.equal(snapshots[key], row)
+                    snapshots[key] = row.clone()
+            inputs = out.logits[:, -1:].argmax(-1)
+    ledger = cache.state.ledger
+    assert ledger.n_quantized > 0 and snapshots
+    layer, head, pos = np.argwhere(ledger.done)[0]
+    window = pos - (pos - cache.state.n_sink) % cache.state.w + np.arange(cache.state.w)
+    with pytest.raises(LedgerError):
+        ledger.quantize(window[None], np.array([layer]), np.array([head]))
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict"])
+def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
+    source, model, tokenizer = loaded
+    from kvscope.tracing.runner import Prompt, TraceSettings, trace_loaded
+
+    settings = TraceSettings(
+        max_new_tokens=33, record_qkv=True, dtype="float32", stop_at_eos=False, policy=name, budget=0.3, block_steps=16
+    )
+    settings.check()
+    import pydoc_data.topics as topics
+
+    out = tmp_path / f"{name}.zarr"
+    trace_loaded(model, tokenizer, source, [Prompt(topics.topics["assignment"][:1400])], out, settings)
+    live = kvscope.open_trace(out)
+    assert live.attrs["policy"]["name"] == name and live.attrs["policy"]["kv_itemsize"] == 4
+    replayed = kvscope.replay(live, [name], [0.3], observe="exact", kv_itemsize=4)
+    tiers = replayed["tiers"].values[0, 0, 0]  # [event, layer, kv_head, pos]
+    recorded = live["policy_tiers"].values[0]
+    assert tiers.shape == recorded.shape
+    np.testing.assert_array_equal(tiers, recorded)
+    np.testing.assert_allclose(replayed["bytes_used"].values[0, 0, 0], live["policy_bytes"].values[0])
+    # rows under the policy: the step after an event gives its evicted positions no attention
+    rows = live["attn"].values[0, 25]  # [layer, kv_head, pos]
+    assert np.nansum(rows[recorded[3] == 0]) == 0.0 and np.nansum(rows[recorded[3] >= 1]) > 0
+
+
+def test_bad_use_is_refused(loaded, prompt_ids):
+    _, model, _ = loaded
+    with pytest.raises(KvscopeError, match="clairvoyant"):
+        PolicyCache(model, "oracle", 0.3, 8)
+    with pytest.raises(KvscopeError, match="budget"):
+        PolicyCache(model, "h2o", 0.0, 8)
+    cache = PolicyCache(model, "h2o", 0.3, 8)
+    with pytest.raises(KvscopeError, match="batch"):
+        model(input_ids=torch.tensor([prompt_ids[:20], prompt_ids[:20]]), cache=cache)
+    cache = PolicyCache(model, "full", 1.0, 2)
+    with pytest.raises(KvscopeError, match="past them"):
+        decode(model, prompt_ids[:20], cache, 4)
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = PolicyCache(model, "h2o", 0.3, 8)
+        with pytest.raises(KvscopeError, match="prepare"):
+            decode(model, prompt_ids[:30], cache, 3)
+    finally:
+        prepare(model)
+
+
+def test_cli_run_trace_validate(tmp_path):
+    proc = run_cli(
+        "run", "--prompt", "The history of the Roman Empire begins", "--policy", "full", "--budget", "1",
+        "--max-new-tokens", "8", "--json", check=True,
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)["samples"][0]
+    assert doc["agreement"] == 1.0 and doc["kl"] == 0.0 and doc["bytes_actual_peak"] <= doc["budget_bytes"]
+    proc = run_cli(
+        "run", "--workload", "niah", "--context", "300", "--samples", "1", "--policy", "streaming", "--budget", "0.5",
+        check=True,
+    )  # fmt: skip
+    assert "streaming" in proc.stdout and "score" in proc.stdout
+    full = tmp_path / "full.zarr"
+    run_cli(
+        "trace", "--workload", "prose", "--context", "300", "--samples", "1", "--max-new-tokens", "24",
+        "--record", "qkv", "--out", full, "--quiet", check=True,
+    )  # fmt: skip
+    proc = run_cli(
+        "validate", full, "--policy", "qevict", "--budget", "0.3", "--json", "--live-out", tmp_path / "l.zarr"
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["decisions_identical"] and report["decision_agreement"] == 1.0
+    assert len(report["layers"]) == 30 and report["live_mean"] > 0 and report["predicted_mean"] > 0
+    assert kvscope.open_trace(tmp_path / "l.zarr")["policy_tiers"].shape[:2] == (1, 3)
+    proc = run_cli("validate", full, "--policy", "h2o", "--budget", "0.3", check=True)
+    assert "decisions: identical" in proc.stdout and "predicted / live" in proc.stdout
+
+
+def test_cli_bad_input(tmp_path):
+    from kvscope.synthetic import write_synthetic_store
+
+    plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
+    cases = [
+        (("run", "--prompt", "hi", "--policy", "nope", "--budget", "0.3"), "unknown policy"),
+        (("run", "--prompt", "hi", "--policy", "h2o", "--budget", "0"), "(0, 1]"),
+        (("run", "--prompt", "hi", "--policy", "oracle", "--budget", "0.3"), "clairvoyant"),
+        (("run", "--prompt", "hi", "--policy", "h2o", "--budget", "0.3", "--kv-dtype", "int3"), "--kv-dtype"),
+        (("run", "--prompt", "hi", "--policy", "h2o", "--budget", "0.3", "--model", "nomodel"), "model not found"),
+        (
+            ("trace", "--prompt", "hi", "--max-new-tokens", "4", "--policy", "h2o", "--out", tmp_path / "a.zarr"),
+            "--budget",
+        ),
+        (
+            ("trace", "--prompt", "hi", "--max-new-tokens", "4", "--budget", "0.3", "--out", tmp_path / "b.zarr"),
+            "--policy",
+        ),
+        (
+            (
+                "trace",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "4",
+                "--policy",
+                "h2o",
+                "--budget",
+                "0.3",
+                "--batch-size",
+                "2",
+                "--out",
+                tmp_path / "c.zarr",
+            ),
+            "one sample at a time",
+        ),  # fmt: skip
+        (("validate", plain, "--policy", "h2o", "--budget", "0.3"), "q/k/v"),
+        (("validate", tmp_path / "missing.zarr", "--policy", "h2o", "--budget", "0.3"), "missing.zarr"),
+        (("validate", plain, "--policy", "h2o", "--budget", "2"), "(0, 1]"),
+    ]
+    for args, words in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
+    assert not any((tmp_path / n).exists() for n in ("a.zarr", "b.zarr", "c.zarr"))
