@@ -16,12 +16,12 @@ tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
 Per layer the cache holds two flat pools of rows, each row one (kv_head, position)::
 
     fp_k, fp_v        [n_fp, D]          kv_dtype      originals
-    fp_pos, fp_head   [n_fp]             int64         index
+    fp_pos, fp_head   [n_fp]             int32         index
     k_codes, v_codes  [n_q, D·b/8]       uint8         2/4/8-bit codes packed along channels
     v_scale, v_zero   [n_q, D/g_v]       fp16          per token
     k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
                       [n_q, D/g_k]                     or per token (key_axis=token)
-    q_pos, q_head     [n_q]              int64         index
+    q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
 
 At each forward a layer hands attention ``[1, kv_head, T, D]`` keys/values: per KV head its
 FP rows and dequantized Q rows in position order, right-aligned (heads that keep fewer
@@ -50,6 +50,7 @@ from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
 
 BYTES_TOLERANCE = 1e-6
+INDEX = torch.int32  # dtype of the position / head / group index tensors
 
 
 def prepare(model, kernel: str = "sdpa"):
@@ -59,13 +60,13 @@ def prepare(model, kernel: str = "sdpa"):
     return model
 
 
-def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """``[..., bytes]`` uint8 → ``[..., n]`` codes (first code in the lowest bits, as
-    :func:`kvscope.policies.quant.pack`)."""
+def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """``[rows, bytes]`` packed codes (first code in the lowest bits, as
+    :func:`kvscope.policies.quant.pack`) → ``[rows, n]`` float32."""
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
-    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [rows, bytes, per]
+    return codes.view(packed.shape[0], packed.shape[1] * per)[:, :n].float()
 
 
 def _rotate_half(x: torch.Tensor, n_rot: int) -> torch.Tensor:
@@ -83,9 +84,10 @@ class _Pool:
         d = head_dim
         self.fp_k = torch.empty((0, d), dtype=kv_dtype, device=device)
         self.fp_v = torch.empty((0, d), dtype=kv_dtype, device=device)
-        self.fp_pos = torch.empty(0, dtype=torch.long, device=device)
-        self.fp_head = torch.empty(0, dtype=torch.long, device=device)
+        self.fp_pos = torch.empty(0, dtype=INDEX, device=device)
+        self.fp_head = torch.empty(0, dtype=INDEX, device=device)
         self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
+        self.group_size = 0  # key groups all of this many consecutive rows (0: mixed sizes)
 
     def data_tensors(self):
         out = [self.fp_k, self.fp_v]
@@ -226,7 +228,7 @@ class PolicyCache(DynamicCache):
         """Key slots per head the layer hands to attention now (before this forward's key)."""
         pool = self.pools[layer]
         heads = torch.cat([pool.fp_head, pool.q["q_head"]]) if pool.q is not None else pool.fp_head
-        return int(torch.bincount(heads, minlength=self.n_kv).max()) if heads.numel() else 0
+        return int(torch.bincount(heads.long(), minlength=self.n_kv).max()) if heads.numel() else 0
 
     def actual_bytes(self) -> tuple[int, int]:
         """``(data, index)`` bytes of every tensor the cache holds now."""
@@ -264,7 +266,7 @@ class PolicyCache(DynamicCache):
             self._pending = "decode"
         self.seen += n_new
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
-        self.recorder.enabled = self._pending == "prefill" or self.policy.observes
+        self.recorder.enabled = self.policy.observes or (self._pending == "prefill" and self.policy.observes_prefill)
         self._views = []
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -275,8 +277,8 @@ class PolicyCache(DynamicCache):
             self._begin_forward(n_new)
         self.layers[layer].n_seen += n_new
         pool = self.pools[layer]
-        positions = torch.arange(self.seen - n_new, self.seen, device=key_states.device)
-        heads = torch.arange(self.n_kv, device=key_states.device)
+        positions = torch.arange(self.seen - n_new, self.seen, dtype=INDEX, device=key_states.device)
+        heads = torch.arange(self.n_kv, dtype=INDEX, device=key_states.device)
         pool.fp_k = torch.cat([pool.fp_k, key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
         pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
         pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
@@ -300,34 +302,48 @@ class PolicyCache(DynamicCache):
 
     def _served(self, layer: int, dtype):
         """``keys, values [1, kv_head, T, D]``, ``slot_pos [kv_head, T]`` (−1: padding) and
-        ``head_mask [kv_head, T]`` (None when every head has T real slots)."""
+        ``head_mask [kv_head, T]`` (None when every head has T real slots).
+
+        Every row goes straight to its slot ``head·T + rank`` (rank in position order,
+        right-aligned): one write per pool, no intermediate concatenation of K/V."""
         pool = self.pools[layer]
-        pos, head = pool.fp_pos, pool.fp_head
-        k, v = pool.fp_k.to(dtype), pool.fp_v.to(dtype)
+        n_fp = pool.fp_pos.shape[0]
         if pool.n_q():
             qk, qv = self._dequantized(layer)
-            pos = torch.cat([pos, pool.q["q_pos"]])
-            head = torch.cat([head, pool.q["q_head"]])
-            k = torch.cat([k, qk.to(dtype)])
-            v = torch.cat([v, qv.to(dtype)])
+            pos = torch.cat([pool.fp_pos, pool.q["q_pos"]])
+            head = torch.cat([pool.fp_head, pool.q["q_head"]])
+        else:
+            qk = qv = None
+            pos, head = pool.fp_pos, pool.fp_head
         final = self.state.spec.final_len
         order = torch.argsort(head * final + pos)
-        head_sorted = head[order]
-        counts = torch.bincount(head, minlength=self.n_kv)
+        head_sorted = head[order].long()
+        counts = torch.bincount(head_sorted, minlength=self.n_kv)
         width = int(counts.max())
         starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(order.numel(), device=order.device) - starts[head_sorted] + (width - counts)[head_sorted]
-        if bool((counts == width).all()):
-            shape = (1, self.n_kv, width, self.head_dim)
-            slot_pos = pos[order].view(self.n_kv, width)
-            return k[order].view(shape), v[order].view(shape), slot_pos, None
-        keys = torch.zeros((1, self.n_kv, width, self.head_dim), dtype=dtype, device=k.device)
-        values = torch.zeros_like(keys)
-        keys[0, head_sorted, slot] = k[order]
-        values[0, head_sorted, slot] = v[order]
-        slot_pos = torch.full((self.n_kv, width), -1, dtype=torch.long, device=k.device)
-        slot_pos[head_sorted, slot] = pos[order]
-        return keys, values, slot_pos, slot_pos >= 0
+        rank = torch.arange(order.numel(), device=order.device) - starts[head_sorted]
+        slot_sorted = head_sorted * width + rank + (width - counts)[head_sorted]  # [rows] flat slot, sorted
+        padded = not bool((counts == width).all())
+        dest = torch.empty_like(slot_sorted)
+        dest[order] = slot_sorted  # flat slot of every row in pool order
+        n_slots = self.n_kv * width
+        make = torch.zeros if padded else torch.empty
+        keys = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
+        values = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
+        keys[dest[:n_fp]] = pool.fp_k.to(dtype)
+        values[dest[:n_fp]] = pool.fp_v.to(dtype)
+        if qk is not None:
+            keys[dest[n_fp:]] = qk.to(dtype)
+            values[dest[n_fp:]] = qv.to(dtype)
+        slot_pos = (
+            torch.full((n_slots,), -1, dtype=torch.long, device=pos.device)
+            if padded
+            else torch.empty(n_slots, dtype=torch.long, device=pos.device)
+        )
+        slot_pos[slot_sorted] = pos[order].long()
+        slot_pos = slot_pos.view(self.n_kv, width)
+        shape = (1, self.n_kv, width, self.head_dim)
+        return keys.view(shape), values.view(shape), slot_pos, (slot_pos >= 0) if padded else None
 
     # -- quantized rows -------------------------------------------------------------------
     def _quantize(self, positions: np.ndarray, layers: np.ndarray, heads: np.ndarray) -> None:
@@ -353,8 +369,8 @@ class PolicyCache(DynamicCache):
             n, g = pos.shape
             dev = self.device
             new = {
-                "q_pos": torch.from_numpy(pos.reshape(-1).copy()).to(dev),
-                "q_head": torch.from_numpy(np.repeat(heads[rows], g)).to(dev),
+                "q_pos": torch.from_numpy(pos.reshape(-1).astype(np.int32)).to(dev),
+                "q_head": torch.from_numpy(np.repeat(heads[rows], g).astype(np.int32)).to(dev),
                 "k_codes": torch.from_numpy(pack(qk.codes.reshape(n * g, d), ledger.bits)).to(dev),
                 "v_codes": torch.from_numpy(pack(qv.codes.reshape(n * g, d), ledger.bits)).to(dev),
                 "v_scale": torch.from_numpy(qv.scale.reshape(n * g, -1)).to(dev),
@@ -364,28 +380,39 @@ class PolicyCache(DynamicCache):
                 first = 0 if pool.q is None else int(pool.q["k_scale"].shape[0])
                 new["k_scale"] = torch.from_numpy(qk.scale.reshape(n, d)).to(dev)  # [group, D]
                 new["k_zero"] = torch.from_numpy(qk.zero.reshape(n, d)).to(dev)
-                new["k_group"] = torch.arange(first, first + n, device=dev).repeat_interleave(g)
+                new["k_group"] = torch.arange(first, first + n, dtype=INDEX, device=dev).repeat_interleave(g)
             else:
                 new["k_scale"] = torch.from_numpy(qk.scale.reshape(n * g, -1)).to(dev)  # [token, D/g_k]
                 new["k_zero"] = torch.from_numpy(qk.zero.reshape(n * g, -1)).to(dev)
-                new["k_group"] = torch.empty(0, dtype=torch.long, device=dev)
+                new["k_group"] = torch.empty(0, dtype=INDEX, device=dev)
             if pool.q is None:
-                pool.q = new
+                pool.q, pool.group_size = new, g
             else:
                 pool.q = {name: torch.cat([pool.q[name], new[name]]) for name in new}
+                if pool.group_size != g:
+                    pool.group_size = 0
 
     def _dequantized(self, layer: int):
         """``keys, values [n_q, D]`` float32 of the layer's Q rows — the same arithmetic as
-        :meth:`kvscope.policies.Ledger.encode`'s inverse in replay."""
+        replay's ledger (``x̂ = q·scale + zero``, then RoPE for pre-RoPE keys), so both serve
+        bit-identical values."""
         ledger = self.state.ledger
-        q = self.pools[layer].q
+        pool = self.pools[layer]
+        q = pool.q
         d, bits = self.head_dim, ledger.bits
         n = q["q_pos"].shape[0]
-        k_codes = _unpack(q["k_codes"], bits, d).float()  # [n, D]
-        v_codes = _unpack(q["v_codes"], bits, d).float()
+        k_codes = _codes_float(q["k_codes"], bits, d)  # [n, D]
+        v_codes = _codes_float(q["v_codes"], bits, d)
         if ledger.key_axis == "channel":
-            group = q["k_group"]
-            keys = k_codes * q["k_scale"][group].float() + q["k_zero"][group].float()
+            g = pool.group_size
+            if g:  # whole groups of g rows in order: broadcast the group parameters
+                ng = n // g
+                keys = (k_codes.view(ng, g, d) * q["k_scale"].float()[:, None] + q["k_zero"].float()[:, None]).view(
+                    n, d
+                )
+            else:
+                group = q["k_group"]
+                keys = k_codes * q["k_scale"][group].float() + q["k_zero"][group].float()
         else:
             kg = ledger.key_group
             keys = (
@@ -396,12 +423,21 @@ class PolicyCache(DynamicCache):
             n, d
         )
         if ledger.rope is not None and ledger.rope.usable():
-            rope = ledger.rope
-            pos = q["q_pos"].cpu().numpy()
-            cos, sin = rope.cos_sin(np.full(pos.shape, layer), pos, d)  # [n, D] float32
-            cos, sin = torch.from_numpy(cos).to(keys.device), torch.from_numpy(sin).to(keys.device)
-            keys = keys * cos + _rotate_half(keys, 2 * rope.inv_freq.shape[1]) * sin
+            cos_table, sin_table = self._rope_tables(ledger.rope)
+            pos = q["q_pos"]
+            cos, sin = cos_table[layer][pos], sin_table[layer][pos]  # [n, D] float32: replay's tables
+            keys = keys * cos + _rotate_half(keys, 2 * ledger.rope.inv_freq.shape[1]) * sin
         return keys, values
+
+    def _rope_tables(self, rope: Rope):
+        """``cos, sin [layer, pos, D]``: the rotary tables the ledger quantized with (shared
+        memory, on the cache's device)."""
+        final = self.state.spec.final_len
+        if getattr(self, "_tables", None) is None or self._tables[0].shape[1] < final:
+            rope.cos_sin(np.zeros(1, dtype=np.int64), np.array([final - 1]), self.head_dim)  # tables cover final_len
+            cos, sin = rope._tables
+            self._tables = (torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
+        return self._tables
 
     # -- deciding ---------------------------------------------------------------------------
     def end_step(self) -> None:
@@ -418,7 +454,10 @@ class PolicyCache(DynamicCache):
         self._views = []
         offer_slots(None)
         st = self.state
-        if kind == "prefill":
+        if kind == "prefill" and not self.recorder.enabled:  # a policy that ignores the prompt's attention
+            p = self.seen
+            st.prefill(np.zeros((self.n_layers, self.n_kv, p)), np.zeros((self.n_layers, self.n_kv, 1, p), np.float32))
+        elif kind == "prefill":
             caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
             colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
             tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
@@ -471,9 +510,11 @@ class PolicyCache(DynamicCache):
                 continue
             kept = {name: q[name][keep] for name in ("q_pos", "q_head", "k_codes", "v_codes", "v_scale", "v_zero")}
             if st.ledger.key_axis == "channel":
-                groups, new_index = torch.unique(q["k_group"][keep], return_inverse=True)
+                groups, new_index, sizes = torch.unique(q["k_group"][keep], return_inverse=True, return_counts=True)
                 kept["k_scale"], kept["k_zero"] = q["k_scale"][groups], q["k_zero"][groups]
-                kept["k_group"] = new_index
+                kept["k_group"] = new_index.to(INDEX)
+                if pool.group_size and not bool((sizes == pool.group_size).all()):
+                    pool.group_size = 0  # a group lost part of its rows
             else:
                 kept["k_scale"], kept["k_zero"] = q["k_scale"][keep], q["k_zero"][keep]
                 kept["k_group"] = q["k_group"]

@@ -360,6 +360,7 @@ class Policy:
     clairvoyant: ClassVar[bool] = False
     quantizes: ClassVar[bool] = False
     observes: ClassVar[bool] = False  # decisions use the rows served at each step
+    observes_prefill: ClassVar[bool] = False  # decisions use the prompt's attention (colsum, tail)
 
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
         raise NotImplementedError

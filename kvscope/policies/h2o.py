@@ -21,6 +21,7 @@ class H2O(Policy):
     name = "h2o"
     kind = "eviction"
     observes = True
+    observes_prefill = True
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
         return _H2OState(self, spec)

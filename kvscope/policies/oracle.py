@@ -21,6 +21,7 @@ class Oracle(Policy):
     horizon: int = 32
 
     name = "oracle"
+    observes_prefill = True
     kind = "clairvoyant bound"
     clairvoyant = True
 

@@ -42,6 +42,7 @@ class QEvict(Policy):
     name = "qevict"
     kind = "tiered"
     observes = True
+    observes_prefill = True
     quantizes = True
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:

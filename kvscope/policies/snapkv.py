@@ -23,6 +23,7 @@ class SnapKV(Policy):
     kernel: int = 7
 
     name = "snapkv"
+    observes_prefill = True
     kind = "eviction (prompt)"
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
