@@ -34,6 +34,7 @@ bench: setup
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/analysis_throughput.py
 	$(PY) benchmarks/replay_speed.py
+	$(PY) benchmarks/live_memory.py
 
 # the three studies of analyses/ on every workload (traces recorded once into results/traces)
 study: setup
