@@ -68,6 +68,15 @@ def test_generate_accepts_the_cache(loaded, prompt_ids, full_decode):
     manual = decode(model, prompt_ids, PolicyCache(model, "h2o", 0.3, 12), 12)
     assert out[0, len(prompt_ids) :].tolist() == manual.tokens
     assert cache.step == 10  # 12 forwards: the last decision is applied by the next forward, which never comes
+    prepare(model, "eager")  # eager builds a mask for every forward: the cache's decisions must not upset it
+    try:
+        out = model.generate(
+            torch.tensor([prompt_ids]), cache=PolicyCache(model, "qevict", 0.3, 12), max_new_tokens=12,
+            do_sample=False, min_new_tokens=12,
+        )  # fmt: skip
+        assert out.shape[1] == len(prompt_ids) + 12
+    finally:
+        prepare(model)
 
 
 @pytest.mark.parametrize("name", LIVE_POLICIES)

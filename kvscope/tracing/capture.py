@@ -386,6 +386,8 @@ def _capturing(kernel: str):
         slot_pos = None
         if view is not None:
             view.used = True
+            if query.shape[2] == 1:  # one unpadded sequence: a decode row needs no mask, and a mask
+                attention_mask = None  # sized before the cache's last decision could be stale
             if view.head_mask is not None:  # padding slots of a live cache: mask them per head
                 attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
