@@ -760,12 +760,22 @@ class _BlockBuffers:
         else:
             blk.writes.append(("attn", (sl, slice(t0, t_end)), self.attn[:, :n]))
             blk.writes.append(("attn_sink", (sl, slice(t0, t_end)), self.sink[:, :n]))
+        by_sample: dict[int, list] = {}
         for i, qpos, q, k, v in self.qkv:
+            by_sample.setdefault(i, []).append((qpos, q, k, v))
+        for i, items in by_sample.items():  # one region per sample and block: each chunk written once
             s = batch[i]
-            blk.writes.append(("q", (slice(s, s + 1), slice(qpos, qpos + 1)), q[None, None].astype(self.dtype)))
-            region = (slice(s, s + 1), slice(None), slice(None), slice(qpos, qpos + 1))
-            blk.writes.append(("k", region, k[None, :, :, None].astype(self.dtype)))
-            blk.writes.append(("v", region, v[None, :, :, None].astype(self.dtype)))
+            items.sort(key=lambda item: item[0])
+            p0, p1 = items[0][0], items[-1][0] + 1
+            if p1 - p0 != len(items):
+                raise RuntimeError("q/k/v of a block must cover consecutive positions")
+            q = np.stack([item[1] for item in items])  # [n, L, H, D]
+            k = np.stack([item[2] for item in items], axis=2)  # [L, Hkv, n, D]
+            v = np.stack([item[3] for item in items], axis=2)
+            blk.writes.append(("q", (slice(s, s + 1), slice(p0, p1)), q[None].astype(self.dtype)))
+            region = (slice(s, s + 1), slice(None), slice(None), slice(p0, p1))
+            blk.writes.append(("k", region, k[None].astype(self.dtype)))
+            blk.writes.append(("v", region, v[None].astype(self.dtype)))
         B = len(batch)
         tokens = np.full((B, L.n_pos), -1, dtype=np.int32)
         query_pos = np.full((B, S), -1, dtype=np.int32)
