@@ -70,11 +70,13 @@ def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def _rotate_half(x: torch.Tensor, n_rot: int) -> torch.Tensor:
-    out = torch.zeros_like(x)
+    """``rotate_half`` of the first ``n_rot`` channels of ``x [n, D]`` (zeros past them), as
+    :func:`kvscope.policies.base.apply_rope` computes it."""
     half = n_rot // 2
-    out[..., :half] = -x[..., half:n_rot]
-    out[..., half:n_rot] = x[..., :half]
-    return out
+    parts = [-x[:, half:n_rot], x[:, :half]]
+    if n_rot < x.shape[1]:
+        parts.append(torch.zeros((x.shape[0], x.shape[1] - n_rot), dtype=x.dtype, device=x.device))
+    return torch.cat(parts, dim=1)
 
 
 class _Pool:
@@ -412,7 +414,8 @@ class PolicyCache(DynamicCache):
                 )
             else:
                 group = q["k_group"]
-                keys = k_codes * q["k_scale"][group].float() + q["k_zero"][group].float()
+                scale = torch.index_select(q["k_scale"], 0, group).float()
+                keys = k_codes * scale + torch.index_select(q["k_zero"], 0, group).float()
         else:
             kg = ledger.key_group
             keys = (
@@ -425,7 +428,8 @@ class PolicyCache(DynamicCache):
         if ledger.rope is not None and ledger.rope.usable():
             cos_table, sin_table = self._rope_tables(ledger.rope)
             pos = q["q_pos"]
-            cos, sin = cos_table[layer][pos], sin_table[layer][pos]  # [n, D] float32: replay's tables
+            cos = torch.index_select(cos_table[layer], 0, pos)  # [n, D] float32: replay's tables
+            sin = torch.index_select(sin_table[layer], 0, pos)
             keys = keys * cos + _rotate_half(keys, 2 * ledger.rope.inv_freq.shape[1]) * sin
         return keys, values
 
