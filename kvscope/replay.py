@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -615,7 +616,8 @@ def _dataset(
                 finite = np.isfinite(v)
                 est[pi, bi] = bootstrap_ratio(np.where(finite, v, 0).sum(1), finite.sum(1), n_boot=n_boot, seed=seed)
         summary[name] = est
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-censored events: NaN means, said so by n_events
         curve_mean = np.nanmean(curve.reshape(curve.shape[:3] + (len(curve_h), -1)), axis=-1) if curve.size else curve
         tier_mean = np.nanmean(np.moveaxis(mass, -1, 2).reshape(n_p, n_b, 3, -1), axis=-1)
         churn_mean = np.nanmean(churn.reshape(n_p, n_b, -1), axis=-1) if churn.size else np.full((n_p, n_b), np.nan)

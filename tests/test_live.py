@@ -199,6 +199,9 @@ def test_cli_run_trace_validate(tmp_path):
     report = json.loads(proc.stdout)
     assert report["decisions_identical"] and report["decision_agreement"] == 1.0
     assert len(report["layers"]) == 30 and report["live_mean"] > 0 and report["predicted_mean"] > 0
+    # open loop predicts the live error: same size on average (0.19 vs 0.20), same layers (ρ 0.99)
+    assert 0.5 < report["predicted_mean"] / report["live_mean"] < 2 and report["correlation"] > 0.8
+    assert "Warning" not in proc.stderr
     assert kvscope.open_trace(tmp_path / "l.zarr")["policy_tiers"].shape[:2] == (1, 3)
     proc = run_cli("validate", full, "--policy", "h2o", "--budget", "0.3", check=True)
     assert "decisions: identical" in proc.stdout and "predicted / live" in proc.stdout

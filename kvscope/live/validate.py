@@ -20,6 +20,7 @@ how far the trajectories themselves parted.
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +166,8 @@ def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:
 def _per_layer(err) -> np.ndarray:
     """``[policy, budget, sample, event, layer, kv_head]`` → mean per layer."""
     values = np.asarray(err.values[0, 0], dtype=np.float64)  # [sample, event, layer, kv_head]
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
 
 
