@@ -253,3 +253,29 @@ def test_cli_bad_input(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not any((tmp_path / n).exists() for n in ("a.zarr", "b.zarr", "c.zarr"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_other_geometries(tiny_models, kind):
+    """Tiny random-weight Llama (4 heads / 2 KV heads) and Qwen2 (6 / 2, attention biases):
+    `full` is plain decoding, QEvict and KIVI keep their invariants and budgets."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models[kind])
+    prepare(model)
+    ids = list(range(5, 125))
+    plain = decode(model, ids, DynamicCache(config=model.config), 20)
+    assert decode(model, ids, PolicyCache(model, "full", 1.0, 20), 20).tokens == plain.tokens
+    for name in ("qevict", "kivi", "h2o"):
+        cache = PolicyCache(model, name, 0.4, 20, check=True)
+        decode(model, ids, cache, 20)
+        if cache.state.reached:
+            assert max(cache.bytes_actual) <= cache.budget_bytes
+
+
+def test_sliding_window_models_are_refused(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["mistral_sliding"])
+    with pytest.raises(KvscopeError, match="global-attention"):
+        PolicyCache(model, "h2o", 0.3, 8)
