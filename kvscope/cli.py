@@ -47,14 +47,19 @@ def _human_bytes(n: float) -> str:
 # -- trace --------------------------------------------------------------------------
 
 
-def _add_trace(sub) -> None:
-    p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
+def _add_prompt_sources(p) -> None:
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`_prompts`)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": ...} per line')
     src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
     p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
     p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
+
+
+def _add_trace(sub) -> None:
+    p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
+    _add_prompt_sources(p)
     p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
     p.add_argument("--out", required=True, help="store path (*.zarr)")
@@ -194,12 +199,7 @@ def _cmd_trace(args) -> int:
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate under a policy cache and compare with full-KV decoding")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="one prompt text")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--workload", help="a built-in workload (see kvscope workloads)")
-    p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens")
-    p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts")
+    _add_prompt_sources(p)
     p.add_argument("--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5")
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
     p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
@@ -218,17 +218,25 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_cmd_run)
 
 
+def _live_inputs(args):
+    """``(policy, budget)`` of ``--policy``/``--budget``/``--kv-dtype``, checked before any work."""
+    from .live.cache import live_policy
+    from .live.run import parse_kv_dtype
+    from .replay import check_budget
+
+    budget = check_budget(args.budget)
+    policy = live_policy(args.policy)
+    parse_kv_dtype(args.kv_dtype)
+    return policy, budget
+
+
 def _cmd_run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from .live.run import parse_kv_dtype, run
-    from .policies import parse
-    from .replay import check_budget
+    from .live.run import run
 
-    budget = check_budget(args.budget)
-    policy = parse(args.policy)
-    parse_kv_dtype(args.kv_dtype)
+    policy, budget = _live_inputs(args)
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = 64
     prompts, workload = _prompts(args)
@@ -286,15 +294,10 @@ def _cmd_validate(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .live.run import parse_kv_dtype
     from .live.validate import validate
-    from .policies import parse
-    from .replay import check_budget
     from .store import read_attrs
 
-    budget = check_budget(args.budget)
-    policy = parse(args.policy)
-    parse_kv_dtype(args.kv_dtype)
+    policy, budget = _live_inputs(args)
     read_attrs(args.store)
     report = validate(args.store, policy, budget, live_out=args.live_out, kv_dtype=args.kv_dtype)
     if args.json:

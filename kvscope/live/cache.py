@@ -53,6 +53,15 @@ BYTES_TOLERANCE = 1e-6
 INDEX = torch.int32  # dtype of the position / head / group index tensors
 
 
+def live_policy(policy: Policy | str) -> Policy:
+    """A policy object (from a name or ``name:key=value`` string) that can run live: the
+    clairvoyant oracle cannot."""
+    policy = parse(policy) if isinstance(policy, str) else policy
+    if policy.clairvoyant:
+        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    return policy
+
+
 def prepare(model, kernel: str = "sdpa"):
     """Route ``model``'s attention through kvscope (needed by :class:`PolicyCache`)."""
     register()
@@ -172,9 +181,7 @@ class PolicyCache(DynamicCache):
         from ..replay import check_budget
         from ..tracing.runner import _model_facts, _rope_parameters
 
-        policy = parse(policy) if isinstance(policy, str) else policy
-        if policy.clairvoyant:
-            raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+        policy = live_policy(policy)
         if max_new_tokens < 1:
             raise KvscopeError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         facts = _model_facts(model)

@@ -207,15 +207,12 @@ def run(
     """Generate every prompt (text or :class:`~kvscope.tracing.runner.Prompt`) under
     ``policy`` at ``budget`` and compare with full KV (module docstring)."""
     from ..models import load, resolve
-    from ..policies import parse
     from ..replay import check_budget
     from ..tracing.runner import Prompt, _encode, _model_facts
-    from .cache import prepare
+    from .cache import live_policy, prepare
 
     check_budget(budget)
-    policy = parse(policy) if isinstance(policy, str) else policy
-    if policy.clairvoyant:
-        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    policy = live_policy(policy)
     if max_new_tokens < 1:
         raise KvscopeError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     dtype = parse_kv_dtype(kv_dtype)

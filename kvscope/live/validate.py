@@ -40,16 +40,14 @@ def validate(
     """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
     ``predicted`` and ``live`` errors and the decision agreement."""
     from ..models import load, resolve
-    from ..policies import parse
     from ..replay import check_budget, replay
     from ..store import open_trace
     from ..tracing.runner import Prompt, TraceSettings, trace_loaded
+    from .cache import live_policy
     from .run import parse_kv_dtype
 
     budget = check_budget(budget)
-    policy = parse(policy) if isinstance(policy, str) else policy
-    if policy.clairvoyant:
-        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    policy = live_policy(policy)
     ds = open_trace(store)
     if not all(name in ds for name in ("q", "k", "v")):
         raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")

@@ -90,15 +90,14 @@ class TraceSettings:
         elif self.device != "cpu":
             raise KvscopeError(f"--device must be cpu or cuda[:N] (got {self.device!r})")
         if self.policy is not None:
+            from ..live.cache import live_policy
             from ..live.run import parse_kv_dtype
-            from ..policies import parse
             from ..replay import check_budget
 
             if self.budget is None:
                 raise KvscopeError("--policy needs --budget")
             self.budget = check_budget(self.budget)
-            if parse(self.policy).clairvoyant:
-                raise KvscopeError(f"{self.policy} is clairvoyant (it reads future attention): it has no live cache")
+            live_policy(self.policy)
             if self.batch_size != 1:
                 raise KvscopeError("--policy decodes one sample at a time (--batch-size 1)")
             if self.resolution != "token":
