@@ -232,7 +232,7 @@ def _live_inputs(args):
 
 def _cmd_run(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .live.run import run
 
@@ -241,11 +241,12 @@ def _cmd_run(args) -> int:
         args.max_new_tokens = 64
     prompts, workload = _prompts(args)
     bar = Progress(
-        TextColumn("[bold]run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+        TextColumn("[bold]run[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("forwards (full KV, policy, policy teacher-forced per prompt)"), TimeRemainingColumn(),
         console=Console(stderr=True), disable=args.quiet, transient=True,
     )  # fmt: skip
     with bar:
-        task = bar.add_task("run", total=len(prompts))
+        task = bar.add_task("run", total=3 * args.max_new_tokens * len(prompts))
         results = run(
             prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
             device=args.device, model_dtype=args.model_dtype, attn=args.attn, chat=args.chat, n_sink=args.n_sink,

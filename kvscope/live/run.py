@@ -35,9 +35,10 @@ class Decoded:
     seconds: float
 
 
-def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | None = None) -> Decoded:
+def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | None = None, on_step=None) -> Decoded:
     """``steps`` greedy forwards (the prompt, then one token each) with ``cache``; with
-    ``forced`` the next input is ``forced[t]`` instead of the greedy token."""
+    ``forced`` the next input is ``forced[t]`` instead of the greedy token. ``on_step()`` is
+    called after every forward."""
     import torch
 
     device = next(model.parameters()).device
@@ -55,6 +56,8 @@ def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | 
             tokens.append(int(last.argmax()))
             nxt = tokens[-1] if forced is None else int(forced[t])
             inputs = torch.tensor([[nxt]], device=device)
+            if on_step is not None:
+                on_step()
     return Decoded(tokens, torch.stack(logits), time.perf_counter() - started)
 
 
@@ -124,8 +127,10 @@ def run_loaded(
     scorer=None,
     expected=None,
     full: Decoded | None = None,
+    on_step=None,
 ) -> RunResult:
-    """Run the three decodes of the module docstring with a loaded, prepared model."""
+    """Run the three decodes of the module docstring with a loaded, prepared model
+    (``on_step()`` after every forward of each)."""
     from transformers import DynamicCache
 
     from .cache import PolicyCache
@@ -135,9 +140,9 @@ def run_loaded(
 
     probe = make()  # refuse bad input before decoding anything
     if full is None:
-        full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens)
-    free = decode(model, prompt_ids, probe, max_new_tokens)
-    forced = decode(model, prompt_ids, make(), max_new_tokens, forced=full.tokens)
+        full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens, on_step=on_step)
+    free = decode(model, prompt_ids, probe, max_new_tokens, on_step=on_step)
+    forced = decode(model, prompt_ids, make(), max_new_tokens, forced=full.tokens, on_step=on_step)
     metrics = agreement(full, free, forced)
     text = _text(tokenizer, model, free.tokens)
     text_full = _text(tokenizer, model, full.tokens)
@@ -205,7 +210,8 @@ def run(
     progress=None,
 ) -> list[RunResult]:
     """Generate every prompt (text or :class:`~kvscope.tracing.runner.Prompt`) under
-    ``policy`` at ``budget`` and compare with full KV (module docstring)."""
+    ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
+    total)`` is called after every forward (3 decodes × ``max_new_tokens`` per prompt)."""
     from ..models import load, resolve
     from ..replay import check_budget
     from ..tracing.runner import Prompt, _encode, _model_facts
@@ -233,13 +239,18 @@ def run(
                 f"it exceeds the model context of {context}"
             )
     results = []
-    for n, (prompt, ids) in enumerate(zip(prompts, encoded)):
+    done, total = [0], 3 * max_new_tokens * len(prompts)
+
+    def on_step():
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
+    for prompt, ids in zip(prompts, encoded):
         results.append(
             run_loaded(
                 loaded, tokenizer, ids, policy, budget, max_new_tokens, kv_dtype=dtype, n_sink=n_sink, w=w,
-                scorer=scorer, expected=prompt.expected,
+                scorer=scorer, expected=prompt.expected, on_step=on_step,
             )
         )  # fmt: skip
-        if progress is not None:
-            progress(n + 1, len(prompts))
     return results
