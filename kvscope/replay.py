@@ -322,8 +322,8 @@ def replay(
             state = policy.start(spec, kk, vv, rope)
             runs.append(_Run(state, n_events, n_step_total, len(curve_h), (n_layers, n_kv, n_pos)))
         for bi, budget in enumerate(budget_list):
-            budget_bytes[bi, s] = budget * final_len * 2.0 * kv_itemsize * head_dim * n_layers * n_kv
-        full_bytes[s] = final_len * 2.0 * kv_itemsize * head_dim * n_layers * n_kv
+            budget_bytes[bi, s] = runs[bi].state.spec.capacity * n_layers * n_kv  # the same for every policy
+        full_bytes[s] = runs[0].state.spec.fp_bytes * final_len * n_layers * n_kv
 
         oracle_h = sorted({r.state.policy.horizon for r in runs if r.state.policy.clairvoyant})
         futures = {h: _Future(sample, h) for h in oracle_h}

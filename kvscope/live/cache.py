@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..errors import KvscopeError
 from ..policies import BudgetExceeded, CacheSpec, Policy, Rope, parse
 from ..policies.quant import pack
-from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
+from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
 
 BYTES_TOLERANCE = 1e-6
@@ -193,9 +193,8 @@ class PolicyCache(DynamicCache):
         self.max_new_tokens = int(max_new_tokens)
         self.n_layers, self.n_kv, self.head_dim = facts["n_layers"], facts["n_kv_heads"], facts["head_dim"]
         parameter = next(model.parameters())
-        self.compute_dtype = parameter.dtype
         self.kv_dtype = kv_dtype or parameter.dtype
-        self.itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
+        self.itemsize = self.kv_dtype.itemsize
         self.device = parameter.device
         self.n_sink, self.w = n_sink, w
         self.every = every or w
@@ -445,8 +444,7 @@ class PolicyCache(DynamicCache):
         memory, on the cache's device)."""
         final = self.state.spec.final_len
         if getattr(self, "_tables", None) is None or self._tables[0].shape[1] < final:
-            rope.cos_sin(np.zeros(1, dtype=np.int64), np.array([final - 1]), self.head_dim)  # tables cover final_len
-            cos, sin = rope._tables
+            cos, sin = rope.tables(final, self.head_dim)
             self._tables = (torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
         return self._tables
 
@@ -539,10 +537,5 @@ class PolicyCache(DynamicCache):
             np.add.at(held, (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
             if pool.q is not None:
                 np.add.at(held, (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
-            if not np.array_equal(held, (tiers[layer] >= TIER_Q).astype(np.int64)):
+            if not np.array_equal(held, (tiers[layer] >= TIER_Q).astype(np.int64)):  # evicted: held 0 times
                 raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
-            if (
-                pool.q is not None
-                and (tiers[layer][pool.q["q_head"].cpu(), pool.q["q_pos"].cpu()] == TIER_EVICTED).any()
-            ):
-                raise AssertionError("an evicted position is still held")

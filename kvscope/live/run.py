@@ -126,7 +126,6 @@ def run_loaded(
     w: int = 8,
     scorer=None,
     expected=None,
-    full: Decoded | None = None,
     on_step=None,
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
@@ -139,8 +138,7 @@ def run_loaded(
         return PolicyCache(model, policy, budget, max_new_tokens, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
 
     probe = make()  # refuse bad input before decoding anything
-    if full is None:
-        full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens, on_step=on_step)
+    full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens, on_step=on_step)
     free = decode(model, prompt_ids, probe, max_new_tokens, on_step=on_step)
     forced = decode(model, prompt_ids, make(), max_new_tokens, forced=full.tokens, on_step=on_step)
     metrics = agreement(full, free, forced)
@@ -180,6 +178,11 @@ def _text(tokenizer, model, tokens: list[int]) -> str:
     return tokenizer.decode(tokens[:cut])
 
 
+def kv_storage_dtype(model, name: str | None):
+    """The dtype a live cache of ``model`` stores FP entries in: ``--kv-dtype``, or the model's."""
+    return parse_kv_dtype(name) or next(model.parameters()).dtype
+
+
 def parse_kv_dtype(name: str | None):
     import torch
 
@@ -214,7 +217,7 @@ def run(
     total)`` is called after every forward (3 decodes × ``max_new_tokens`` per prompt)."""
     from ..models import load, resolve
     from ..replay import check_budget
-    from ..tracing.runner import Prompt, _encode, _model_facts
+    from ..tracing.runner import _encode, _model_facts, as_prompts, check_context
     from .cache import live_policy, prepare
 
     check_budget(budget)
@@ -222,22 +225,12 @@ def run(
     if max_new_tokens < 1:
         raise KvscopeError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     dtype = parse_kv_dtype(kv_dtype)
-    prompts = [
-        p if isinstance(p, Prompt) else Prompt(str(p)) for p in ([prompts] if isinstance(prompts, str) else prompts)
-    ]
-    if not prompts:
-        raise KvscopeError("no prompts given")
+    prompts = as_prompts(prompts)
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
     prepare(loaded, attn)
     encoded = _encode(tokenizer, prompts, chat)
-    context = _model_facts(loaded)["max_position_embeddings"]
-    for n, ids in enumerate(encoded):
-        if context and len(ids) + max_new_tokens > context:
-            raise KvscopeError(
-                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
-                f"it exceeds the model context of {context}"
-            )
+    check_context(encoded, max_new_tokens, _model_facts(loaded)["max_position_embeddings"])
     results = []
     done, total = [0], 3 * max_new_tokens * len(prompts)
 

@@ -44,7 +44,7 @@ def validate(
     from ..store import open_trace
     from ..tracing.runner import Prompt, TraceSettings, trace_loaded
     from .cache import live_policy
-    from .run import parse_kv_dtype
+    from .run import kv_storage_dtype
 
     budget = check_budget(budget)
     policy = live_policy(policy)
@@ -57,10 +57,8 @@ def validate(
     settings_doc = attrs.get("settings", {})
     source = resolve(attrs["model"]["name"])
     model, tokenizer = load(source, attrs.get("device", "cpu"), settings_doc.get("model_dtype", "auto"))
-    dtype = parse_kv_dtype(kv_dtype) or next(model.parameters()).dtype
-    import torch
-
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    dtype = kv_storage_dtype(model, kv_dtype)
+    itemsize = dtype.itemsize
 
     open_loop = replay(ds, [policy], [budget], observe="exact", kv_itemsize=itemsize)
     settings = TraceSettings(

@@ -124,7 +124,11 @@ class Rope:
     def cos_sin(self, layers: np.ndarray, positions: np.ndarray, head_dim: int):
         """``cos, sin [..., D]`` for ``layers`` and ``positions`` of the same shape (tables
         ``[layer, pos, D]`` built once and grown when needed)."""
-        need = int(np.max(positions)) + 1
+        cos, sin = self.tables(int(np.max(positions)) + 1, head_dim)
+        return cos[layers, positions], sin[layers, positions]
+
+    def tables(self, need: int, head_dim: int):
+        """``cos, sin [layer, pos, D]`` float32 covering at least ``need`` positions."""
         if self._tables is None or self._tables[0].shape[1] < need:
             size = max(need, 1024, 2 * (self._tables[0].shape[1] if self._tables else 0))
             tables = [
@@ -132,7 +136,7 @@ class Rope:
                 for l in range(len(self.scaling))
             ]  # noqa: E741
             self._tables = (np.stack([c for c, _ in tables]), np.stack([s for _, s in tables]))
-        return self._tables[0][layers, positions], self._tables[1][layers, positions]
+        return self._tables
 
 
 class Ledger:

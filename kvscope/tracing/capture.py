@@ -382,26 +382,25 @@ def _capturing(kernel: str):
     base = _base_forward(kernel)
 
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         view = _slot_view(key)
         slot_pos = None
+        recorders = [_ACTIVE.get()]
         if view is not None:
             view.used = True
             if query.shape[2] == 1:  # one unpadded sequence: a decode row needs no mask, and a mask
                 attention_mask = None  # sized before the cache's last decision could be stale
-            if view.head_mask is not None:  # padding slots of a live cache: mask them per head
-                attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
-                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                out = _masked_output(query, key, value, attention_mask, scale, softcap)
-            slot_pos = view.slot_pos if query.shape[2] == 1 else None
-        if view is None or view.head_mask is None:
+                slot_pos = view.slot_pos
+            if view.recorder is not recorders[0]:
+                recorders.append(view.recorder)
+        if view is not None and view.head_mask is not None:  # padding slots of a live cache: mask them per head
+            attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
+            out = _masked_output(query, key, value, attention_mask, scale, softcap)
+        else:
             out = base(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
             )
-        recorders = [_ACTIVE.get()]
-        if view is not None and view.recorder is not None and view.recorder is not recorders[0]:
-            recorders.append(view.recorder)
         if any(r is not None for r in recorders):
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             with torch.no_grad():
                 for recorder in recorders:
                     if recorder is not None:

@@ -317,17 +317,33 @@ def trace(
             raise KvscopeError(f"unknown trace setting {key!r}")
         setattr(settings, key, value)
     settings.check()
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = [p if isinstance(p, Prompt) else Prompt(str(p)) for p in prompts]
-    if not prompts:
-        raise KvscopeError("no prompts given")
+    prompts = as_prompts(prompts)
     out = Path(out)
 
     source = resolve(settings.model)
     _prepare_out(out, _settings_doc(settings, source, prompts), resume, force)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
     return trace_loaded(model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress)
+
+
+def as_prompts(prompts) -> list[Prompt]:
+    """One text, texts or :class:`Prompt` objects → a non-empty list of prompts."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = [p if isinstance(p, Prompt) else Prompt(str(p)) for p in prompts]
+    if not prompts:
+        raise KvscopeError("no prompts given")
+    return prompts
+
+
+def check_context(encoded: list[list[int]], max_new_tokens: int, context: int | None) -> None:
+    """Refuse a prompt whose tokens plus ``max_new_tokens`` exceed the model context."""
+    for n, ids in enumerate(encoded):
+        if context and len(ids) + max_new_tokens > context:
+            raise KvscopeError(
+                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                f"it exceeds the model context of {context}"
+            )
 
 
 def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt]) -> dict:
@@ -354,13 +370,7 @@ def trace_loaded(
     model.set_attn_implementation(implementation_name(settings.attn))
     facts = _model_facts(model)
     encoded = _encode(tokenizer, prompts, settings.chat)
-    context = facts["max_position_embeddings"]
-    for n, ids in enumerate(encoded):
-        if context and len(ids) + settings.max_new_tokens > context:
-            raise KvscopeError(
-                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {settings.max_new_tokens} "
-                f"it exceeds the model context of {context}"
-            )
+    check_context(encoded, settings.max_new_tokens, facts["max_position_embeddings"])
     S = settings.max_new_tokens
     layout = Layout(
         n_samples=len(prompts),
@@ -454,20 +464,18 @@ def _store_attrs(source, facts, model, tokenizer, settings, layout, prompts, set
 
 def _policy_doc(settings: TraceSettings, model) -> dict:
     """What a trace recorded under a live policy cache says about it."""
-    import torch
-
-    from ..live.run import parse_kv_dtype
+    from ..live.run import kv_storage_dtype
     from ..policies import parse
 
     policy = parse(settings.policy)
-    dtype = parse_kv_dtype(settings.kv_dtype) or next(model.parameters()).dtype
+    dtype = kv_storage_dtype(model, settings.kv_dtype)
     return {
         "label": policy.label(),
         "name": policy.name,
         "params": policy.params(),
         "budget": settings.budget,
         "kv_dtype": str(dtype).removeprefix("torch."),
-        "kv_itemsize": torch.empty(0, dtype=dtype).element_size(),
+        "kv_itemsize": dtype.itemsize,
         "every": settings.window,
     }
 
@@ -818,11 +826,13 @@ class _PolicyBuffers:
             self.events[t // self.every] = out
 
     def flush_into(self, block: Block, s: int) -> None:
-        for e, tiers in self.events.items():
+        for e, tiers in self.events.items():  # one chunk per event
             block.writes.append(("policy_tiers", (slice(s, s + 1), slice(e, e + 1)), tiers[None, None]))
-        for t, (model_bytes, actual) in self.bytes.items():
-            block.writes.append(("policy_bytes", (slice(s, s + 1), slice(t, t + 1)), np.array([[model_bytes]])))
-            block.writes.append(("policy_cache_bytes", (slice(s, s + 1), slice(t, t + 1)), np.array([[actual]])))
+        if self.bytes:  # the block's steps are consecutive: one region per array
+            steps = sorted(self.bytes)
+            region = (slice(s, s + 1), slice(steps[0], steps[-1] + 1))
+            block.writes.append(("policy_bytes", region, np.array([[self.bytes[t][0] for t in steps]])))
+            block.writes.append(("policy_cache_bytes", region, np.array([[self.bytes[t][1] for t in steps]])))
         self.events, self.bytes = {}, {}
 
 
