@@ -14,12 +14,14 @@ and LIR the same way. Tiered selections use ``TIER_*`` codes.
 from __future__ import annotations
 
 import math
+import uuid
 
 import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q  # noqa: F401 - re-exported
+from .kernels import cumulative, top_fraction_codes
 from .mass import Units, prefill_unit_mass, unit_mass
 
 NOT_CANDIDATE, NOT_SELECTED, SELECTED = -1, 0, 1
@@ -68,24 +70,22 @@ def check_fraction(name: str, value: float) -> float:
 
 def top_fraction_selection(
     scores: np.ndarray,  # [..., event, unit] float
-    exists: np.ndarray,  # [..., event, unit] bool
-    protected: np.ndarray,  # [..., event, unit] bool
+    exists: np.ndarray,  # [..., event, unit] bool (broadcastable)
+    protected: np.ndarray,  # [..., event, unit] bool (broadcastable)
     top_frac: float,
 ) -> np.ndarray:
     """Top-``ρ`` candidates by score at each event: int8 ``[..., event, unit]``.
 
     Candidates exist and are not protected; ``k = ceil(ρ · n_candidates)`` of them are
-    selected (ties broken toward the older unit).
+    selected: every candidate above the k-th largest score, then those equal to it from the
+    oldest unit on (ties broken toward the older unit).
     """
-    candidate = exists & ~protected
-    n_cand = candidate.sum(-1)
-    k = np.ceil(top_frac * n_cand - 1e-9).astype(np.int64)
-    masked = np.where(candidate, scores, -np.inf)
-    order = np.argsort(-masked, axis=-1, kind="stable")
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
-    sel = np.where(candidate, (ranks < k[..., None]).astype(np.int8), np.int8(NOT_CANDIDATE))
-    return sel.astype(np.int8)
+    scores = np.asarray(scores, dtype=np.float64)
+    shape3 = (-1,) + scores.shape[-2:]  # leading dims flattened
+    candidate = np.broadcast_to(exists & ~protected, scores.shape).reshape(shape3)
+    out = np.empty(scores.shape, dtype=np.int8)
+    top_fraction_codes(scores.reshape(shape3), candidate, float(top_frac), out.reshape(shape3))
+    return out
 
 
 class Prepared:
@@ -124,8 +124,9 @@ class Prepared:
         return event_steps(self.n_step_total, every)
 
     def map_units(self, func, width: int, selection: xr.DataArray | None = None, compute: bool = True):
-        """``func(u)`` for every trace unit ``u`` (a :class:`UnitData`) → ``[width]`` floats;
-        returns ``[sample, layer, H, width]`` (numpy, or dask with ``compute=False``)."""
+        """``func(u)`` for the trace units of every task (a :class:`UnitData` holding all heads
+        of one (sample, layer)) → ``[H, width]`` floats; returns ``[sample, layer, H, width]``
+        (numpy, or dask with ``compute=False``)."""
         import dask.array as dsa
 
         m = self.m.data
@@ -141,19 +142,16 @@ class Prepared:
 
         def block(mb, pb, sb=None, block_info=None):
             sample = block_info[0]["chunk-location"][0]
-            out = np.empty((1, 1, 1, mb.shape[3], width))
-            for h in range(mb.shape[3]):
-                unit = UnitData(
-                    mb[0, :, 0, h],
-                    pb[0, 0, 0, h],
-                    qpos[sample],
-                    int(n_steps[sample]),
-                    units,
-                    None if sb is None else sb[0, :, 0, h],
-                    steps,
-                )
-                out[0, 0, 0, h] = np.asarray(func(unit), dtype=np.float64)
-            return out
+            unit = UnitData(
+                np.moveaxis(mb[0, :, 0], 1, 0),  # [H, step, unit]
+                pb[0, 0, 0],
+                qpos[sample],
+                int(n_steps[sample]),
+                units,
+                None if sb is None else np.moveaxis(sb[0, :, 0], 1, 0),  # [H, event, unit]
+                steps,
+            )
+            return np.asarray(func(unit), dtype=np.float64).reshape(1, 1, 1, mb.shape[3], width)
 
         out = dsa.map_blocks(
             block,
@@ -162,6 +160,7 @@ class Prepared:
             drop_axis=[4],
             new_axis=[4],
             chunks=(m.chunks[0], (1,) * len(m.chunks[1]), m.chunks[2], m.chunks[3], (width,)),
+            name=f"units-{uuid.uuid4().hex}",  # hashing the closure (it holds the dataset) would cost more than the task
         )[:, 0]
         return out.compute() if compute else out
 
@@ -183,15 +182,15 @@ class Prepared:
         """The oracle-by-history for every trace unit: int8 ``[sample, event, layer, H, unit]``."""
         steps = self.events(every)
         n_units = self.n_units
-        flat = self.map_units(lambda u: u.history_selection(steps, top_frac, local).ravel(), len(steps) * n_units)
+        flat = self.map_units(lambda u: u.flatten(u.history_selection(steps, top_frac, local)), len(steps) * n_units)
         sel = flat.reshape(*flat.shape[:3], len(steps), n_units).astype(np.int8)
         return self.selection_array(np.moveaxis(sel, 3, 1), steps)
 
 
 class UnitPlan:
-    """A per-trace-unit computation: ``per_unit(u) -> [width]`` and ``finish(flat)`` that
-    turns the gathered ``[sample, layer, H, width]`` into the result Dataset. Several plans
-    run as one task per unit in :func:`kvscope.analysis.study`."""
+    """A per-trace-unit computation: ``per_unit(u) -> [H, width]`` for the heads of a task and
+    ``finish(flat)`` that turns the gathered ``[sample, layer, H, width]`` into the result
+    Dataset. Several plans share one task per (sample, layer) in :func:`kvscope.analysis.study`."""
 
     def __init__(self, per_unit, width: int, finish, selection=None):
         self.per_unit, self.width, self.finish, self.selection = per_unit, width, finish, selection
@@ -201,8 +200,10 @@ class UnitPlan:
 
 
 class UnitData:
-    """One trace unit inside a task: ``m [step, unit]``, ``prefill [unit]``, its sample's
-    ``query_pos [step]`` and ``n_steps``, and optionally a given selection ``[event, unit]``."""
+    """The trace units of one task (the heads of a (sample, layer)), vectorized over a
+    leading dim: ``m [H, step, unit]``, ``prefill [H, unit]``, the sample's ``query_pos
+    [step]`` and ``n_steps``, and optionally a given selection ``[H, event, unit]``. Every
+    per-unit function returns ``[H, ...]``; any leading shape works (``[step, unit]`` alone too)."""
 
     def __init__(self, m, prefill, query_pos, n_steps, units: Units, selection=None, selection_steps=None):
         self.m = np.asarray(m, dtype=np.float64)
@@ -216,34 +217,44 @@ class UnitData:
         self._selections: dict = {}
 
     @property
+    def lead(self) -> tuple:
+        """Shape of the leading (trace-unit) dims."""
+        return self.m.shape[:-2]
+
+    def flatten(self, x: np.ndarray) -> np.ndarray:
+        """``[*lead, ...]`` → ``[*lead, width]``."""
+        return np.asarray(x).reshape(*self.lead, -1)
+
+    @property
     def cum(self) -> np.ndarray:
-        """``S[t] = Σ_{t'≤t} m[t']``, ``[step, unit]``."""
+        """``S[t] = Σ_{t'≤t} m[t']``, ``[..., step, unit]``."""
         if self._cum is None:
-            self._cum = np.cumsum(self.m, axis=0)
+            self._cum = cumulative(self.m)
         return self._cum
 
     def exists(self, steps) -> np.ndarray:
         """``[event, unit]`` the unit's last position ≤ query_pos at the step."""
-        last = self.units.last_position(self.m.shape[1])
+        last = self.units.last_position(self.m.shape[-1])
         return last[None, :] <= self.query_pos[steps][:, None]
 
     def scores(self, steps) -> np.ndarray:
-        """Cumulative scores ``c[t] = S[t] + prefill`` at ``steps``: ``[event, unit]``."""
-        return self.cum[steps] + self.prefill[None, :]
+        """Cumulative scores ``c[t] = S[t] + prefill`` at ``steps``: ``[..., event, unit]``."""
+        return self.cum[..., steps, :] + self.prefill[..., None, :]
 
     def history_selection(self, steps, top_frac: float, local: int) -> np.ndarray:
+        """``[..., event, unit]`` the oracle-by-history (FMM, churn and LIR of one task share it)."""
         key = (tuple(np.asarray(steps).tolist()), top_frac, local)
-        if key not in self._selections:  # FMM, churn and LIR of one task share it
+        if key not in self._selections:
             n_exist = self.units.n_existing(self.query_pos[steps])
-            protected = self.units.protected(n_exist, self.m.shape[1], local)
+            protected = self.units.protected(n_exist, self.m.shape[-1], local)
             self._selections[key] = top_fraction_selection(self.scores(steps), self.exists(steps), protected, top_frac)
         return self._selections[key]
 
     def selection_or_history(self, every: int, top_frac: float, local: int) -> tuple[np.ndarray, np.ndarray]:
-        """(selection ``[event, unit]``, event steps): the given one, or the history oracle."""
+        """(selection ``[..., event, unit]``, event steps): the given one, or the history oracle."""
         if self.selection is not None:
             return np.asarray(self.selection), np.asarray(self.selection_steps)
-        steps = event_steps(self.m.shape[0], every)
+        steps = event_steps(self.m.shape[-2], every)
         return self.history_selection(steps, top_frac, local), steps
 
     def valid_events(self, steps) -> int:

@@ -22,6 +22,7 @@ MASS_LEVELS = (0.5, 0.8, 0.9)
 
 def concentration_kernel(m: np.ndarray, exists: np.ndarray, fractions=TOP_FRACTIONS, levels=MASS_LEVELS):
     """``(top_share [..., p], needed [..., q])``; NaN where nothing exists or carries mass."""
+    exists = np.broadcast_to(exists, m.shape)
     x = np.where(exists, m, 0.0)
     n = exists.sum(-1)
     srt = -np.sort(-x, axis=-1)
@@ -58,8 +59,8 @@ def concentration(
 
     def per_unit(u: UnitData) -> np.ndarray:
         exists = u.exists(steps) & (steps < u.n_steps)[:, None]
-        share, needed = concentration_kernel(u.m[steps], exists)
-        return np.concatenate([share, needed], axis=-1).ravel()
+        share, needed = concentration_kernel(u.m[..., steps, :], exists)  # [H, event, ·]
+        return u.flatten(np.concatenate([share, needed], axis=-1))
 
     flat = prep.map_units(per_unit, len(steps) * (n_f + n_q))
     both = np.moveaxis(flat.reshape(*flat.shape[:3], len(steps), n_f + n_q), 3, 1)  # [sample, event, layer, H, 7]

@@ -53,7 +53,7 @@ def drift(
         order = np.argsort(-masked, axis=-1, kind="stable")
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(n_units), order.shape), axis=-1)
-        return np.concatenate([sel.ravel(), np.where(sel >= 0, rank, -1).ravel()])
+        return np.concatenate([u.flatten(sel), u.flatten(np.where(sel >= 0, rank, -1))], axis=-1)
 
     flat = prep.map_units(per_unit, 2 * n_ev * n_units)
     both = flat.reshape(*flat.shape[:3], 2, n_ev, n_units)

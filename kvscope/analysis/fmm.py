@@ -39,8 +39,9 @@ def fmm_kernel(future: np.ndarray, exists: np.ndarray, missed: np.ndarray, valid
     ``valid [..., event]``: False where the horizon runs past the trace (censored → NaN).
     Events whose existing units receive no future mass are NaN too.
     """
-    den = np.where(exists, future, 0.0).sum(-1)
-    num = np.where(exists & missed, future, 0.0).sum(-1)
+    ones = future.dtype.type(1)
+    den = np.einsum("...u,...u->...", future, np.where(exists, ones, 0))
+    num = np.einsum("...u,...u->...", future, np.where(exists & missed, ones, 0))
     with np.errstate(invalid="ignore", divide="ignore"):
         out = num / den
     return np.where(valid & (den > 0), out, np.nan)
@@ -114,20 +115,22 @@ def fmm(
     with_tiers = tiers is not None
 
     def per_unit(u: UnitData) -> np.ndarray:
-        sel, st = u.selection_or_history(every, top_frac, local)
+        sel, st = u.selection_or_history(every, top_frac, local)  # [H, event, unit]
         tier = sel if with_tiers else None
         if with_tiers:
             sel = np.where(tier < 0, -1, np.where(tier == TIER_EVICTED, NOT_SELECTED, 1))
-        exists = u.exists(st)
-        missed = sel == NOT_SELECTED
-        out = []
-        for h in curve_h:
-            future = u.cum[np.minimum(st + h, u.m.shape[0] - 1)] - u.cum[st]
-            valid = st + h <= u.n_steps - 1
-            out.append(fmm_kernel(future, exists, missed, valid))
-            if with_tiers and h == horizon:
-                tier_part = tier_fractions(future, exists, tier, valid).ravel()
-        return np.concatenate(out + ([tier_part] if with_tiers else []))
+        exists = u.exists(st)  # [event, unit]
+        missed = (sel == NOT_SELECTED)[..., None, :, :]  # [H, 1, event, unit]
+        ahead = st[None, :] + np.asarray(curve_h)[:, None]  # [horizon, event]
+        future = (
+            u.cum[..., np.minimum(ahead, u.m.shape[-2] - 1), :] - u.cum[..., None, st, :]
+        )  # [H, horizon, event, unit]
+        valid = ahead <= u.n_steps - 1
+        out = [u.flatten(fmm_kernel(future, exists, missed, valid))]  # [H, horizon · event]
+        if with_tiers:
+            at = curve_h.index(horizon)
+            out.append(u.flatten(tier_fractions(future[..., at, :, :], exists, tier, valid[at])))
+        return np.concatenate(out, axis=-1)
 
     width = n_h * n_ev + (3 * n_ev if with_tiers else 0)
 

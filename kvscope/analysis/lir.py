@@ -20,6 +20,7 @@ import xarray as xr
 
 from ..errors import KvscopeError
 from .common import Prepared, UnitData, UnitPlan, bootstrap_ratio, check_fraction, make_units
+from .kernels import lir_episodes
 
 
 def lir_kernel(
@@ -28,48 +29,22 @@ def lir_kernel(
     """``(eligible, reactivated)`` episode counts ``[...]`` summed over units.
 
     ``sel [..., event, unit]``; ``n_valid [...]`` events per leading index that are inside
-    the trace (later events are ignored).
+    the trace (later events are ignored). Compiled (:func:`kvscope.analysis.kernels.lir_episodes`):
+    an episode starts at ``s`` where ``sel[s] = 0`` follows ``sel[s−1] = 1`` and ends at the
+    first later non-zero event inside the trace (a reactivation if it is a 1) or at its end.
     """
     if m < 1:
         raise KvscopeError(f"m (misses to become eligible) must be ≥ 1 (got {m})")
     if h_lir is not None and h_lir < 1:
         raise KvscopeError(f"H_lir must be ≥ 1 or None (got {h_lir})")
-    lead = sel.shape[:-2]
-    n_events, n_units = sel.shape[-2], sel.shape[-1]
-    n_valid = np.broadcast_to(np.asarray(n_valid), lead)[..., None]  # [..., 1]
-    start = np.full(lead + (n_units,), -1, dtype=np.int64)  # first event of the open episode, −1 if none
-    prev = np.full(lead + (n_units,), -1, dtype=np.int8)
-    eligible = np.zeros(lead, dtype=np.int64)
-    reactivated = np.zeros(lead, dtype=np.int64)
-
-    def close(mask, end_event, is_one):
-        """Episodes in ``mask`` end at ``end_event``, closed by a 1 when ``is_one``."""
-        length = end_event - start
-        is_eligible = mask & (length >= m)
-        eligible_at = start + m - 1
-        if h_lir is None:
-            counted = is_eligible
-            react = is_eligible & is_one
-        else:  # censored unless the whole H_lir window after eligibility lies inside the trace
-            counted = is_eligible & (eligible_at + h_lir <= n_valid - 1)
-            react = counted & is_one & (end_event - eligible_at <= h_lir)
-        eligible[...] += counted.sum(-1)
-        reactivated[...] += react.sum(-1)
-
-    no = np.zeros(lead + (n_units,), dtype=bool)
-    for e in range(n_events):
-        v = sel[..., e, :]
-        inside = e < n_valid  # [..., 1]
-        open_ = start >= 0
-        ending = open_ & inside & (v != 0)  # a 1 (reactivation) or a −1 ends the run
-        close(ending, e, v == 1)
-        at_end = open_ & ~inside  # the trace ended while the run was open
-        close(at_end, e, no)
-        start = np.where(ending | at_end, -1, start)
-        start = np.where(inside & (v == 0) & (prev == 1), e, start)
-        prev = np.where(inside, v, prev)
-    close(start >= 0, np.minimum(n_valid, n_events), no)
-    return eligible, reactivated
+    sel = np.asarray(sel, dtype=np.int8)
+    lead, (n_events, n_units) = sel.shape[:-2], sel.shape[-2:]
+    flat = np.ascontiguousarray(sel.reshape(-1, n_events, n_units))
+    n_valid = np.ascontiguousarray(np.broadcast_to(np.asarray(n_valid), lead).reshape(-1), dtype=np.int64)
+    eligible = np.zeros(flat.shape[0], dtype=np.int64)
+    reactivated = np.zeros(flat.shape[0], dtype=np.int64)
+    lir_episodes(flat, n_valid, m, -1 if h_lir is None else h_lir, eligible, reactivated)
+    return eligible.reshape(lead), reactivated.reshape(lead)
 
 
 def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int = 1) -> np.ndarray:
@@ -124,8 +99,8 @@ def lir(
     def per_unit(u: UnitData) -> np.ndarray:
         sel, st = u.selection_or_history(every, top_frac, local)
         n_valid = np.array(u.valid_events(st))
-        elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)
-        return np.concatenate([[elig, react], transition_counts(sel, n_valid, delta)])
+        elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)  # [H] each
+        return np.concatenate([elig[..., None], react[..., None], transition_counts(sel, n_valid, delta)], axis=-1)
 
     width_ = 6
 

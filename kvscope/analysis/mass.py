@@ -22,6 +22,7 @@ import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
+from .kernels import block_stats
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
             m = m.isel(window=slice(0, n)).coarsen(window=factor).sum()
             m = m.assign_coords(window=np.arange(m.sizes["window"]))
         return m
-    a = filled_rows(ds, layers, heads)
+    a = stored_rows(ds, layers, heads)
     n_units = units.count(a.sizes["pos"])
     lo, w = units.n_sink, units.w
 
@@ -131,20 +132,16 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
 
 
 def window_sums(block: np.ndarray, first: int, n_units: int, w: int) -> np.ndarray:
-    """``[..., pos]`` float32 rows → ``[..., window]`` float64 masses (each the float32 sum
-    of ``w`` values: the same bits whichever way the rows were chunked)."""
-    import torch
-
-    body = torch.from_numpy(np.ascontiguousarray(block))[..., first : first + n_units * w]
-    return body.reshape(*body.shape[:-1], n_units, w).sum(-1).to(torch.float64).numpy()
-
-
-def _fill_f32(block: np.ndarray) -> np.ndarray:
-    """fp16/fp32 rows -> float32 with NaN (beyond query_pos) as 0."""
-    import torch
-
-    t = torch.from_numpy(np.ascontiguousarray(block)).to(torch.float32)
-    return t.nan_to_num_(0.0).numpy()
+    """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
+    masses, each the float32 sum of its ``w`` values in position order (NaN as 0): the same
+    bits whichever way the rows were chunked (:func:`kvscope.analysis.kernels.row_block_stats`)."""
+    lead, n_pos = block.shape[:-1], block.shape[-1]
+    rows_ = block.reshape(-1, 1, n_pos)  # [row, 1, pos]
+    out = np.empty((rows_.shape[0], 1, n_units))
+    no_query = np.full(rows_.shape[0], -1, dtype=np.int64)
+    no_fp = np.empty((rows_.shape[0], 0), dtype=np.int64)
+    block_stats(rows_, no_query, no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)))
+    return out.reshape(*lead, n_units)
 
 
 def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
@@ -157,16 +154,6 @@ def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     if not isinstance(a.data, dsa.Array):
         a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
     return a.copy(data=a.data.rechunk({4: -1}))
-
-
-def filled_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
-    """Token rows as float32 dask blocks with NaN → 0 ``[sample, step, layer, H, pos]``.
-
-    Deterministic task names: every analysis that asks for the same rows shares these
-    tasks, so one ``dask.compute`` reads and converts each chunk once.
-    """
-    a = stored_rows(ds, layers, heads)
-    return a.copy(data=a.data.map_blocks(_fill_f32, dtype=np.float32))
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:

@@ -31,7 +31,8 @@ from scipy.optimize import minimize_scalar
 
 from ..errors import KvscopeError
 from ..policies.logquant import fp_sets_per_step
-from .mass import filled_rows, head_dim
+from .kernels import block_stats, peak_width
+from .mass import head_dim, stored_rows
 
 
 def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
@@ -73,56 +74,27 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
     return float(-np.dot(N_D[ok], np.log(D[ok])))
 
 
-def _block_rows(
-    x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None, inplace: bool = False
-) -> np.ndarray:
+def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
     """Everything peaks needs from one block of rows, in one pass, summed over the block's
     steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
     mass on LogQuant's FP set, Σ of the share on a recency window of the same size, and the
-    number of rows with non-sink mass.
+    number of rows with non-sink mass (:func:`kvscope.analysis.kernels.row_block_stats`).
 
-    ``x [s, step, l, h, pos]`` float32 (0 beyond query_pos), ``q [s, step, 1, 1, 1]``;
+    ``x [s, step, l, h, pos]`` rows as stored (NaN beyond query_pos), ``q [s, step, 1, 1, 1]``;
     ``fp_sets`` a :class:`LogQuantSets`. A few numbers per trace unit come back, so memory
-    does not grow with the trace. ``inplace`` lets it overwrite ``x`` (a block it owns).
+    does not grow with the trace.
     """
-    import torch
-
     s_, n_step, n_l, n_h, n_pos = x.shape
-    xt = torch.from_numpy(x)
-    qb = np.asarray(q[0, :, 0, 0, 0], dtype=np.int64)
-    qt = torch.from_numpy(qb)
-    pos = torch.arange(n_pos)
-    # coverage first (it needs the unmasked rows): masks depend on the steps only
-    sample = block_info[0]["chunk-location"][0]
-    t0 = block_info[0]["array-location"][1][0]
-    masks = fp_sets.masks(sample, t0, qb, n_sink, n_pos)  # [step, pos, 3] float32
-    sums = torch.matmul(xt.reshape(s_, n_step, n_l * n_h, n_pos), masks[None])  # [s, step, l·h, 3]
-    sums = sums.reshape(s_, n_step, n_l, n_h, 3)
-    total = sums[..., 0]
-    ok = total > 0
-    shares = torch.where(ok[..., None], sums[..., 1:] / total.clamp_min(1e-30)[..., None], torch.zeros(()))
-    # peaks: top-k among non-sink keys before the query's own position
-    cand = (pos >= n_sink) & (pos[None, :] < qt[:, None])  # [step, pos]
-    not_cand = ~cand[None, :, None, None, :]
-    scores = xt.masked_fill_(not_cand, float("-inf")) if inplace else xt.masked_fill(not_cand, float("-inf"))
-    vals, idx = scores.topk(min(k, n_pos), dim=-1)
-    dist = torch.where(torch.isfinite(vals), qt[None, :, None, None, None] - idx, torch.zeros((), dtype=torch.int64))
-    # reduce over the block's steps: per (s, l, h) Σ log d, Σ d, log2-bin counts, coverage sums
-    picked = dist > 0
-    d = dist.clamp_min(1).to(torch.float64)
+    first_sample, t0 = block_info[0]["array-location"][0][0], block_info[0]["array-location"][1][0]
     n_bins = n_bins_for(n_pos)
-    b = torch.floor(torch.log2(d)).to(torch.int64).clamp(0, n_bins - 1)
-    out = torch.zeros((s_, n_l, n_h, 2 + n_bins + 3), dtype=torch.float64)
-    out[..., 0] = torch.where(picked, torch.log(d), torch.zeros(())).sum((1, 4))
-    out[..., 1] = torch.where(picked, d, torch.zeros(())).sum((1, 4))
-    unit = torch.arange(s_ * n_l * n_h).reshape(s_, 1, n_l, n_h, 1)
-    keys = (unit * n_bins + b)[picked]
-    bins = torch.bincount(keys, minlength=s_ * n_l * n_h * n_bins).reshape(s_, n_l, n_h, n_bins)
-    out[..., 2 : 2 + n_bins] = bins.to(torch.float64)
-    out[..., 2 + n_bins : 4 + n_bins] = shares.to(torch.float64).sum(1)
-    out[..., 4 + n_bins] = ok.to(torch.float64).sum(1)
-    return out.numpy()[:, None]
+    out = np.zeros((s_, 1, n_l, n_h, peak_width(n_bins)))
+    no_windows = np.empty((n_step, n_h, 0))
+    for i in range(s_):
+        fp = fp_sets.block(first_sample + i, t0, n_step)
+        for j in range(n_l):
+            block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j])
+    return out
 
 
 def n_bins_for(n_pos: int) -> int:
@@ -163,12 +135,12 @@ def peak_statistics(
     if k < 1:
         raise KvscopeError(f"--top-k must be ≥ 1 (got {k})")
     n_sink = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    a = filled_rows(ds, layers, heads)
+    a = stored_rows(ds, layers, heads)
     arr = a.data
     qpos = np.asarray(ds["query_pos"].values)  # [sample, step]
     c = arr.chunks
     q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
-    width = 2 + n_bins_for(arr.shape[-1]) + 3
+    width = peak_width(n_bins_for(arr.shape[-1]))
     per_unit = dsa.map_blocks(
         _block_rows,
         arr,
@@ -186,9 +158,6 @@ def peak_statistics(
     return a, per_unit
 
 
-MASK_CACHE_BYTES = 64 * 2**20  # coverage masks kept per process (every layer of a sample reuses them)
-
-
 class LogQuantSets:
     """LogQuant FP positions of every step of a sample, built on first use (per process)."""
 
@@ -202,45 +171,27 @@ class LogQuantSets:
         import threading
 
         self._cache: dict[int, np.ndarray] = {}
-        self._masks: dict = {}
         self._lock = threading.Lock()
 
     def __call__(self, sample: int) -> np.ndarray:
         """``[step, 3W]`` FP positions of each valid step, −1 padded."""
-        if sample not in self._cache:
-            sets = fp_sets_per_step(int(self.prompt_len[sample]), int(self.n_steps[sample]), self.W)
-            out = np.full((len(sets), 3 * self.W), -1, dtype=np.int64)
-            for t, fp in enumerate(sets):
-                out[t, : len(fp)] = fp
-            self._cache[sample] = out
-        return self._cache[sample]
-
-    def masks(self, sample: int, t0: int, qb: np.ndarray, n_sink: int, n_pos: int):
-        """``[step, pos, 3]`` float32 (visible non-sink, LogQuant FP, recency window of equal
-        size) for the steps ``t0 …`` of a sample; the last two are kept (every layer of a
-        sample asks for the same ones)."""
-        import torch
-
-        key = (sample, t0, len(qb), n_sink, n_pos)
         with self._lock:
-            hit = self._masks.get(key)
-        if hit is not None:
-            return hit
-        fp = self(sample)[t0 : t0 + len(qb)]  # [≤step, 3W]
-        p_np = np.arange(n_pos)
-        visible = (qb >= 0)[:, None] & (p_np[None, :] >= n_sink) & (p_np[None, :] <= qb[:, None])
-        lq = np.zeros((len(qb), n_pos + 1), dtype=bool)
-        kept = fp >= n_sink
-        lq[np.broadcast_to(np.arange(len(fp))[:, None], fp.shape)[kept], fp[kept]] = True
-        size = np.zeros(len(qb), dtype=np.int64)
-        size[: len(fp)] = kept.sum(1)
-        recent = visible & (p_np[None, :] > (qb - size)[:, None])
-        masks = torch.from_numpy(np.stack([visible, lq[:, :n_pos] & visible, recent], -1).astype(np.float32))
-        with self._lock:
-            self._masks[key] = masks
-            while len(self._masks) > 1 and sum(v.numel() * 4 for v in self._masks.values()) > MASK_CACHE_BYTES:
-                self._masks.pop(next(iter(self._masks)))
-        return masks
+            if sample not in self._cache:
+                sets = fp_sets_per_step(int(self.prompt_len[sample]), int(self.n_steps[sample]), self.W)
+                out = np.full((len(sets), 3 * self.W), -1, dtype=np.int64)
+                for t, fp in enumerate(sets):
+                    out[t, : len(fp)] = fp
+                self._cache[sample] = out
+            return self._cache[sample]
+
+    def block(self, sample: int, t0: int, n: int) -> np.ndarray:
+        """``[n, 3W]`` FP positions of steps ``t0 … t0+n−1`` (−1 rows past the sample's steps)."""
+        sets = self(sample)[t0 : t0 + n]
+        if len(sets) == n:
+            return sets
+        out = np.full((n, sets.shape[1]), -1, dtype=np.int64)
+        out[: len(sets)] = sets
+        return out
 
     def __getstate__(self):  # shipped to dask workers without the caches
         return {"prompt_len": self.prompt_len, "n_steps": self.n_steps, "W": self.W}

@@ -14,7 +14,7 @@ graphs instead let dask hold converted chunks, and peak memory grew with the tra
 
 from __future__ import annotations
 
-import threading
+import uuid
 
 import numpy as np
 import xarray as xr
@@ -22,22 +22,12 @@ import xarray as xr
 from .churn import churn
 from .common import Prepared, UnitData, make_units
 from .fmm import fmm
+from .kernels import block_stats, peak_width
 from .lir import lir
-from .mass import stored_rows, window_sums
-from .peaks import LogQuantSets, _block_rows, n_bins_for, peaks
+from .mass import stored_rows
+from .peaks import LogQuantSets, n_bins_for, peaks
 
 TASK_BYTES = 256 * 2**20  # window masses per stage-2 task: all heads of a (sample, layer) unless larger
-_LOCAL = threading.local()
-
-
-def _scratch(shape: tuple):
-    """A float32 torch buffer of ``shape`` owned by the calling thread."""
-    import torch
-
-    buf = getattr(_LOCAL, "buf", None)
-    if buf is None or tuple(buf.shape) != tuple(shape):
-        buf = _LOCAL.buf = torch.empty(tuple(shape), dtype=torch.float32)
-    return buf
 
 
 def study(
@@ -70,47 +60,44 @@ def study(
         "lir": lir(ds, m=m, h_lir=h_lir, **shared),
     }
     bounds = np.cumsum([0] + [p.width for p in plans.values()])
-    n_sink_ = units.n_sink
     a = stored_rows(ds, layers, heads)
     raw = a.data  # [sample, step, layer, H, pos] as stored (fp16 by default)
     qpos, n_steps_all = prep.query_pos, prep.n_steps
     fp_sets = LogQuantSets(ds, logquant_window)
     n_units, lo, wsize = prep.n_units, units.n_sink, units.w
-    n_peak = 2 + n_bins_for(raw.shape[-1]) + 3
+    n_bins = n_bins_for(raw.shape[-1])
+    n_peak = peak_width(n_bins)
     packed_width = n_units + n_peak
     width = int(bounds[-1]) + n_peak
 
     def per_chunk(x, block_info=None):
         """Stage 1: ``[1, step, 1, H, pos]`` stored rows → ``[1, step, 1, H, U + n_peak]``:
         window masses per step, the block's peak/coverage sums in its first step's row."""
-        import torch
-
         sample = block_info[0]["chunk-location"][0]
         t0, t1 = block_info[0]["array-location"][1]
-        x32 = _scratch(x.shape)  # reused per thread: a fresh buffer per chunk costs more in page faults
-        x32.copy_(torch.from_numpy(np.ascontiguousarray(x))).nan_to_num_(0.0)
-        x32 = x32.numpy()
         out = np.zeros(x.shape[:4] + (packed_width,))
-        out[0, :, 0, :, :n_units] = window_sums(x32[0, :, 0], lo, n_units, wsize)
-        q = qpos[sample, t0:t1][None, :, None, None, None]
-        info = [{"chunk-location": (sample, 0, 0, 0, 0), "array-location": [(sample, sample + 1), (t0, t1)]}]
-        out[0, 0, 0, :, n_units:] = _block_rows(x32, q, fp_sets, n_sink_, k, block_info=info, inplace=True)[0, 0, 0]
+        fp = fp_sets.block(sample, t0, t1 - t0)
+        windows, peak_sums = out[0, :, 0, :, :n_units], out[0, 0, 0, :, n_units:]
+        block_stats(x[0, :, 0], qpos[sample, t0:t1], fp, lo, wsize, n_units, k, n_bins, windows, peak_sums)
         return out
 
     per_head = raw.shape[1] * packed_width * 8  # float64 bytes of one trace unit's window masses
     heads_per_task = max(1, min(raw.shape[3], TASK_BYTES // max(1, per_head)))
-    packed = dsa.map_blocks(per_chunk, raw, dtype=np.float64, chunks=raw.chunks[:4] + ((packed_width,),)).rechunk(
+    run = uuid.uuid4().hex  # task names: hashing the closures (which hold the dataset) costs more than a stage
+    packed = dsa.map_blocks(
+        per_chunk, raw, dtype=np.float64, chunks=raw.chunks[:4] + ((packed_width,),), name=f"study-rows-{run}"
+    ).rechunk(
         {1: -1, 3: heads_per_task}
     )  # all steps of a (sample, layer): S × H × (U + n_peak) float64, heads split when that is large
     pre = prep.prefill.data[:, None]  # [sample, 1, layer, H, unit]
 
     def per_sample_layer(y, pb, block_info=None):
-        """Stage 2: FMM, churn and LIR of each head from its window masses; peaks summed."""
+        """Stage 2: FMM, churn and LIR of the task's heads from their window masses; peaks summed."""
         sample = block_info[0]["chunk-location"][0]
+        masses = np.moveaxis(y[0, :, 0, :, :n_units], 1, 0)  # [H, step, unit]
+        u = UnitData(masses, pb[0, 0, 0], qpos[sample], int(n_steps_all[sample]), units)
         out = np.empty((1, 1, 1, y.shape[3], width))
-        for h in range(y.shape[3]):
-            u = UnitData(y[0, :, 0, h, :n_units], pb[0, 0, 0, h], qpos[sample], int(n_steps_all[sample]), units)
-            out[0, 0, 0, h, : bounds[-1]] = np.concatenate([p.per_unit(u) for p in plans.values()])
+        out[0, 0, 0, :, : bounds[-1]] = np.concatenate([p.per_unit(u) for p in plans.values()], axis=-1)
         out[0, 0, 0, :, bounds[-1] :] = y[0, :, 0, :, n_units:].sum(0)
         return out
 
@@ -122,6 +109,7 @@ def study(
         drop_axis=[4],
         new_axis=[4],
         chunks=(packed.chunks[0], (1,), packed.chunks[2], packed.chunks[3], (width,)),
+        name=f"study-units-{run}",
     )[:, 0].compute()  # [sample, layer, H, width]
     results = {name: p.finish(flat[..., bounds[i] : bounds[i + 1]]) for i, (name, p) in enumerate(plans.items())}
     results["peaks"] = peaks(

@@ -1,0 +1,287 @@
+"""Compiled row kernels: everything the analyses need from stored attention rows, in one pass.
+
+The rows are the bulk of a trace; every other array of an analysis is a few numbers per
+trace unit. :func:`row_block_stats` reads each row once (numba, GIL-free, so dask threads
+run it side by side with zarr's reads) and returns
+
+- window masses ``m[t, h, j] = Σ_{p ∈ window j} a[t, h, p]`` (float32 sums in position order,
+  NaN — nothing stored — counts as 0), and
+- per head, summed over the block's rows: the top-``k`` peak statistics and LogQuant coverage
+  sums of :mod:`kvscope.analysis.peaks`.
+
+Peaks are the ``k`` largest ``a[t, h, p]`` over ``n_sink ≤ p < q_t``; equal probabilities go to
+the nearer key (larger ``p``), so a row has one peak set whatever the chunking or thread count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+N_PEAK_EXTRA = 5  # Σ log d, Σ d, then (after the bins) Σ FP share, Σ recency share, rows with mass
+
+
+def peak_width(n_bins: int) -> int:
+    """Length of a head's peak/coverage vector: ``2 + n_bins + 3``."""
+    return n_bins + N_PEAK_EXTRA
+
+
+SCAN = 32  # positions per block: blocks whose maximum cannot reach the top k are passed over
+
+
+@njit(nogil=True, cache=True, fastmath={"nnan", "ninf", "nsz"})
+def _block_maxima(buf, lo, hi, out):  # pragma: no cover - compiled
+    """``out[b] = max buf[lo + b·SCAN : lo + (b+1)·SCAN]`` (clipped at ``hi``; no NaN there)."""
+    n_full = (hi - lo) // SCAN
+    for b in range(n_full):
+        start = lo + b * SCAN
+        m = buf[start]
+        for i in range(1, SCAN):  # a fixed count: compiled to vector max
+            m = max(m, buf[start + i])
+        out[b] = m
+    if lo + n_full * SCAN < hi:
+        m = buf[lo + n_full * SCAN]
+        for i in range(lo + n_full * SCAN + 1, hi):
+            m = max(m, buf[i])
+        out[n_full] = m
+        return n_full + 1
+    return n_full
+
+
+@njit(nogil=True, cache=True)
+def _top_k(buf, lo, hi, k, top_v, top_p, block_max):  # pragma: no cover - compiled
+    """The ``k`` largest ``buf[p]``, ``lo ≤ p < hi``, in (value, position) order (the later
+    of equal values wins) into ``top_v``/``top_p``; returns how many (``min(k, hi − lo)``).
+
+    Exact without visiting most blocks: the k-th largest block maximum ``τ`` is ≤ the k-th
+    largest value (k blocks hold a value ≥ τ), so every one of the top k lies in a block
+    whose maximum is ≥ τ; only those blocks are scanned, in position order."""
+    n_blocks = _block_maxima(buf, lo, hi, block_max)
+    tau = -np.inf
+    if n_blocks > k:  # τ: the k-th largest of the block maxima
+        for i in range(k):
+            top_v[i] = block_max[i]
+        low = _lowest(top_v, top_p, k, False)
+        for b in range(k, n_blocks):
+            if block_max[b] > top_v[low]:
+                top_v[low] = block_max[b]
+                low = _lowest(top_v, top_p, k, False)
+        tau = top_v[low]
+    n = 0
+    low = 0
+    for b in range(n_blocks):
+        if block_max[b] < tau:
+            continue
+        for p in range(lo + b * SCAN, min(lo + (b + 1) * SCAN, hi)):
+            v = buf[p]
+            if v < tau:  # at least k values are ≥ τ: this one is not among them
+                continue
+            if n < k:
+                top_v[n] = v
+                top_p[n] = p
+                n += 1
+                if n == k:
+                    low = _lowest(top_v, top_p, n, True)
+            elif v >= top_v[low]:
+                top_v[low] = v
+                top_p[low] = p
+                low = _lowest(top_v, top_p, n, True)
+    return n
+
+
+@njit(nogil=True, cache=True)
+def _lowest(top_v, top_p, n, by_position):  # pragma: no cover - compiled
+    """Index of the smallest of the first ``n`` values (equal values: the earlier position)."""
+    low = 0
+    for i in range(1, n):
+        if top_v[i] < top_v[low] or (by_position and top_v[i] == top_v[low] and top_p[i] < top_p[low]):
+            low = i
+    return low
+
+
+@njit(nogil=True, cache=True)
+def row_block_stats(half, table, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats):  # pragma: no cover
+    """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
+    (uint16, decoded through ``table``) or as float32 ``full`` (the other one empty). NaN
+    (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
+    that stays in cache for every statistic.
+
+    ``q       [step]`` int64 query position of each row (−1: no query at that step)
+    ``fp      [step, F]`` int64 LogQuant FP positions of each step (−1 padded)
+    ``windows [step, H, n_units]`` float64, written: masses of the windows of ``w`` positions
+              after ``n_sink`` (``n_units = 0``: not written)
+    ``stats   [H, n_bins + 5]`` float64, accumulated over the block's rows (``k = 0``: skipped):
+              ``Σ log d``, ``Σ d`` over the peaks (``d = q − p``), peaks per log2 bin
+              ``[2^i, 2^{i+1})`` (the last bin takes the rest), ``Σ`` of each row's share of
+              non-sink mass ``Σ_{n_sink ≤ p ≤ q}`` on the FP set and on the ``|FP set|`` newest
+              positions, and the number of rows with mass.
+    """
+    is_half = half.shape[0] > 0
+    n_steps, n_heads, n_pos = half.shape if is_half else full.shape
+    n_win = max(0, (n_pos - n_sink) // w)
+    buf = np.empty(n_pos, np.float32)
+    win = np.empty(n_win, np.float32)
+    top_v = np.empty(max(k, 1), np.float32)
+    top_p = np.empty(max(k, 1), np.int64)
+    block_max = np.empty(n_pos // SCAN + 1, np.float32)
+    zero = np.float32(0.0)
+    for t in range(n_steps):
+        qt = q[t]
+        if k > 0 and qt < 0 and n_units == 0:
+            continue
+        fp_size = 0
+        for i in range(fp.shape[1]):
+            if fp[t, i] >= n_sink:
+                fp_size += 1
+        for h in range(n_heads):
+            if is_half:
+                for p in range(n_pos):
+                    buf[p] = table[half[t, h, p]]
+            else:
+                for p in range(n_pos):
+                    buf[p] = full[t, h, p]
+            stored = 0.0  # Σ of the windows: the row's non-sink mass up to q (NaN beyond it)
+            for j in range(n_win):
+                acc = zero
+                base = n_sink + j * w
+                for i in range(w):
+                    v = buf[base + i]
+                    acc += v if v == v else zero
+                win[j] = acc
+                stored += acc
+            for j in range(n_units):
+                windows[t, h, j] = win[j]
+            if k == 0 or qt < 0:
+                continue
+            n = _top_k(buf, n_sink, qt, k, top_v, top_p, block_max)
+            for i in range(n):
+                d = qt - top_p[i]
+                stats[h, 0] += math.log(d)
+                stats[h, 1] += d
+                b = 0
+                while b + 1 < n_bins and (d >> (b + 1)) > 0:
+                    b += 1
+                stats[h, 2 + b] += 1.0
+            # coverage: non-sink mass on LogQuant's FP set and on a recency window of its size
+            if qt < n_sink:
+                continue
+            total = stored
+            for p in range(n_sink + n_win * w, qt + 1):
+                total += buf[p]
+            if total > 0:
+                on_fp = 0.0
+                for i in range(fp.shape[1]):
+                    p = fp[t, i]
+                    if p >= n_sink and p <= qt:
+                        on_fp += buf[p]
+                recent = 0.0
+                for p in range(max(n_sink, qt - fp_size + 1), qt + 1):
+                    recent += buf[p]
+                stats[h, 2 + n_bins] += on_fp / total
+                stats[h, 3 + n_bins] += recent / total
+                stats[h, 4 + n_bins] += 1.0
+
+
+HALF_TABLE = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] every fp16 value
+_NO_HALF = np.empty((0, 0, 0), dtype=np.uint16)
+_NO_FULL = np.empty((0, 0, 0), dtype=np.float32)
+
+
+def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats) -> None:
+    """:func:`row_block_stats` on rows ``x [step, H, pos]`` as stored (fp16 or any float).
+
+    Peaks only (``n_units = 0``) still sum windows of ``w`` for each row's total mass."""
+    if w < 1 or n_sink + n_units * w > x.shape[-1]:
+        raise ValueError(f"{n_units} windows of {w} after {n_sink} do not fit in {x.shape[-1]} positions")
+    q = np.ascontiguousarray(q, dtype=np.int64)
+    fp = np.ascontiguousarray(fp, dtype=np.int64)
+    if x.dtype == np.float16:
+        half, full = np.ascontiguousarray(x).view(np.uint16), _NO_FULL
+    else:
+        half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
+    row_block_stats(half, HALF_TABLE, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats)
+
+
+@njit(nogil=True, cache=True)
+def _cumulative(m, out):  # pragma: no cover - compiled
+    for a in range(m.shape[0]):
+        for u in range(m.shape[2]):
+            out[a, 0, u] = m[a, 0, u]
+        for t in range(1, m.shape[1]):
+            for u in range(m.shape[2]):
+                out[a, t, u] = out[a, t - 1, u] + m[a, t, u]
+
+
+def cumulative(m: np.ndarray) -> np.ndarray:
+    """``S[..., t, u] = Σ_{t' ≤ t} m[..., t', u]`` in float64, summed in step order (the bits
+    of ``np.cumsum(m, axis=-2)``), C-contiguous; GIL-free."""
+    m = np.asarray(m, dtype=np.float64)
+    out = np.empty(m.shape)
+    if m.shape[-2] and m.size:
+        _cumulative(m.reshape(-1, *m.shape[-2:]), out.reshape(-1, *m.shape[-2:]))
+    return out
+
+
+@njit(nogil=True, cache=True)
+def top_fraction_codes(scores, candidate, top_frac, out):  # pragma: no cover - compiled
+    """Top-``ρ`` selection per ``[a, e]`` row of ``scores [A, E, U]``: ``out`` int8 −1 (not a
+    candidate), 0, 1. ``k = ceil(ρ · n_candidates)``: every candidate above the k-th largest
+    score, then those equal to it from the oldest unit on."""
+    n_a, n_e, n_u = scores.shape
+    pool = np.empty(n_u)
+    for a in range(n_a):
+        for e in range(n_e):
+            n = 0
+            for u in range(n_u):
+                if candidate[a, e, u]:
+                    pool[n] = scores[a, e, u]
+                    n += 1
+            k = int(math.ceil(top_frac * n - 1e-9))
+            kth = np.inf
+            above = 0
+            if k > 0:
+                kth = np.partition(pool[:n], n - k)[n - k]
+                for i in range(n):
+                    above += pool[i] > kth
+            room = k - above
+            for u in range(n_u):
+                if not candidate[a, e, u]:
+                    out[a, e, u] = -1
+                elif scores[a, e, u] > kth:
+                    out[a, e, u] = 1
+                elif scores[a, e, u] == kth and room > 0:
+                    out[a, e, u] = 1
+                    room -= 1
+                else:
+                    out[a, e, u] = 0
+
+
+@njit(nogil=True, cache=True)
+def lir_episodes(sel, n_valid, m, h_lir, eligible, reactivated):  # pragma: no cover - compiled
+    """Walk every unit's events of ``sel [A, E, U]`` (first ``n_valid[a]`` only) and count its
+    inactive episodes into ``eligible[a]`` and ``reactivated[a]`` (``h_lir < 0``: no limit)."""
+    n_a, n_e, n_u = sel.shape
+    for a in range(n_a):
+        end = min(n_valid[a], n_e)
+        for u in range(n_u):
+            prev = -1
+            start = -1
+            for e in range(end + 1):
+                v = sel[a, e, u] if e < end else 0
+                if start >= 0 and (e == end or v != 0):  # the run ends: a 1, a −1, or the trace's end
+                    if e - start >= m:
+                        eligible_at = start + m - 1
+                        is_one = e < end and v == 1
+                        if h_lir < 0:
+                            eligible[a] += 1
+                            reactivated[a] += is_one
+                        elif eligible_at + h_lir <= end - 1:
+                            eligible[a] += 1
+                            reactivated[a] += is_one and e - eligible_at <= h_lir
+                    start = -1
+                if e < end:
+                    if v == 0 and prev == 1:
+                        start = e
+                    prev = v

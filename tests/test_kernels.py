@@ -1,0 +1,195 @@
+"""The compiled kernels against plain-Python references written here, on hand cases and
+random inputs: one-pass row statistics (windows, peaks, coverage), the top-ρ selection,
+LIR episodes and cumulative sums."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvscope.analysis.common import top_fraction_selection
+from kvscope.analysis.kernels import block_stats, cumulative, peak_width
+from kvscope.analysis.lir import lir_kernel
+from kvscope.analysis.mass import window_sums
+
+# -- references -----------------------------------------------------------------------
+
+
+def reference_peaks(row: np.ndarray, q: int, n_sink: int, k: int) -> list[int]:
+    """Positions of the k largest row[p], n_sink ≤ p < q; equal values: the later position."""
+    cand = sorted(range(n_sink, q), key=lambda p: (float(row[p]), p), reverse=True)
+    return cand[:k]
+
+
+def reference_row_stats(row, q, fp, n_sink, k, n_bins):
+    """The ``stats`` vector of one row, from its definition."""
+    out = np.zeros(n_bins + 5)
+    if q < 0:
+        return out
+    for p in reference_peaks(row, q, n_sink, k):
+        d = q - p
+        out[0] += math.log(d)
+        out[1] += d
+        out[2 + min(n_bins - 1, int(math.floor(math.log2(d))))] += 1
+    if q >= n_sink:
+        vals = np.nan_to_num(row.astype(np.float64))
+        total = vals[n_sink : q + 1].sum()
+        kept = [p for p in fp if p >= n_sink]
+        if total > 0:
+            out[2 + n_bins] += sum(vals[p] for p in kept if p <= q) / total
+            out[3 + n_bins] += vals[max(n_sink, q - len(kept) + 1) : q + 1].sum() / total
+            out[4 + n_bins] += 1
+    return out
+
+
+def reference_lir(seq: list[int], n_valid: int, m: int, h_lir: int | None) -> tuple[int, int]:
+    """SPEC §4.3 on one unit's selection sequence, episode by episode."""
+    seq = list(seq[:n_valid])
+    eligible = reactivated = 0
+    e = 1
+    while e < len(seq):
+        if seq[e] == 0 and seq[e - 1] == 1:  # an inactive episode starts
+            end = e
+            while end < len(seq) and seq[end] == 0:
+                end += 1
+            closed_by_one = end < len(seq) and seq[end] == 1
+            if end - e >= m:
+                at = e + m - 1
+                if h_lir is None:
+                    eligible += 1
+                    reactivated += closed_by_one
+                elif at + h_lir <= len(seq) - 1:
+                    eligible += 1
+                    reactivated += closed_by_one and end - at <= h_lir
+            e = end
+        e += 1
+    return eligible, reactivated
+
+
+def reference_top_fraction(scores, candidate, top_frac):
+    order = sorted(
+        (u for u in range(len(scores)) if candidate[u]), key=lambda u: (-scores[u], u)
+    )  # highest first, older first among equals
+    k = math.ceil(top_frac * len(order) - 1e-9)
+    out = np.where(candidate, 0, -1).astype(np.int8)
+    out[order[:k]] = 1
+    return out
+
+
+# -- row statistics ----------------------------------------------------------------------
+
+
+def _rows(rng, n_steps, n_heads, n_pos, qpos, dtype, ties=False):
+    x = rng.random((n_steps, n_heads, n_pos)) ** 4
+    if ties:
+        x = np.round(x * 4) / 4  # many equal values
+    for t, q in enumerate(qpos):
+        x[t, :, max(q + 1, 0) :] = np.nan  # nothing stored beyond the query
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("ties", [False, True])
+def test_block_stats_equal_their_definition(dtype, ties):
+    rng = np.random.default_rng(3)
+    n_steps, n_heads, n_pos, n_sink, w, k = 7, 3, 301, 4, 8, 5
+    qpos = np.array([-1, 2, 4, 9, 150, 299, 300])
+    x = _rows(rng, n_steps, n_heads, n_pos, qpos, dtype, ties)
+    fp = np.full((n_steps, 12), -1)
+    for t, q in enumerate(qpos):
+        if q >= 0:
+            chosen = rng.choice(np.arange(0, q + 1), size=min(12, q + 1), replace=False)
+            fp[t, : len(chosen)] = np.sort(chosen)
+    n_units = (n_pos - n_sink) // w
+    n_bins = 9
+    windows = np.zeros((n_steps, n_heads, n_units))
+    stats = np.zeros((n_heads, peak_width(n_bins)))
+    block_stats(x, qpos, fp, n_sink, w, n_units, k, n_bins, windows, stats)
+    expected = sum(
+        np.stack([reference_row_stats(x[t, h], q, fp[t], n_sink, k, n_bins) for h in range(n_heads)])
+        for t, q in enumerate(qpos)
+    )
+    np.testing.assert_allclose(stats, expected, rtol=1e-6, atol=1e-12)
+    body = np.nan_to_num(x[..., n_sink : n_sink + n_units * w].astype(np.float32))
+    np.testing.assert_allclose(windows, body.reshape(n_steps, n_heads, n_units, w).sum(-1), rtol=1e-6)
+
+
+def test_peaks_break_ties_toward_the_nearer_key_and_skip_sinks_and_the_query():
+    row = np.array([[[9.0, 9.0, 1.0, 5.0, 5.0, 2.0, 5.0, 7.0, np.nan]]], dtype=np.float32)  # [1, 1, pos]
+    q = np.array([7])  # the query sits at 7 (its own 7.0 is no peak), sinks 0-1
+    stats = np.zeros((1, peak_width(4)))
+    block_stats(row, q, np.full((1, 0), -1), 2, 4, 0, 2, 4, np.empty((1, 1, 0)), stats)
+    # top 2 of positions 2..6 = {5 @ 6, 5 @ 4} (5 @ 3 loses the tie): d = 1 and 3
+    assert stats[0, 1] == 4
+    assert stats[0, 0] == pytest.approx(math.log(3))
+    np.testing.assert_array_equal(stats[0, 2:6], [1, 1, 0, 0])  # d=1 -> bin 0, d=3 -> bin 1
+
+
+def test_window_sums_are_chunking_invariant_float32_sums():
+    rng = np.random.default_rng(0)
+    x = rng.random((6, 2, 100)).astype(np.float16)
+    x[..., 90:] = np.nan
+    whole = window_sums(x, 4, 12, 8)
+    parts = np.concatenate([window_sums(x[:2], 4, 12, 8), window_sums(x[2:], 4, 12, 8)])
+    np.testing.assert_array_equal(whole, parts)  # the same bits
+    expected = np.zeros((6, 2, 12), dtype=np.float32)
+    for i in range(8):  # float32, position order, NaN as 0
+        expected += np.nan_to_num(x[..., 4 + i : 4 + 12 * 8 : 8].astype(np.float32))
+    np.testing.assert_array_equal(whole, expected.astype(np.float64))
+
+
+def test_block_stats_refuses_windows_past_the_row():
+    with pytest.raises(ValueError):
+        block_stats(np.zeros((1, 1, 20), np.float16), np.array([5]), np.zeros((1, 0)), 4, 8, 3, 0, 1, None, None)
+
+
+# -- selection, LIR, cumulative sums ---------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_heads=st.integers(1, 3),
+    n_events=st.integers(1, 6),
+    n_units=st.integers(1, 20),
+    top_frac=st.floats(0.01, 0.99),
+    seed=st.integers(0, 10_000),
+)
+def test_top_fraction_selection_equals_its_definition(n_heads, n_events, n_units, top_frac, seed):
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 4, size=(n_heads, n_events, n_units)).astype(np.float64)  # plenty of ties
+    exists = rng.random((n_events, n_units)) < 0.8
+    protected = rng.random((n_events, n_units)) < 0.2
+    got = top_fraction_selection(scores, exists, protected, top_frac)
+    for h in range(n_heads):
+        for e in range(n_events):
+            want = reference_top_fraction(scores[h, e], exists[e] & ~protected[e], top_frac)
+            np.testing.assert_array_equal(got[h, e], want)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n_events=st.integers(1, 14),
+    n_units=st.integers(1, 5),
+    m=st.integers(1, 4),
+    h_lir=st.one_of(st.none(), st.integers(1, 5)),
+    seed=st.integers(0, 10_000),
+)
+def test_lir_kernel_equals_the_episode_walk(n_events, n_units, m, h_lir, seed):
+    rng = np.random.default_rng(seed)
+    sel = rng.choice(np.array([-1, 0, 1], dtype=np.int8), p=[0.1, 0.5, 0.4], size=(2, n_events, n_units))
+    n_valid = rng.integers(0, n_events + 1, size=2)
+    elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)
+    for a in range(2):
+        ref = [reference_lir(list(sel[a, :, u]), int(n_valid[a]), m, h_lir) for u in range(n_units)]
+        assert (elig[a], react[a]) == tuple(map(sum, zip(*ref)))
+
+
+def test_cumulative_has_the_bits_of_numpy_cumsum():
+    m = np.random.default_rng(1).random((3, 50, 7))
+    np.testing.assert_array_equal(cumulative(m), np.cumsum(m, axis=-2))
+    view = np.moveaxis(np.random.default_rng(2).random((50, 3, 7)), 1, 0)  # not contiguous
+    np.testing.assert_array_equal(cumulative(view), np.cumsum(view, axis=-2))
