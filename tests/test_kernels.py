@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope.analysis.common import top_fraction_selection
-from kvscope.analysis.kernels import block_stats, cumulative, peak_width
+from kvscope.analysis.fmm import fmm_kernel
+from kvscope.analysis.kernels import block_stats, cumulative, fmm_curve, peak_width
 from kvscope.analysis.lir import lir_kernel
 from kvscope.analysis.mass import window_sums
 
@@ -193,3 +194,22 @@ def test_cumulative_has_the_bits_of_numpy_cumsum():
     np.testing.assert_array_equal(cumulative(m), np.cumsum(m, axis=-2))
     view = np.moveaxis(np.random.default_rng(2).random((50, 3, 7)), 1, 0)  # not contiguous
     np.testing.assert_array_equal(cumulative(view), np.cumsum(view, axis=-2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_steps=st.integers(1, 30), n_units=st.integers(1, 9), every=st.integers(1, 5), seed=st.integers(0, 10_000))
+def test_fmm_curve_equals_the_fmm_definition(n_steps, n_units, every, seed):
+    rng = np.random.default_rng(seed)
+    m = rng.random((2, n_steps, n_units)) * (rng.random((2, n_steps, n_units)) < 0.7)
+    cum = cumulative(m)
+    steps = np.arange(0, n_steps, every)
+    horizons = np.array([1, 2, 4, 32])
+    exists = rng.random((len(steps), n_units)) < 0.8
+    missed = rng.random((2, len(steps), n_units)) < 0.5
+    valid_steps = n_steps - int(rng.integers(0, 3))
+    got = np.empty((2, len(horizons), len(steps)))
+    fmm_curve(cum, steps, horizons, valid_steps, exists, missed, got)
+    for k, h in enumerate(horizons):
+        future = cum[:, np.minimum(steps + h, n_steps - 1)] - cum[:, steps]
+        want = fmm_kernel(future, exists, missed, steps + h <= valid_steps - 1)
+        np.testing.assert_allclose(got[:, k], want, rtol=1e-12, atol=1e-15)

@@ -31,6 +31,7 @@ from .common import (
     check_fraction,
     make_units,
 )
+from .kernels import fmm_curve
 
 
 def fmm_kernel(future: np.ndarray, exists: np.ndarray, missed: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -112,6 +113,7 @@ def fmm(
     source = given.attrs.get("policy", "given") if given is not None else "history-oracle"
     steps = np.asarray(given["event_step"].values) if given is not None else prep.events(every)
     n_ev, n_h = len(steps), len(curve_h)
+    horizons_ = np.asarray(curve_h, dtype=np.int64)
     with_tiers = tiers is not None
 
     def per_unit(u: UnitData) -> np.ndarray:
@@ -120,16 +122,16 @@ def fmm(
         if with_tiers:
             sel = np.where(tier < 0, -1, np.where(tier == TIER_EVICTED, NOT_SELECTED, 1))
         exists = u.exists(st)  # [event, unit]
-        missed = (sel == NOT_SELECTED)[..., None, :, :]  # [H, 1, event, unit]
-        ahead = st[None, :] + np.asarray(curve_h)[:, None]  # [horizon, event]
-        future = (
-            u.cum[..., np.minimum(ahead, u.m.shape[-2] - 1), :] - u.cum[..., None, st, :]
-        )  # [H, horizon, event, unit]
-        valid = ahead <= u.n_steps - 1
-        out = [u.flatten(fmm_kernel(future, exists, missed, valid))]  # [H, horizon · event]
+        missed = sel == NOT_SELECTED  # [H, event, unit]
+        lead, shape3 = u.lead, (-1,) + sel.shape[-2:]
+        curve = np.empty((int(np.prod(lead, dtype=np.int64)), n_h, len(st)))  # [H, horizon, event]
+        cum = u.cum.reshape((-1,) + u.cum.shape[-2:])
+        last = min(u.n_steps, cum.shape[-2])  # steps that exist
+        fmm_curve(cum, np.asarray(st, np.int64), horizons_, last, exists, missed.reshape(shape3), curve)
+        out = [curve.reshape(*lead, -1)]
         if with_tiers:
-            at = curve_h.index(horizon)
-            out.append(u.flatten(tier_fractions(future[..., at, :, :], exists, tier, valid[at])))
+            future = u.cum[..., np.minimum(st + horizon, u.m.shape[-2] - 1), :] - u.cum[..., st, :]
+            out.append(u.flatten(tier_fractions(future, exists, tier, st + horizon <= u.n_steps - 1)))
         return np.concatenate(out, axis=-1)
 
     width = n_h * n_ev + (3 * n_ev if with_tiers else 0)

@@ -138,19 +138,20 @@ def row_block_stats(half, table, full, q, fp, n_sink, w, n_units, k, n_bins, win
         for h in range(n_heads):
             if is_half:
                 for p in range(n_pos):
-                    buf[p] = table[half[t, h, p]]
+                    v = table[half[t, h, p]]
+                    buf[p] = v if v == v else zero
             else:
                 for p in range(n_pos):
-                    buf[p] = full[t, h, p]
-            stored = 0.0  # Σ of the windows: the row's non-sink mass up to q (NaN beyond it)
+                    v = full[t, h, p]
+                    buf[p] = v if v == v else zero
+            for j in range(n_win):  # position order within each window, windows side by side
+                win[j] = buf[n_sink + j * w]
+            for i in range(1, w):
+                for j in range(n_win):
+                    win[j] += buf[n_sink + j * w + i]
+            stored = 0.0  # Σ of the windows: the row's non-sink mass up to q (nothing beyond it)
             for j in range(n_win):
-                acc = zero
-                base = n_sink + j * w
-                for i in range(w):
-                    v = buf[base + i]
-                    acc += v if v == v else zero
-                win[j] = acc
-                stored += acc
+                stored += win[j]
             for j in range(n_units):
                 windows[t, h, j] = win[j]
             if k == 0 or qt < 0:
@@ -285,3 +286,33 @@ def lir_episodes(sel, n_valid, m, h_lir, eligible, reactivated):  # pragma: no c
                     if v == 0 and prev == 1:
                         start = e
                     prev = v
+
+
+@njit(nogil=True, cache=True)
+def fmm_curve(cum, steps, horizons, n_steps, exists, missed, out):  # pragma: no cover - compiled
+    """FMM of every event at every horizon straight from cumulative masses, without
+    materializing the future masses (:func:`kvscope.analysis.fmm.fmm_kernel` is the
+    definition; they agree to rounding):
+
+    ``cum [A, step, U]``, ``steps [E]``, ``horizons [K]``, ``exists [E, U]``,
+    ``missed [A, E, U]`` → ``out [A, K, E]``; NaN when ``step + H > n_steps − 1`` (censored)
+    or when the existing units receive no future mass."""
+    n_a, n_u = cum.shape[0], cum.shape[2]
+    for a in range(n_a):
+        for k in range(horizons.shape[0]):
+            for e in range(steps.shape[0]):
+                t = steps[e]
+                ahead = t + horizons[k]
+                out[a, k, e] = np.nan
+                if ahead > n_steps - 1:
+                    continue
+                den = 0.0
+                num = 0.0
+                for u in range(n_u):
+                    if exists[e, u]:
+                        f = cum[a, ahead, u] - cum[a, t, u]
+                        den += f
+                        if missed[a, e, u]:
+                            num += f
+                if den > 0:
+                    out[a, k, e] = num / den

@@ -157,14 +157,23 @@ def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
-    """Prefill column sums per unit ``[sample, layer, H, unit]``."""
-    col = _subset(ds["prefill_colsum"], layers, heads).fillna(0)
+    """Prefill column sums per unit ``[sample, layer, H, unit]`` (window masses as for rows:
+    :func:`window_sums`, one task per stored chunk)."""
+    import dask.array as dsa
+
+    col = _subset(ds["prefill_colsum"], layers, heads)
     if units.kind == "token":
-        return col
+        return col.fillna(0)
+    col = col.transpose(..., "pos")
     n_units = units.count(col.sizes["pos"])
-    body = col.isel(pos=slice(units.n_sink, units.n_sink + n_units * units.w))
-    m = body.coarsen(pos=units.w).sum().rename(pos="window")
-    return m.assign_coords(window=np.arange(n_units))
+    args = (units.n_sink, n_units, units.w)
+    if isinstance(col.data, dsa.Array):
+        data = col.data.rechunk({-1: -1})
+        data = data.map_blocks(window_sums, *args, dtype=np.float64, chunks=data.chunks[:-1] + ((n_units,),))
+    else:
+        data = window_sums(np.asarray(col.values), *args)
+    coords = {k: v for k, v in col.coords.items() if "pos" not in v.dims}
+    return xr.DataArray(data, dims=col.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
 
 def cumulative_scores(m: xr.DataArray, prefill: xr.DataArray | None = None) -> xr.DataArray:

@@ -1,8 +1,8 @@
 """Log-distributed attention peaks — LogQuant's observation (SPEC §4.4).
 
 For each row (step ``t``, trace unit) the *peaks* are the top-``k`` keys by probability,
-excluding the sinks and the query's own position; their distance ``d = q − p ≥ 1``,
-``q = query_pos[t]``. A row can only show distances ``1 ≤ d ≤ D = q − n_sink``::
+excluding the sinks and the query's own position (equal probabilities: the nearer key);
+their distance ``d = q − p ≥ 1``, ``q = query_pos[t]``. A row can only show distances ``1 ≤ d ≤ D = q − n_sink``::
 
     count[i]    = #peaks with d ∈ [2^i, 2^{i+1})
     exposure[i] = Σ_rows #{d ∈ [2^i, 2^{i+1}) : d ≤ D_row}         (row, distance) pairs possible

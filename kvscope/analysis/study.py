@@ -1,12 +1,14 @@
 """Several analyses of one trace over a single streaming read, in bounded memory.
 
-Two fused stages, each chunk of ``attn`` read and converted exactly once:
+Two fused stages, each chunk of ``attn`` read and decoded exactly once:
 
-1. per stored chunk (one block of steps × one layer): fp16 → fp32 in a chunk-sized buffer,
-   window masses ``[step, H, window]`` and the peak and coverage sums of the block — the
-   rows themselves never leave the task;
+1. per stored chunk (one block of steps × one layer): one compiled, GIL-free pass over its
+   rows (:func:`kvscope.analysis.kernels.row_block_stats`) gives the window masses
+   ``[step, H, window]`` and the block's peak and coverage sums — the rows themselves never
+   leave the task;
 2. per (sample, layer): the window masses of all its steps (``S × H × U`` float64, the memory
-   bound) give the history selection shared by FMM, churn and LIR.
+   bound) give the history selection shared by FMM, churn and LIR, computed for all heads
+   at once.
 
 Only a few numbers per trace unit leave stage 2. (Sharing chunk reads between separate
 graphs instead let dask hold converted chunks, and peak memory grew with the trace.)
