@@ -1,16 +1,20 @@
-"""Compiled row kernels: everything the analyses need from stored attention rows, in one pass.
+"""Compiled kernels (numba, GIL-free): the inner loops of the analyses.
 
-The rows are the bulk of a trace; every other array of an analysis is a few numbers per
-trace unit. :func:`row_block_stats` reads each row once (numba, GIL-free, so dask threads
-run it side by side with zarr's reads) and returns
+GIL-free matters because dask's threads share two cores with zarr's read path, whose Python
+needs the GIL: numpy's many small operations kept interrupting it. Each kernel is the
+compiled form of a definition written elsewhere, and ``tests/test_kernels.py`` checks it
+against a plain-Python reference.
 
-- window masses ``m[t, h, j] = Σ_{p ∈ window j} a[t, h, p]`` (float32 sums in position order,
-  NaN — nothing stored — counts as 0), and
-- per head, summed over the block's rows: the top-``k`` peak statistics and LogQuant coverage
-  sums of :mod:`kvscope.analysis.peaks`.
-
-Peaks are the ``k`` largest ``a[t, h, p]`` over ``n_sink ≤ p < q_t``; equal probabilities go to
-the nearer key (larger ``p``), so a row has one peak set whatever the chunking or thread count.
+- :func:`row_block_stats` — the rows are the bulk of a trace; this reads each stored row
+  once and returns window masses ``m[t, h, j] = Σ_{p ∈ window j} a[t, h, p]`` (float32 sums in
+  position order, NaN — nothing stored — as 0) and, per head summed over the block's rows,
+  the top-``k`` peak statistics and LogQuant coverage sums of :mod:`kvscope.analysis.peaks`.
+  Peaks are the ``k`` largest ``a[t, h, p]`` over ``n_sink ≤ p < q_t``; equal probabilities go
+  to the nearer key (larger ``p``), so a row has one peak set whatever the chunking.
+- :func:`cumulative` — ``S[t] = Σ_{t' ≤ t} m[t']`` (:mod:`kvscope.analysis.mass`).
+- :func:`top_fraction_codes` — the top-``ρ`` selection (:func:`kvscope.analysis.common.top_fraction_selection`).
+- :func:`fmm_curve` — FMM at several horizons from ``S`` (:func:`kvscope.analysis.fmm.fmm_kernel`).
+- :func:`lir_episodes` — LIR's episode walk (:func:`kvscope.analysis.lir.lir_kernel`).
 """
 
 from __future__ import annotations
