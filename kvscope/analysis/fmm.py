@@ -40,9 +40,8 @@ def fmm_kernel(future: np.ndarray, exists: np.ndarray, missed: np.ndarray, valid
     ``valid [..., event]``: False where the horizon runs past the trace (censored → NaN).
     Events whose existing units receive no future mass are NaN too.
     """
-    ones = future.dtype.type(1)
-    den = np.einsum("...u,...u->...", future, np.where(exists, ones, 0))
-    num = np.einsum("...u,...u->...", future, np.where(exists & missed, ones, 0))
+    den = np.where(exists, future, 0.0).sum(-1)
+    num = np.where(exists & missed, future, 0.0).sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = num / den
     return np.where(valid & (den > 0), out, np.nan)
@@ -122,13 +121,12 @@ def fmm(
         if with_tiers:
             sel = np.where(tier < 0, -1, np.where(tier == TIER_EVICTED, NOT_SELECTED, 1))
         exists = u.exists(st)  # [event, unit]
-        missed = sel == NOT_SELECTED  # [H, event, unit]
-        lead, shape3 = u.lead, (-1,) + sel.shape[-2:]
-        curve = np.empty((int(np.prod(lead, dtype=np.int64)), n_h, len(st)))  # [H, horizon, event]
+        missed = (sel == NOT_SELECTED).reshape((-1,) + sel.shape[-2:])  # [H, event, unit]
+        curve = np.empty(u.lead + (n_h, len(st)))  # [H, horizon, event]
         cum = u.cum.reshape((-1,) + u.cum.shape[-2:])
         last = min(u.n_steps, cum.shape[-2])  # steps that exist
-        fmm_curve(cum, np.asarray(st, np.int64), horizons_, last, exists, missed.reshape(shape3), curve)
-        out = [curve.reshape(*lead, -1)]
+        fmm_curve(cum, np.asarray(st, np.int64), horizons_, last, exists, missed, curve.reshape(-1, n_h, len(st)))
+        out = [u.flatten(curve)]
         if with_tiers:
             future = u.cum[..., np.minimum(st + horizon, u.m.shape[-2] - 1), :] - u.cum[..., st, :]
             out.append(u.flatten(tier_fractions(future, exists, tier, st + horizon <= u.n_steps - 1)))

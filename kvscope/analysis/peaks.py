@@ -93,6 +93,7 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     for i in range(s_):
         fp = fp_sets.block(first_sample + i, t0, n_step)
         for j in range(n_l):
+            # no windows out; windows of 8 are summed only for each row's total mass
             block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j])
     return out
 
