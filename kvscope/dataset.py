@@ -1,0 +1,120 @@
+"""``ds.kvscope``: a trace's geometry, read once from its attributes and coordinates.
+
+    ds = kvscope.open_trace("demo.zarr")
+    ds.kvscope.w, ds.kvscope.n_sink          # windows and sinks the trace was recorded with
+    ds.kvscope.hdim                          # the stored head dim: "kv_head" or "head"
+    ds.kvscope.model                         # ModelSpec (layers, heads, rule per layer)
+    ds.kvscope.query_pos                     # [sample, step] numpy
+    ds.kvscope.has_qkv, ds.kvscope.rope      # recorded q/k/v and rotary parameters
+
+xarray caches an accessor per Dataset object, so each value is computed once per Dataset.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import xarray as xr
+
+from . import defaults
+from .errors import KvscopeError
+from .model_spec import ModelSpec
+from .rope import Rope
+
+
+@xr.register_dataset_accessor("kvscope")
+class TraceAccessor:
+    def __init__(self, ds: xr.Dataset):
+        self._ds = ds
+
+    @property
+    def attrs(self) -> dict:
+        return self._ds.attrs
+
+    # -- recording settings ------------------------------------------------------------------
+    @property
+    def w(self) -> int:
+        return int(self.attrs.get("w", defaults.W))
+
+    @property
+    def n_sink(self) -> int:
+        return int(self.attrs.get("n_sink", defaults.N_SINK))
+
+    @property
+    def obs_window(self) -> int:
+        return int(self.attrs.get("obs_window", defaults.OBS_WINDOW))
+
+    @property
+    def block_steps(self) -> int:
+        """Steps per stored chunk of rows."""
+        return int(self.attrs.get("block_steps", defaults.BLOCK_STEPS))
+
+    @property
+    def resolution(self) -> str:
+        return str(self.attrs.get("resolution", "token"))
+
+    @property
+    def hdim(self) -> str:
+        """The stored head dim of ``attn``: ``kv_head`` (kv-group rows) or ``head``."""
+        return "kv_head" if "kv_head" in self._ds["attn"].dims else "head"
+
+    @property
+    def policy(self) -> dict | None:
+        """What a trace recorded under a live policy cache says about it (None otherwise)."""
+        return self.attrs.get("policy")
+
+    # -- the model ---------------------------------------------------------------------------
+    @functools.cached_property
+    def model(self) -> ModelSpec:
+        ds = self._ds
+        config = (self.attrs.get("model") or {}).get("config") or {}
+        if not (config.get("head_dim") or "dim" in ds.sizes):
+            raise KvscopeError("the trace does not record the model's head_dim (attrs model.config)")
+        return ModelSpec.from_config(
+            config,
+            n_layers=ds.sizes.get("layer"),
+            n_heads=ds.sizes.get("head"),
+            n_kv_heads=ds.sizes.get("kv_head"),
+            head_dim=ds.sizes.get("dim"),
+        )
+
+    @property
+    def group(self) -> int:
+        """Stored rows per KV head: 1 for kv-group rows, the GQA group for ``--heads all``."""
+        if self.hdim == "kv_head":
+            return 1
+        spec = self.model
+        if self._ds.sizes["head"] == spec.n_heads and spec.n_kv_heads:
+            return spec.n_heads // spec.n_kv_heads
+        raise KvscopeError("this needs per-KV-head rows: trace with --heads kv (default) or --heads all")
+
+    @property
+    def has_qkv(self) -> bool:
+        return all(name in self._ds for name in ("q", "k", "v"))
+
+    @functools.cached_property
+    def rope(self) -> Rope | None:
+        """Recorded rotary parameters, or None."""
+        if "rope_inv_freq" not in self._ds:
+            return None
+        return Rope(
+            np.asarray(self._ds["rope_inv_freq"].values, np.float64),
+            np.asarray(self._ds["rope_attention_scaling"].values),
+        )
+
+    # -- per sample --------------------------------------------------------------------------
+    @functools.cached_property
+    def query_pos(self) -> np.ndarray:
+        """``[sample, step]`` query position of every step (−1 past the sample's steps)."""
+        return np.asarray(self._ds["query_pos"].values)
+
+    @functools.cached_property
+    def n_steps(self) -> np.ndarray:
+        """``[sample]`` valid steps."""
+        return np.asarray(self._ds["n_steps"].values)
+
+    @functools.cached_property
+    def prompt_len(self) -> np.ndarray:
+        """``[sample]`` prompt tokens."""
+        return np.asarray(self._ds["prompt_len"].values)

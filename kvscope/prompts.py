@@ -1,0 +1,108 @@
+"""Prompts: where they come from, how they become token ids, when generation stops.
+
+as_prompts("text" | ["a", "b"] | [Prompt, …])   → [Prompt]
+load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} per line
+encode(tokenizer, prompts, chat)                → [[token id, …], …]   (chat template when asked)
+check_context(encoded, max_new_tokens, context) refuses prompts that do not fit the model
+eos_ids(model, tokenizer)                       the ids that end generation
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import KvscopeError
+
+
+@dataclass
+class Prompt:
+    text: str
+    source: str = "cli"
+    expected: object = None  # a workload's answer (what its scorer grades against)
+    meta: dict = field(default_factory=dict)
+
+    def doc(self) -> dict:
+        """What the store's ``prompts`` attribute holds for this prompt."""
+        out = {"text": self.text, "source": self.source}
+        if self.expected is not None:
+            out["expected"] = self.expected
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> Prompt:
+        """The inverse of :meth:`doc` (prompts read back from a store)."""
+        return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {})
+
+
+def as_prompts(prompts) -> list[Prompt]:
+    """One text, texts or :class:`Prompt` objects → a non-empty list of prompts."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = [p if isinstance(p, Prompt) else Prompt(str(p)) for p in prompts]
+    if not prompts:
+        raise KvscopeError("no prompts given")
+    return prompts
+
+
+def load_prompts_file(path: str | Path) -> list[Prompt]:
+    """JSONL with one object per line: ``{"prompt" | "text": str, "source"?: str}``."""
+    p = Path(path)
+    if not p.is_file():
+        raise KvscopeError(f"prompts file not found: {p}")
+    prompts = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise KvscopeError(f"{p}:{n}: not a JSON object") from None
+        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+        if not isinstance(text, str) or not text:
+            raise KvscopeError(f"{p}:{n}: needs a non-empty string field 'prompt' or 'text'")
+        prompts.append(Prompt(text, str(obj.get("source", f"{p.name}:{n}"))))
+    if not prompts:
+        raise KvscopeError(f"{p} holds no prompts")
+    return prompts
+
+
+def encode(tokenizer, prompts: list[Prompt], chat: bool) -> list[list[int]]:
+    """Token ids of every prompt (wrapped in the tokenizer's chat template when ``chat``)."""
+    out = []
+    for prompt in prompts:
+        if chat:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt.text, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise KvscopeError(f"prompt from {prompt.source} is empty after tokenization")
+        out.append([int(i) for i in ids])
+    return out
+
+
+def check_context(encoded: list[list[int]], max_new_tokens: int, context: int | None) -> None:
+    """Refuse a prompt whose tokens plus ``max_new_tokens`` exceed the model context."""
+    for n, ids in enumerate(encoded):
+        if context and len(ids) + max_new_tokens > context:
+            raise KvscopeError(
+                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                f"it exceeds the model context of {context}"
+            )
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The token ids that end generation (the model's generation config, else the tokenizer's)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
