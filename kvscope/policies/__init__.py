@@ -5,16 +5,19 @@
     parse("qevict:q_frac=0.5:bits=4")   the CLI's spelling of the same
 
 Each policy's ``start(spec, k, v, rope)`` returns the per-sequence :class:`CacheState` that
-:func:`kvscope.replay` drives offline (and a live cache can drive online).
+the one :class:`PolicyDriver` runs — offline in :func:`kvscope.replay`, online in
+:class:`kvscope.live.PolicyCache`. Parameters are checked on construction against the range
+written beside each field (:mod:`kvscope.params`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 from ..errors import KvscopeError
-from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, Rope
+from ..params import parse_param
+from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, check_budget
+from .driver import PolicyDriver
 from .full import Full
 from .h2o import H2O
 from .kivi import KIVI
@@ -34,79 +37,62 @@ def available() -> dict[str, type[Policy]]:
     return dict(REGISTRY)
 
 
-def make(name: str, **params) -> Policy:
-    """The policy ``name`` with ``params`` as its fields."""
+def _policy_class(name: str) -> type[Policy]:
     if name not in REGISTRY:
         raise KvscopeError(f"unknown policy {name!r} (available: {', '.join(REGISTRY)})")
-    _check_parameters(name, params)
-    return REGISTRY[name](**params)
+    return REGISTRY[name]
 
 
-def _check_parameters(name: str, keys) -> None:
-    known = {f.name for f in dataclasses.fields(REGISTRY[name])}
-    unknown = set(keys) - known
+def _check_known(cls: type[Policy], keys) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(keys) - known)
     if unknown:
         raise KvscopeError(
-            f"policy {name} has no parameter {sorted(unknown)[0]!r} (has: {', '.join(sorted(known)) or 'none'})"
+            f"policy {cls.name} has no parameter {unknown[0]!r} (has: {', '.join(sorted(known)) or 'none'})"
         )
 
 
-def _convert(cls: type[Policy], key: str, text: str):
-    hints = typing.get_type_hints(cls)
-    kind = hints.get(key)
-    if text.lower() == "none":
-        return None
-    options = typing.get_args(kind) or (kind,)
-    for option in options:
-        if option is type(None):
-            continue
-        try:
-            if option is bool:
-                if text.lower() in ("true", "1", "yes"):
-                    return True
-                if text.lower() in ("false", "0", "no"):
-                    return False
-                raise ValueError
-            return option(text)
-        except (TypeError, ValueError):
-            continue
-    raise KvscopeError(f"policy parameter {key}={text!r} is not a valid value")
+def make(name: str, **params) -> Policy:
+    """The policy ``name`` with ``params`` as its fields (each checked against its range)."""
+    cls = _policy_class(name)
+    _check_known(cls, params)
+    return cls(**params)
 
 
 def parse(spec: str) -> Policy:
     """``"name"`` or ``"name:key=value:key=value"`` → a policy."""
     name, *pairs = spec.strip().split(":")
-    if name not in REGISTRY:
-        raise KvscopeError(f"unknown policy {name!r} (available: {', '.join(REGISTRY)})")
+    cls = _policy_class(name)
     params = {}
     for pair in pairs:
         if "=" not in pair:
             raise KvscopeError(f"policy parameter {pair!r} must read key=value")
         key, value = pair.split("=", 1)
-        _check_parameters(name, [key])
-        params[key] = _convert(REGISTRY[name], key, value)
+        _check_known(cls, [key])
+        params[key] = parse_param(cls, key, value)
     return make(name, **params)
 
 
 __all__ = [
+    "H2O",
+    "KIVI",
     "REGISTRY",
     "BudgetExceeded",
     "CacheSpec",
     "CacheState",
     "Full",
-    "H2O",
-    "KIVI",
     "Ledger",
     "LedgerError",
     "LogQuant",
     "LogQuantIndex",
     "Oracle",
     "Policy",
+    "PolicyDriver",
     "QEvict",
-    "Rope",
     "SnapKV",
     "Streaming",
     "available",
+    "check_budget",
     "make",
     "parse",
 ]

@@ -25,10 +25,24 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import KvscopeError
+from ..params import check_params
+from ..rope import Rope, apply_rope, undo_rope
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
 
 NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
+BYTES_TOLERANCE = 1e-6  # relative slack of every budget check (float sums of bytes)
+
+
+def check_budget(budget) -> float:
+    """β as a number in (0, 1] (one line naming the value otherwise)."""
+    try:
+        value = float(budget)
+    except (TypeError, ValueError):
+        raise KvscopeError(f"budget must be a number in (0, 1] (got {budget!r})") from None
+    if not (0 < value <= 1):
+        raise KvscopeError(f"budget must lie in (0, 1] (got {budget})")
+    return value
 
 
 class BudgetExceeded(KvscopeError):
@@ -77,66 +91,27 @@ class CacheSpec:
     def decode_steps(self) -> int:
         return self.final_len - self.prompt_len
 
+    @property
+    def total_capacity(self) -> float:
+        """``B = β · FP_bytes(P + S)`` over all layers and KV heads."""
+        return self.capacity * self.n_layers * self.n_kv
 
-def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, scaling: float, head_dim: int):
-    """``cos, sin [n, D]`` of the rotate-half RoPE used by Llama-family models (dims past the
-    rotary ones get cos 1, sin 0)."""
-    freqs = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    cos = np.ones((len(positions), head_dim))
-    sin = np.zeros((len(positions), head_dim))
-    cos[:, : emb.shape[1]] = np.cos(emb) * scaling
-    sin[:, : emb.shape[1]] = np.sin(emb) * scaling
-    return cos.astype(np.float32), sin.astype(np.float32)
+    @property
+    def full_bytes(self) -> float:
+        """``FP_bytes(P + S)``: every layer, KV head and position at full precision."""
+        return self.final_len * self.fp_bytes * self.n_layers * self.n_kv
 
+    def fits(self, per_unit_bytes: float) -> bool:
+        """``per_unit_bytes`` per (layer, kv_head) fit the budget (a policy sizing itself)."""
+        return per_unit_bytes <= self.capacity * (1 + BYTES_TOLERANCE)
 
-def _rotate_half(x: np.ndarray, n_rot: int) -> np.ndarray:
-    out = np.zeros_like(x)
-    half = n_rot // 2
-    out[..., :half] = -x[..., half:n_rot]
-    out[..., half:n_rot] = x[..., :half]
-    return out
+    def exceeded(self, used: np.ndarray) -> bool:
+        """Some (layer, kv_head) holds more than its share of the budget (``used [layer, kv_head]``)."""
+        return bool((used > self.capacity * (1 + BYTES_TOLERANCE)).any())
 
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
-    """``x·cos + rotate_half(x)·sin`` — ``x``, ``cos``, ``sin`` broadcastable ``[..., D]``."""
-    return x * cos + _rotate_half(x, n_rot) * sin
-
-
-def undo_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, scaling) -> np.ndarray:
-    """Inverse of :func:`apply_rope` (a rotation scaled by ``scaling``)."""
-    return (x * cos - _rotate_half(x, n_rot) * sin) / (scaling * scaling)
-
-
-@dataclass
-class Rope:
-    """Rotary parameters of one trace: ``inv_freq [layer, F]``, ``scaling [layer]``."""
-
-    inv_freq: np.ndarray
-    scaling: np.ndarray
-
-    def __post_init__(self):
-        self._tables = None
-
-    def usable(self) -> bool:
-        return bool(np.isfinite(self.inv_freq).all() and self.inv_freq.size)
-
-    def cos_sin(self, layers: np.ndarray, positions: np.ndarray, head_dim: int):
-        """``cos, sin [..., D]`` for ``layers`` and ``positions`` of the same shape (tables
-        ``[layer, pos, D]`` built once and grown when needed)."""
-        cos, sin = self.tables(int(np.max(positions)) + 1, head_dim)
-        return cos[layers, positions], sin[layers, positions]
-
-    def tables(self, need: int, head_dim: int):
-        """``cos, sin [layer, pos, D]`` float32 covering at least ``need`` positions."""
-        if self._tables is None or self._tables[0].shape[1] < need:
-            size = max(need, 1024, 2 * (self._tables[0].shape[1] if self._tables else 0))
-            tables = [
-                rope_cos_sin(np.arange(size), self.inv_freq[l], float(self.scaling[l]), head_dim)
-                for l in range(len(self.scaling))
-            ]  # noqa: E741
-            self._tables = (np.stack([c for c, _ in tables]), np.stack([s for _, s in tables]))
-        return self._tables
+    def exceeded_total(self, held: float) -> bool:
+        """All layers and heads together hold more than ``B``."""
+        return held > self.total_capacity * (1 + BYTES_TOLERANCE)
 
 
 class Ledger:
@@ -245,7 +220,7 @@ class Ledger:
         if rope is None:
             return None
         cos, sin = rope.cos_sin(np.broadcast_to(layers[:, None], positions.shape), positions, self.spec.head_dim)
-        return cos, sin, rope.scaling[layers].astype(np.float32)[:, None, None], 2 * rope.inv_freq.shape[1]
+        return cos, sin, rope.scaling[layers].astype(np.float32)[:, None, None], rope.n_rot
 
     def encode(self, keys, values, positions, layers):
         """Quantize groups ``keys``/``values [n, G, D]`` (float32, post-RoPE as attention sees
@@ -288,7 +263,7 @@ class CacheState:
     fixed size the user chose); such a state runs at its smallest configuration and the
     replay reports the ratio it used instead of checking the budget."""
 
-    def __init__(self, policy: "Policy", spec: CacheSpec, ledger: Ledger | None = None):
+    def __init__(self, policy: Policy, spec: CacheSpec, ledger: Ledger | None = None):
         self.policy, self.spec = policy, spec
         self.tiers = np.full((spec.n_layers, spec.n_kv, spec.final_len), NONE, dtype=np.int8)  # [layer, kv_head, pos]
         self.length = 0
@@ -369,6 +344,9 @@ class Policy:
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
         raise NotImplementedError
 
+    def __post_init__(self):
+        check_params(self)
+
     def params(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -402,9 +380,3 @@ def top_k_mask(scores: np.ndarray, candidates: np.ndarray, k) -> np.ndarray:
     ranks = np.empty_like(order)
     np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n), order.shape), axis=-1)
     return candidates & (ranks < np.asarray(k)[..., None])
-
-
-def window_sums(x: np.ndarray, n_sink: int, w: int, n_windows: int) -> np.ndarray:
-    """``[..., pos]`` → ``[..., window]`` sums over windows ``[n_sink + j·w, n_sink + (j+1)·w)``."""
-    body = x[..., n_sink : n_sink + n_windows * w]
-    return body.reshape(*body.shape[:-1], n_windows, w).sum(-1)

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..params import param
 from .base import EVICTED, CacheSpec, CacheState, Policy, top_k_mask
 
 
 @dataclass
 class H2O(Policy):
-    recent_frac: float = 0.5
+    recent_frac: float = param(0.5, low=0, high=1, help="share of the capacity kept for the newest tokens")
 
     name = "h2o"
     kind = "eviction"

@@ -15,25 +15,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KvscopeError
+from ..params import param
 from .base import CacheSpec, CacheState, Ledger, Policy, Q
-from .quant import check_bits, q_token_bytes
+from .quant import BITS, q_token_bytes
 
 
 @dataclass
 class KIVI(Policy):
-    bits: int = 2
-    G: int = 32
-    R: int | None = None
-    value_group: int | None = None
+    bits: int = param(2, choices=BITS, help="bits per quantized value")
+    G: int = param(32, low=1, help="tokens per key group (keys per channel)")
+    R: int | None = param(
+        None, low=0, help="full-precision residual tokens (a multiple of G)", none="the most that fit"
+    )
+    value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
 
     name = "kivi"
     kind = "quantization"
     quantizes = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.R is not None and self.R % self.G:
+            raise KvscopeError(f"kivi parameter R must be a multiple of G={self.G} (got {self.R})")
+
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
-        check_bits(self.bits)
-        if self.G < 1 or (self.R is not None and (self.R < 0 or self.R % self.G)):
-            raise KvscopeError(f"kivi R must be a non-negative multiple of G={self.G} (got {self.R})")
         ledger = Ledger(spec, self.bits, "channel", value_group=self.value_group, k=k, v=v)
         return _KIVIState(self, spec, ledger)
 
@@ -50,12 +55,12 @@ class _KIVIState(CacheState):
         super().__init__(policy, spec, ledger)
         if policy.R is not None:
             self.R = policy.R
-            self.reached = policy.max_bytes(spec, self.R) <= spec.capacity + 1e-6
+            self.reached = spec.fits(policy.max_bytes(spec, self.R))
         else:
             self.R = (spec.final_len // policy.G) * policy.G
-            while self.R > 0 and policy.max_bytes(spec, self.R) > spec.capacity + 1e-6:
+            while self.R > 0 and not spec.fits(policy.max_bytes(spec, self.R)):
                 self.R -= policy.G
-            self.reached = policy.max_bytes(spec, self.R) <= spec.capacity + 1e-6
+            self.reached = spec.fits(policy.max_bytes(spec, self.R))
         self.n_quantized = 0
 
     def compress(self) -> None:

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
-from ..errors import KvscopeError
+from ..params import param
 from .base import CacheSpec, CacheState, Ledger, Policy, Q
-from .quant import check_bits
+from .quant import BITS
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LogQuantIndex:
     local: list[int] = field(default_factory=list)
 
     @classmethod
-    def after_prefill(cls, length: int, W: int) -> "LogQuantIndex":
+    def after_prefill(cls, length: int, W: int) -> LogQuantIndex:
         if W < 1:
             raise ValueError(f"LogQuant W must be ≥ 1 (got {W})")
         tmp = list(range(length))
@@ -121,12 +121,12 @@ def _chunks(positions: list[int], size: int) -> list[list[int]]:
 
 @dataclass
 class LogQuant(Policy):
-    W: int | None = None
-    bits: int = 2
-    key_axis: str = "channel"
-    G: int = 32  # key_axis=channel: at most G tokens per key group
-    key_group: int = 64  # key_axis=token: channels per key group (the published code's 64)
-    value_group: int | None = None
+    W: int | None = param(None, low=1, help="LogQuant's window W", none="the largest that fits")
+    bits: int = param(2, choices=BITS, help="bits per quantized value")
+    key_axis: str = param("channel", choices=("channel", "token"), help="keys per channel (paper) or per token (code)")
+    G: int = param(32, low=1, help="key_axis=channel: at most G tokens per key group")
+    key_group: int = param(64, low=1, help="key_axis=token: channels per key group (the published code's 64)")
+    value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
 
     name = "logquant"
     kind = "quantization"
@@ -137,17 +137,9 @@ class LogQuant(Policy):
         return Ledger(spec, self.bits, self.key_axis, key_group, self.value_group, k=k, v=v)
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
-        check_bits(self.bits)
-        if self.key_axis not in ("channel", "token"):
-            raise KvscopeError(f"logquant key_axis must be channel or token (got {self.key_axis!r})")
-        if self.W is not None and self.W < 1:
-            raise KvscopeError(f"logquant W must be ≥ 1 (got {self.W})")
         ledger = self._ledger(spec, k, v)
-        if self.W is not None:
-            W = self.W
-        else:
-            W = self._fit_W(spec, ledger)
-        return _LogQuantState(self, spec, ledger, W, self.max_bytes(spec, W, ledger) <= spec.capacity + 1e-6)
+        W = self.W if self.W is not None else self._fit_W(spec, ledger)
+        return _LogQuantState(self, spec, ledger, W, spec.fits(self.max_bytes(spec, W, ledger)))
 
     def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
         """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
@@ -163,7 +155,7 @@ class LogQuant(Policy):
         w_max = max(1, spec.final_len // 3 + 1)
         small = range(1, min(w_max, 64) + 1)
         cheapest = min(small, key=lambda W: self.max_bytes(spec, W, ledger))
-        fits = lambda W: self.max_bytes(spec, W, ledger) <= spec.capacity + 1e-6  # noqa: E731
+        fits = lambda W: spec.fits(self.max_bytes(spec, W, ledger))  # noqa: E731
         if not fits(cheapest):
             return cheapest  # the floor
         lo, hi = cheapest, w_max

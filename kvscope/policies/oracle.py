@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import defaults
+from ..params import param
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy, top_k_mask
 
 
 @dataclass
 class Oracle(Policy):
-    horizon: int = 32
+    horizon: int = param(defaults.HORIZON, low=1, help="future steps whose attention decides")
 
     name = "oracle"
     observes_prefill = True

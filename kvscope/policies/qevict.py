@@ -24,20 +24,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import KvscopeError
-from .base import EVICTED, FP, CacheSpec, CacheState, Ledger, Policy, Q, top_k_mask, window_sums
-from .quant import check_bits
+from .. import defaults
+from ..params import param
+from ..windows import window_sums
+from .base import EVICTED, FP, CacheSpec, CacheState, Ledger, Policy, Q, top_k_mask
+from .quant import BITS
 
 
 @dataclass
 class QEvict(Policy):
-    w: int | None = None  # default: the trace's w
-    n_sink: int | None = None  # default: the trace's n_sink
-    local: int = 64
-    q_frac: float = 0.7
-    bits: int = 2
-    key_prerope: bool = True
-    value_group: int | None = None
+    w: int | None = param(None, low=4, multiple_of=4, help="window size", none="the trace's")
+    n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's")
+    local: int = param(defaults.LOCAL, low=0, help="protected newest tokens (whole windows)")
+    q_frac: float = param(0.7, low=0, high=1, help="share of the evictable budget given to the Q tier")
+    bits: int = param(2, choices=BITS, help="bits per quantized value")
+    key_prerope: bool = param(True, help="quantize keys before RoPE when rotary parameters are known")
+    value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
 
     name = "qevict"
     kind = "tiered"
@@ -46,14 +48,7 @@ class QEvict(Policy):
     quantizes = True
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
-        check_bits(self.bits)
         w = self.w or spec.w
-        if w < 4 or w % 4:
-            raise KvscopeError(f"qevict w must be a positive multiple of 4 (got {w})")
-        if not (0 <= self.q_frac <= 1):
-            raise KvscopeError(f"qevict q_frac must lie in [0, 1] (got {self.q_frac})")
-        if self.local < 0:
-            raise KvscopeError(f"qevict local must be ≥ 0 (got {self.local})")
         ledger = Ledger(
             spec, self.bits, "channel", value_group=self.value_group, k=k, v=v, rope=rope if self.key_prerope else None
         )

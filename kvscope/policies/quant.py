@@ -32,8 +32,11 @@ from ..errors import KvscopeError
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
+BITS = (2, 4, 8)  # code widths: 4, 2 or 1 codes per byte
+
+
 def check_bits(bits: int) -> int:
-    if bits not in (2, 4, 8):
+    if bits not in BITS:
         raise KvscopeError(f"bits must be 2, 4 or 8 (got {bits})")
     return int(bits)
 

@@ -14,21 +14,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KvscopeError
+from ..params import param
 from .base import CacheSpec, CacheState, Policy, top_k_mask
 
 
 @dataclass
 class SnapKV(Policy):
-    obs_window: int | None = None  # default: the rows the trace stored (prefill_tail)
-    kernel: int = 7
+    obs_window: int | None = param(None, low=1, help="observation rows scored", none="the rows the trace stored")
+    kernel: int = param(7, low=1, help="max-pool kernel (odd)")
 
     name = "snapkv"
     observes_prefill = True
     kind = "eviction (prompt)"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kernel % 2 == 0:
+            raise KvscopeError(f"snapkv parameter kernel must be a positive odd number (got {self.kernel})")
+
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise KvscopeError(f"snapkv kernel must be a positive odd number (got {self.kernel})")
         return _SnapKVState(self, spec)
 
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..params import param
 from .base import FP, CacheSpec, CacheState, Policy
 
 
 @dataclass
 class Streaming(Policy):
-    n_sink: int | None = None  # default: the trace's n_sink
+    n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's")
 
     name = "streaming"
     kind = "eviction"

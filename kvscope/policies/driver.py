@@ -1,0 +1,79 @@
+"""The one policy driver: the sequence every cache state goes through, offline and live.
+
+    driver = PolicyDriver(policy.start(spec), where=" of sample 3")
+    driver.prefill(colsum, tail)      step 0: positions 0..P−1 exist; the policy compresses them
+    driver.append(p)                  a decode step adds position p at full precision
+    driver.decide(row)                the policy observes the row the cache served (policies that
+                                      observe), the clairvoyant oracle its future, then compresses
+
+After the prefill and after every decision the bytes the policy holds by the byte model
+(SPEC §5) are checked against its budget, ``B = β · FP_bytes(P + S)`` split evenly per
+(layer, kv_head) (:class:`~kvscope.policies.base.CacheSpec`): a policy that claims to fit
+and holds more raises :class:`~kvscope.policies.base.BudgetExceeded`. Replay
+(:func:`kvscope.replay`) and the live cache (:class:`kvscope.live.PolicyCache`) both drive
+their states through this class; only where the rows come from differs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import BudgetExceeded, CacheState
+
+
+class PolicyDriver:
+    """Drives one :class:`CacheState`; ``step`` counts the decisions made (0 = the prefill)."""
+
+    def __init__(self, state: CacheState, *, check: bool = False, where: str = ""):
+        self.state = state
+        self.check = check  # verify the policy invariants after every decision (tests)
+        self.where = where  # appended to messages: " of sample 3"
+        self.step = -1
+        self.used: np.ndarray | None = None  # [layer, kv_head] bytes after the last decision
+
+    @property
+    def policy(self):
+        return self.state.policy
+
+    def prefill(self, colsum, tail, future=None, check: bool = False) -> np.ndarray:
+        """The prompt's column sums ``[layer, kv_head, P]`` and last rows ``[layer, kv_head, obs, P]``;
+        returns the bytes held ``[layer, kv_head]``."""
+        if self.policy.clairvoyant:
+            self.state.observe_future(future)
+        self.state.prefill(colsum, tail)
+        return self._settle(check)
+
+    def append(self, position: int) -> None:
+        self.state.append(position)
+
+    def decide(self, row: np.ndarray | None = None, future: np.ndarray | None = None, check: bool = False):
+        """Observe ``row [layer, kv_head, length]`` (the attention the cache served, read only by
+        policies that observe) and ``future`` (only the oracle), compress; returns the bytes held."""
+        if self.policy.observes:
+            self.state.observe(row)
+        if self.policy.clairvoyant:
+            self.state.observe_future(future)
+        self.state.compress()
+        return self._settle(check)
+
+    def _settle(self, check: bool) -> np.ndarray:
+        self.step += 1
+        st = self.state
+        self.used = st.bytes_used()
+        if st.reached and st.spec.exceeded(self.used):
+            raise BudgetExceeded(
+                f"{self.policy.label()} used {self.used.max():.0f} bytes per (layer, kv_head) at step "
+                f"{self.step}{self.where}, over its budget {st.spec.capacity:.0f} (β = {st.spec.budget})"
+            )
+        if check or self.check:
+            st.check()
+        return self.used
+
+    def check_held(self, held_bytes: int) -> None:
+        """A live cache's bytes really held (all layers and heads) against the same budget."""
+        spec = self.state.spec
+        if self.state.reached and spec.exceeded_total(held_bytes):
+            raise BudgetExceeded(
+                f"{self.policy.label()} holds {held_bytes} bytes at step {self.step}{self.where}, "
+                f"over its budget {spec.total_capacity:.0f} (β = {spec.budget})"
+            )

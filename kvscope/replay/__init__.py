@@ -1,0 +1,293 @@
+"""Offline policy replay (SPEC §5): every policy × budget driven step by step by one trace.
+
+For each sample the trace's rows are read once, block by block, and every (policy, budget)
+cache state is driven through the same steps by the policy driver
+(:class:`kvscope.policies.driver.PolicyDriver`, the one a live cache uses too)::
+
+    step 0      driver.prefill(colsum, tail)        prompt 0..P−1, compressed to the budget
+    step t ≥ 1  driver.append(P − 1 + t)            the new key, at full precision
+                row_seen = observe(row_t, tiers)    renorm | exact (below)
+                driver.decide(row_seen)             observe, compress; bytes ≤ B checked
+
+``observe="renorm"`` (open loop): the full-KV kv-group row restricted to the accessible
+(FP or Q) positions and renormalized. ``observe="exact"`` (needs ``--record qkv``): the row
+recomputed from the recorded query with the cache the policy keeps — Q keys dequantized,
+evicted keys absent — exactly what a live cache would compute.
+
+Tiers are snapshot at the events ``0, every, 2·every, …`` *after* the policy acted, so the
+metrics score the decision against the future (the analysis layer's definitions, SPEC §4):
+
+    tier_mass[e, FP|Q|EVICTED]   share of the full-KV mass of steps t+1..t+H on existing positions
+    fmm                          the EVICTED share (the loss no promotion can undo), FMM(H) curve
+    fmm_fp                       the share not at full precision
+    churn                        Jaccard distance of consecutive FP sets (positions that existed
+                                 at the earlier event, sinks excluded)
+    lir, p01, p10                Global LIR and lag-δ transitions of the FP-set selection
+    attn_l1, output_rel_l2       with q/k/v: for the first query after each event, the L1
+                                 distance of its attention distribution to full KV and the
+                                 relative L2 error of the attention output (per query head,
+                                 averaged over the heads of a KV group)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import xarray as xr
+
+from .. import defaults
+from ..analysis.fmm import FMM
+from ..analysis.lir import LIR
+from ..errors import KvscopeError
+from ..policies import Policy, check_budget, parse
+from . import result as _result
+from .output_error import effective_kv
+from .sample import SampleReplay
+
+OBSERVE_MODES = ("renorm", "exact")
+
+__all__ = ["OBSERVE_MODES", "effective_kv", "open_result", "replay", "resolve_policies", "save_result", "tiers_for"]
+
+
+def resolve_policies(policies) -> list[Policy]:
+    """Names, ``name:key=value`` strings or policy objects → policy objects (unique labels)."""
+    if isinstance(policies, (str, Policy)):
+        policies = [policies]
+    out = [p if isinstance(p, Policy) else parse(p) for p in policies]
+    if not out:
+        raise KvscopeError("no policy given")
+    labels = [p.label() for p in out]
+    if len(set(labels)) != len(labels):
+        raise KvscopeError(f"a policy is listed twice: {', '.join(labels)}")
+    return out
+
+
+def resolve_budgets(budgets) -> list[float]:
+    if isinstance(budgets, (int, float, str)):
+        budgets = [budgets]
+    out = [check_budget(b) for b in budgets]
+    if not out:
+        raise KvscopeError("no budget given")
+    if len(set(out)) != len(out):
+        raise KvscopeError("a budget is listed twice")
+    return out
+
+
+@dataclass
+class ReplaySetup:
+    """Everything a replay needs besides the runs themselves."""
+
+    ds: xr.Dataset
+    policies: list[Policy]
+    budgets: list[float]
+    observe: str
+    fmm: FMM  # horizon, curve horizons, bootstrap: the analysis layer's definitions and checks
+    lir: LIR  # m, H_lir, δ
+    steps: np.ndarray  # [event] steps of the events
+    group: int  # stored rows per KV head (1: kv-group rows)
+    with_errors: bool
+    validate: bool
+    kv_itemsize: int
+
+    @classmethod
+    def of(cls, ds, policies, budgets, *, observe, every, errors, validate, kv_itemsize, **metric) -> ReplaySetup:
+        acc = ds.kvscope
+        if observe not in OBSERVE_MODES:
+            raise KvscopeError(f"observe must be renorm or exact (got {observe!r})")
+        stats = {k: metric.pop(k) for k in ("n_boot", "seed", "resample")}
+        fmm = FMM(horizon=metric.pop("horizon"), horizons=metric.pop("horizons"), **stats)
+        lir = LIR(**metric, **stats)
+        if every is not None and every < 1:
+            raise KvscopeError(f"every must be ≥ 1 (got {every})")
+        if acc.resolution != "token":
+            raise KvscopeError("replay needs token-resolution rows; this store holds window sums")
+        if observe == "exact" and not acc.has_qkv:
+            raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")
+        steps = np.arange(0, ds.sizes["step"], every or acc.w)
+        return cls(
+            ds, resolve_policies(policies), resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
+            with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize,
+        )  # fmt: skip
+
+    @property
+    def horizons(self) -> list[int]:
+        """Horizons of the FMM(H) curve."""
+        return self.fmm.curve_horizons()
+
+    @property
+    def grid(self) -> list[tuple[Policy, float]]:
+        return [(p, b) for p in self.policies for b in self.budgets]
+
+    @property
+    def has_qkv(self) -> bool:
+        return self.ds.kvscope.has_qkv
+
+    @property
+    def every(self) -> int:
+        return int(self.steps[1] - self.steps[0]) if len(self.steps) > 1 else self.ds.kvscope.w
+
+    @property
+    def n_layers(self) -> int:
+        return self.ds.sizes["layer"]
+
+    @property
+    def n_kv(self) -> int:
+        return self.ds.kvscope.model.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.ds.kvscope.model.head_dim
+
+    @property
+    def n_sink(self) -> int:
+        return self.ds.kvscope.n_sink
+
+    @property
+    def w(self) -> int:
+        return self.ds.kvscope.w
+
+    @property
+    def n_pos(self) -> int:
+        return self.ds.sizes["pos"]
+
+    @property
+    def n_samples(self) -> int:
+        return self.ds.sizes["sample"]
+
+    @property
+    def n_step_total(self) -> int:
+        return self.ds.sizes["step"]
+
+    @property
+    def rules(self):
+        return self.ds.kvscope.model.rules()
+
+    @property
+    def rope(self):
+        return self.ds.kvscope.rope
+
+
+def replay(
+    trace,
+    policies,
+    budgets,
+    *,
+    observe: str = "renorm",
+    horizon: int = defaults.HORIZON,
+    horizons: list[int] | None = None,
+    every: int | None = None,
+    m: int = defaults.LIR_MISSES,
+    h_lir: int | None = defaults.LIR_HORIZON,
+    delta: int = defaults.LIR_LAG,
+    errors: bool = True,
+    validate: bool = False,
+    threads: int | None = None,
+    n_boot: int = defaults.N_BOOT,
+    seed: int = 0,
+    resample: str = "samples",
+    kv_itemsize: int = 2,
+    progress=None,
+) -> xr.Dataset:
+    """Replay ``policies`` × ``budgets`` against a trace; returns the Dataset described in
+    the module docstring, dims ``(policy, budget, sample, event|step, layer, kv_head, pos)``.
+
+    ``trace``: a store path or an opened trace. ``policies``: names, ``name:key=value``
+    strings or policy objects. ``budgets``: shares β of ``FP_bytes(P + S)`` in (0, 1].
+    ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
+    every policy invariant at every step (tests). ``threads``: cache states advanced in
+    parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
+    ``resample``: what the confidence intervals resample, ``samples`` (prompts) or ``units``.
+    ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
+    compares with a live cache of an fp32 model). ``progress(done, total)`` is called per step.
+    """
+    from ..store import open_trace
+
+    started = time.perf_counter()
+    ds = open_trace(trace) if isinstance(trace, (str, os.PathLike)) else trace
+    setup = ReplaySetup.of(
+        ds, policies, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
+        m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
+        resample=resample,
+    )  # fmt: skip
+    outputs = _result.Outputs.allocate(setup)
+    done, total = [0], int(ds.kvscope.n_steps.sum())
+
+    def step_done() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
+    threads = threads if threads is not None else min(2, os.cpu_count() or 1)
+    pool = None
+    if threads > 1 and len(setup.grid) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
+    try:
+        for s in range(setup.n_samples):
+            if ds.kvscope.n_steps[s] > 0:
+                SampleReplay(setup, s, outputs).run(pool, step_done)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    result = _result.build(setup, outputs)
+    result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
+    return result
+
+
+def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
+    ds = setup.ds
+    return {
+        "kind": "kvscope replay",
+        "observe": setup.observe,
+        "horizon": setup.fmm.horizon,
+        "every": setup.every,
+        "n_sink": setup.n_sink,
+        "w": setup.w,
+        "lir_m": setup.lir.m,
+        "lir_h": "none" if setup.lir.h_lir is None else setup.lir.h_lir,
+        "delta": setup.lir.delta,
+        "resample": setup.fmm.resample,
+        "ci": _result.ci_attr(setup),
+        "trace": str(trace) if isinstance(trace, (str, os.PathLike)) else ds.encoding.get("source", ""),
+        "model": ds.attrs.get("model", {}).get("name", ""),
+        "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in setup.policies}),
+        "kv_itemsize": setup.kv_itemsize,
+        "replay_seconds": round(seconds, 3),
+    }
+
+
+def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:
+    """The replayed tiers of one (policy, budget) as the analyses take them:
+    ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
+    tiers = (
+        result["tiers"]
+        .sel(policy=policy, budget=budget)
+        .drop_vars(["policy", "budget", "policy_name", "policy_kind"], errors="ignore")
+    )
+    tiers.attrs = {"policy": f"{policy}@{budget}"}
+    return tiers
+
+
+def open_result(path) -> xr.Dataset:
+    """A replay result written with ``--out`` (refused with one line when it is not one)."""
+    if not os.path.exists(path):
+        raise KvscopeError(f"no replay result at {path}")
+    try:
+        result = xr.open_zarr(str(path), consolidated=None)
+    except Exception as exc:  # noqa: BLE001
+        raise KvscopeError(f"cannot open {path} as a replay result: {str(exc).splitlines()[0]}") from exc
+    if result.attrs.get("kind") != "kvscope replay":
+        raise KvscopeError(f"{path} is not a kvscope replay result")
+    return result
+
+
+def save_result(result: xr.Dataset, path) -> None:
+    """Write a replay result as a Zarr v3 store; an existing path is refused, never overwritten."""
+    if os.path.exists(path):
+        raise KvscopeError(f"{path} exists; choose another --out (results are never overwritten)")
+    result.to_zarr(str(path), mode="w-", zarr_format=3, consolidated=True)

@@ -1,0 +1,91 @@
+"""What a policy's cache does to attention, against full KV (needs ``--record qkv``).
+
+For the first query after each event (and, with ``observe="exact"``, every query a policy
+observes), per layer and query head, with the model's attention rule (:mod:`kvscope.attention`)::
+
+    reference   a*  = softmax over keys 0..q of the full cache,   o* = a*·V
+    policy      a   = softmax over the keys the cache holds (Q keys dequantized, evicted absent),
+                o   = a·V̂
+    attn_l1     = Σ_p |a[p] − a*[p]|                               mean over the heads of a KV group
+    output_rel_l2 = ‖o − o*‖ / ‖o*‖                               mean over the heads of a KV group
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention import LayerRules, softmax
+from ..policies import CacheState
+from ..tiers import TIER_FP, TIER_Q
+
+
+@dataclass
+class Reference:
+    """Full-KV attention of one query: logits and probabilities ``[L, Hkv, g, n]``, output
+    ``[L, Hkv, g, D]`` and which keys the query sees (``[L, 1, 1, n]``)."""
+
+    query: torch.Tensor  # [L, Hkv, g, D]
+    logits: torch.Tensor
+    shown: torch.Tensor
+    probs: torch.Tensor
+    out: torch.Tensor
+
+
+def reference(rules: LayerRules, query: np.ndarray, k: torch.Tensor, v: torch.Tensor, qpos: int) -> Reference:
+    """``query [L, head, D]`` (numpy) against the full cache ``k``, ``v [L, Hkv, ≥ qpos+1, D]``."""
+    n, n_kv = qpos + 1, k.shape[1]
+    q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
+    logits = rules.logits(q, k[:, :, :n])
+    shown = rules.visible(qpos, n)[:, None, None, :]
+    probs = softmax(logits, shown)
+    return Reference(q, logits, shown, probs, torch.matmul(probs, v[:, :, :n]))
+
+
+def effective_kv(state: CacheState, k, v, n: int):
+    """The cache a state serves over positions ``0..n−1``: ``keys, values [L, Hkv, n, D]``
+    and ``present [L, Hkv, n]``. Positions that were ever quantized hold their dequantized
+    values (in Q, and after a promotion: the originals are gone); evicted ones are absent.
+    ``k``/``v`` are the full-KV values (numpy or torch), returned where nothing was quantized."""
+    ledger = state.ledger
+    present = state.tiers[..., :n] >= TIER_Q
+    if ledger is not None and ledger.k_eff is not None and ledger.n_quantized:
+        return ledger.k_eff[:, :, :n], ledger.v_eff[:, :, :n], present
+    return k[:, :, :n], v[:, :, :n], present
+
+
+def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, buffers=None):
+    """The state's kv-group row ``[L, Hkv, n]``, the attention L1 distance and the output's
+    relative L2 error ``[L, Hkv]`` (module docstring). ``k``/``v``: torch float32 full KV;
+    ``buffers``: two float32 tensors shaped like them to convert dequantized values into.
+    A cache that only evicts reuses the full-KV logits; one that lost nothing is exact."""
+    n = qpos + 1
+    tiers = state.tiers[..., :n]
+    if (tiers == TIER_FP).all() and (state.ledger is None or not state.ledger.done[..., :n].any()):
+        zeros = np.zeros(tiers.shape[:2])
+        return ref.probs.mean(2).numpy(), zeros, zeros
+    keys, values, present = effective_kv(state, k, v, n)
+    if isinstance(keys, np.ndarray):  # quantized values: the logits change too
+        if buffers is None:
+            buffers = (torch.empty(k.shape), torch.empty(v.shape))
+        keys = buffers[0][:, :, :n].copy_(torch.from_numpy(keys))  # reused memory: no page faults
+        values = buffers[1][:, :, :n].copy_(torch.from_numpy(values))
+        logits = rules.logits(ref.query, keys)
+    else:
+        logits = ref.logits
+    probs = softmax(logits, ref.shown & torch.from_numpy(present)[:, :, None, :])
+    out = torch.matmul(probs, values)
+    l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
+    norm = torch.linalg.vector_norm(ref.out, dim=-1)
+    rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)
+    return probs.mean(2).numpy(), l1.numpy(), rel.numpy()
+
+
+def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:
+    """``row`` restricted to ``accessible`` and renormalized to sum 1 per (layer, kv_head):
+    what a policy observes in open loop (``observe="renorm"``)."""
+    seen = np.where(accessible, row, 0.0)
+    total = seen.sum(-1, keepdims=True)
+    return np.divide(seen, total, out=np.zeros_like(seen), where=total > 0)

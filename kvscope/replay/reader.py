@@ -1,0 +1,96 @@
+"""One sample's inputs for replay, read lazily block by block (the memory bound: one stored
+block of rows, and the sample's K/V where errors or exact observation need them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+
+class SampleReader:
+    """Rows, queries, prompt attention and K/V of sample ``s`` of a trace whose stored rows
+    come ``group`` per KV head."""
+
+    def __init__(self, ds: xr.Dataset, s: int, group: int):
+        acc = ds.kvscope
+        self.ds, self.s = ds, s
+        self.block, self.group = acc.block_steps, group
+        self.prompt_len = int(acc.prompt_len[s])
+        self.n_steps = int(acc.n_steps[s])
+        self.final_len = self.prompt_len + self.n_steps
+        self.query_pos = acc.query_pos[s]  # [step]
+        self._rows: dict[int, np.ndarray] = {}
+        self._queries: dict[int, np.ndarray] = {}
+
+    def _kv_groups(self, x: np.ndarray, axis: int) -> np.ndarray:
+        """Rows of the query heads of a KV group averaged (``--heads all`` stores)."""
+        if self.group == 1:
+            return x
+        shape = x.shape[:axis] + (x.shape[axis] // self.group, self.group) + x.shape[axis + 1 :]
+        return x.reshape(shape).mean(axis + 1)
+
+    def _block_of(self, t: int) -> tuple[int, slice]:
+        b = t // self.block
+        return b, slice(b * self.block, min((b + 1) * self.block, self.n_steps))
+
+    def row(self, t: int) -> np.ndarray:
+        """Full-KV kv-group row of step ``t``: ``[layer, kv_head, final_len]`` float32 (0 beyond)."""
+        b, steps = self._block_of(t)
+        if b not in self._rows:
+            for old in [k for k in self._rows if k < b - 1]:  # the oracle's look-ahead reads one block ahead
+                del self._rows[old]
+            a = self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
+            self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
+        return self._rows[b][t - steps.start]
+
+    def query(self, t: int) -> np.ndarray:
+        """Recorded query of step ``t``: ``[layer, head, D]`` float32."""
+        b, steps = self._block_of(t)
+        if b not in self._queries:
+            qpos = self.query_pos[steps]
+            q = self.ds["q"].isel(sample=self.s, qpos=slice(int(qpos[0]), int(qpos[-1]) + 1)).values
+            self._queries = {b: q.astype(np.float32)}
+        return self._queries[b][t - steps.start]
+
+    def prefill(self) -> tuple[np.ndarray, np.ndarray]:
+        """``colsum [layer, kv_head, P]`` float64 and ``tail [layer, kv_head, obs, P]`` float32."""
+        p = self.prompt_len
+        colsum = self.ds["prefill_colsum"].isel(sample=self.s, pos=slice(0, p)).values
+        tail = self.ds["prefill_tail"].isel(sample=self.s, pos=slice(0, p)).values
+        return (
+            self._kv_groups(np.nan_to_num(colsum.astype(np.float64)), 1),
+            self._kv_groups(np.nan_to_num(tail.astype(np.float32)), 1),
+        )
+
+    def kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """Recorded ``k, v [layer, kv_head, final_len, D]`` in the stored dtype."""
+        k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+        v = self.ds["v"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+        return np.ascontiguousarray(k), np.ascontiguousarray(v)
+
+    def future(self, h: int) -> FutureSum:
+        return FutureSum(self, h)
+
+
+class FutureSum:
+    """Full-KV attention over the next ``h`` steps per position — only the oracle may ask:
+    ``at(t) = Σ_{t'=t+1}^{min(t+h, S−1)} row[t']``, kept as a sliding sum."""
+
+    def __init__(self, reader: SampleReader, h: int):
+        self.reader, self.h, self.t = reader, h, -1
+        self.total: np.ndarray | None = None
+
+    def at(self, t: int) -> np.ndarray:
+        n = self.reader.n_steps
+        if t == self.t:
+            return self.total
+        if self.total is None or t != self.t + 1:
+            self.total = np.zeros(self.reader.row(0).shape, dtype=np.float64)
+            for tt in range(t + 1, min(t + self.h, n - 1) + 1):
+                self.total += self.reader.row(tt)
+        else:
+            self.total -= self.reader.row(t)
+            if t + self.h <= n - 1:
+                self.total += self.reader.row(t + self.h)
+        self.t = t
+        return self.total

@@ -1,0 +1,172 @@
+"""One sample replayed: every (policy, budget) run driven through the same steps.
+
+Per step ``t`` (the loop of :mod:`kvscope.replay`)::
+
+    t = 0    driver.prefill(colsum, tail)            every run, from the trace's prompt attention
+    t ≥ 1    driver.append(P − 1 + t)                the new key at full precision
+             seen = renormalized row | exact row     what the cache serves (observe=renorm | exact)
+             driver.decide(seen)                     observe, compress, budget checked
+    events   tiers snapshot; tier shares of the future mass resolved as each horizon ends
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..analysis.fmm import FutureMassStream, tier_shares
+from ..policies import CacheSpec
+from ..policies.driver import PolicyDriver
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
+from .output_error import against_full, reference, renormalized
+from .reader import SampleReader
+from .result import Outputs, RunRecord
+
+
+class Run:
+    """One (policy, budget) on one sample: its driver and its record."""
+
+    def __init__(self, driver: PolicyDriver, record: RunRecord):
+        self.driver, self.record = driver, record
+        self.present: dict[int, tuple[bool, bool, bool]] = {}  # event → (any FP, any Q, any EVICTED)
+
+    @property
+    def state(self):
+        return self.driver.state
+
+    def snapshot(self, event: int) -> None:
+        st = self.state
+        self.record.tiers[event, ..., : st.tiers.shape[-1]] = st.tiers
+        now = st.tiers[..., : st.length]
+        self.present[event] = tuple(bool((now == tier).any()) for tier in (TIER_FP, TIER_Q, TIER_EVICTED))
+
+    def resolve(self, resolved, horizon: int) -> None:
+        """Tier shares of events whose horizon just ended (FMM: the EVICTED share)."""
+        for r in resolved:
+            fp, q, ev = tier_shares(r.future, r.den, self.record.tiers[r.event], r.exists, self.present[r.event])
+            self.record.curve[0, r.index, r.event] = ev
+            self.record.curve[1, r.index, r.event] = q + ev
+            if r.horizon == horizon:
+                self.record.mass[r.event] = np.stack([fp, q, ev], -1)
+
+    def finish(self) -> None:
+        self.record.finish(self.state)
+
+
+def _step(advance, t, run: Run, exact_row, ahead: dict, event: int | None, resolved: list, horizon: int) -> None:
+    """One run's step ``t`` (a pool task): the decision, then the tier shares that resolve now."""
+    advance(t, run, exact_row, ahead, event)
+    run.resolve(resolved, horizon)
+
+
+class SampleReplay:
+    """Sample ``s`` of ``setup`` (a :class:`kvscope.replay.ReplaySetup`) under every run of the
+    grid, recorded into ``outputs``."""
+
+    def __init__(self, setup, s: int, outputs: Outputs):
+        self.setup, self.s, self.outputs = setup, s, outputs
+        self.reader = SampleReader(setup.ds, s, setup.group)
+        r = self.reader
+        self.colsum, self.tail = r.prefill()
+        self.kv = self.kv32 = self.buffers = None
+        if setup.has_qkv:
+            import torch
+
+            self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
+            self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
+            self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
+        self.runs = [self._start(gi, policy, budget) for gi, (policy, budget) in enumerate(setup.grid)]
+        for bi, budget in enumerate(setup.budgets):
+            outputs.budget_bytes[bi, s] = self.spec(budget).total_capacity
+        outputs.full_bytes[s] = self.spec(1.0).full_bytes
+        horizons = sorted({run.state.policy.horizon for run in self.runs if run.state.policy.clairvoyant})
+        self.futures = {h: r.future(h) for h in horizons}  # only the oracle may look ahead
+
+    def spec(self, budget: float) -> CacheSpec:
+        st, r = self.setup, self.reader
+        return CacheSpec(
+            st.n_layers, st.n_kv, st.head_dim, r.prompt_len, r.final_len, budget, st.n_sink, st.w, st.kv_itemsize
+        )
+
+    def _start(self, gi: int, policy, budget) -> Run:
+        st = self.setup
+        values_needed = policy.quantizes and (st.with_errors or st.observe == "exact")
+        k, v = self.kv if values_needed else (None, None)
+        state = policy.start(self.spec(budget), k, v, st.rope)
+        pi, bi = divmod(gi, len(st.budgets))
+        return Run(PolicyDriver(state, where=f" of sample {self.s}"), self.outputs.record(pi, bi, self.s))
+
+    def run(self, pool: ThreadPoolExecutor | None, progress) -> None:
+        setup, r = self.setup, self.reader
+        stream = FutureMassStream(setup.horizons, (setup.n_layers, setup.n_kv, r.final_len))
+        event_of = {int(t): e for e, t in enumerate(setup.steps) if t < r.n_steps}
+        error_at = {int(t) + 1: e for e, t in enumerate(setup.steps) if t + 1 < r.n_steps}
+        for t in range(r.n_steps):
+            resolved = stream.add(t, r.row(t))
+            event = event_of.get(t)
+            exact = self._exact_rows(t, error_at.get(t)) if t > 0 else {}
+            ahead = {h: f.at(t) for h, f in self.futures.items()}
+
+            horizon = setup.fmm.horizon
+            steps = [
+                (self._advance, t, run, exact.get(i), ahead, event, resolved, horizon)
+                for i, run in enumerate(self.runs)
+            ]
+            if pool is None:
+                for args in steps:
+                    _step(*args)
+            else:
+                for done in [pool.submit(_step, *args) for args in steps]:
+                    done.result()
+            if event is not None:
+                stream.decided(event, t, int(r.query_pos[t]) + 1)
+            if progress is not None:
+                progress()
+        for run in self.runs:
+            run.finish()
+
+    def _advance(self, t: int, run: Run, exact_row, ahead: dict, event: int | None) -> None:
+        setup, driver = self.setup, run.driver
+        check = setup.validate or event is not None
+        future = ahead.get(getattr(driver.policy, "horizon", None)) if driver.policy.clairvoyant else None
+        if t == 0:
+            used = driver.prefill(self.colsum, self.tail, future, check=check)
+        else:
+            row = None
+            if driver.policy.observes:
+                st = run.state
+                row = (
+                    exact_row
+                    if setup.observe == "exact"
+                    else renormalized(self.reader.row(t)[..., : st.length], st.accessible())
+                )
+            used = driver.decide(row, future, check=check)
+        run.record.bytes[t] = used.sum()
+        if event is not None:
+            run.snapshot(event)
+
+    def _exact_rows(self, t: int, error_event: int | None) -> dict[int, np.ndarray]:
+        """Append step ``t``'s position to every run, then compute what needs the recorded query:
+        the errors after an event (recorded into the runs) and exact rows for observe=exact."""
+        setup = self.setup
+        qpos = int(self.reader.query_pos[t])
+        for run in self.runs:
+            run.driver.append(qpos)
+        exact_wanted = setup.observe == "exact"
+        wanted = [
+            i
+            for i, run in enumerate(self.runs)
+            if (setup.with_errors and error_event is not None) or (exact_wanted and run.driver.policy.observes)
+        ]
+        if not wanted:
+            return {}
+        ref = reference(setup.rules, self.reader.query(t), *self.kv32, qpos)
+        rows = {}
+        for i in wanted:
+            run = self.runs[i]
+            rows[i], l1, out_err = against_full(setup.rules, run.state, ref, *self.kv32, qpos, self.buffers)
+            if setup.with_errors and error_event is not None:
+                run.record.l1[error_event] = l1
+                run.record.out[error_event] = out_err
+        return rows

@@ -1,0 +1,102 @@
+"""Tables and JSON documents of results: what the CLI prints, and what notebooks can call.
+
+comparison(result)            the policy × budget rows of a replay result (dicts)
+comparison_doc(result)        the same with the replay's settings (JSON)
+print_comparison(result, t)   as a rich table
+print_rows(rows, title)       (quantity, value) rows of an analysis as a rich table
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+TIERS = ("FP", "Q", "EVICTED")
+
+
+def _num(x) -> float | None:
+    x = float(x)
+    return None if np.isnan(x) else round(x, 6)
+
+
+def comparison(result: xr.Dataset) -> list[dict]:
+    """The policy × budget table of a replay result, one dict per (policy, budget)."""
+    rows = []
+    has_err = "attn_l1_mean" in result
+    for policy in result["policy"].values:
+        for budget in result["budget"].values:
+            r = result.sel(policy=policy, budget=budget)
+            tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
+            rows.append(
+                {
+                    "policy": str(policy),
+                    "kind": str(r["policy_kind"].values),
+                    "budget": float(budget),
+                    "byte_ratio": _num(r["byte_ratio_used"]),
+                    "budget_reached": bool(r["budget_reached"]),
+                    "fmm": _num(r["fmm_mean"]),
+                    "fmm_ci95": [_num(r["fmm_ci_low"]), _num(r["fmm_ci_high"])],
+                    "fmm_fp": _num(r["fmm_fp_mean"]),
+                    "evicted_mass": _num(tier["EVICTED"]),
+                    "q_mass": _num(tier["Q"]),
+                    "attn_l1": _num(r["attn_l1_mean"]) if has_err else None,
+                    "output_rel_l2": _num(r["output_rel_l2_mean"]) if has_err else None,
+                    "churn": _num(r["churn_mean"]),
+                    "lir": _num(r["lir"]),
+                }
+            )
+    return rows
+
+
+def comparison_doc(result: xr.Dataset) -> dict:
+    """JSON document of :func:`comparison` with the replay's settings."""
+    attrs = {k: v for k, v in result.attrs.items() if k != "policies"}
+    return {**attrs, "policies": json.loads(result.attrs.get("policies", "{}")), "rows": comparison(result)}
+
+
+def print_table(table, min_width: int = 100) -> None:
+    """Print a rich table at least ``min_width`` columns wide (wider terminals keep their width)."""
+    from rich.console import Console
+
+    Console(width=max(min_width, Console().width)).print(table)
+
+
+def print_comparison(result: xr.Dataset, title: str) -> None:
+    from rich.table import Table
+
+    def fmt(x, digits=3):
+        return "—" if x is None else f"{x:.{digits}f}"
+
+    h = result.attrs.get("horizon", 32)
+    table = Table(
+        "policy", "β", "bytes used", f"FMM@{h} [95% CI]", "FMM fp", "Q mass", "attn L1", "out err", "churn", "LIR",
+        title=title,
+    )  # fmt: skip
+    for row in comparison(result):
+        used = fmt(row["byte_ratio"]) + ("" if row["budget_reached"] else " (floor)")
+        lo, hi = row["fmm_ci95"]
+        ci = f" [{fmt(lo)}, {fmt(hi)}]" if lo is not None and hi is not None else ""
+        table.add_row(
+            row["policy"], f"{row['budget']:g}", used, fmt(row["fmm"]) + ci, fmt(row["fmm_fp"]), fmt(row["q_mass"]),
+            fmt(row["attn_l1"]), fmt(row["output_rel_l2"]), fmt(row["churn"]), fmt(row["lir"]),
+        )  # fmt: skip
+    print_table(table, 120)
+    print(
+        "bytes used: peak share of the full cache at the final length; (floor): the policy cannot fit β and "
+        "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "
+        f"CI: {result.attrs.get('ci', 'bootstrap')}."
+    )
+
+
+def print_rows(rows: list[tuple[str, str]], title: str) -> None:
+    from rich.table import Table
+
+    table = Table("quantity", "value", title=title)
+    for k, v in rows:
+        table.add_row(k, v)
+    print_table(table)
