@@ -1,22 +1,32 @@
 """kvscope — what an LLM's KV cache really needs.
 
 Record per-step attention during real decoding into Zarr stores (:func:`trace`), open them
-as xarray Datasets (:func:`open_trace`), measure importance drift (``kvscope.analysis``)
-and replay KV-cache policies offline (``kvscope.policies``).
+as xarray Datasets (:func:`open_trace`, with the ``ds.kvscope`` accessor), measure importance
+drift (``kvscope.analysis``), replay KV-cache policies offline (:func:`replay`,
+``kvscope.policies``) and run them live (``kvscope.live``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .store import open_trace  # noqa: E402
 
 
-def trace(*args, **kwargs):
-    """Decode prompts with attention capture into a store; see :func:`kvscope.tracing.runner.trace`."""
+def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: str = "model", **kwargs):
+    """Decode ``prompts`` with attention capture into a store; see
+    :func:`kvscope.tracing.runner.trace`. With ``policy`` and ``budget`` the decode runs under
+    a live policy cache whose tiers and bytes are recorded too (:class:`kvscope.live.LivePolicy`)."""
+    from .errors import KvscopeError
     from .tracing.runner import trace as _trace
 
-    return _trace(*args, **kwargs)
+    if (policy is None) != (budget is None):
+        raise KvscopeError("--policy and --budget go together")
+    if policy is not None:
+        from .live import LivePolicy
+
+        kwargs["cache"] = LivePolicy(policy, budget, kv_dtype)
+    return _trace(prompts, out, settings, **kwargs)
 
 
-from .replay import replay  # noqa: E402  (the function; the module stays importable as kvscope.replay)
+from .replay import replay  # noqa: E402  (the function; the package stays importable as kvscope.replay)
 
 __all__ = ["__version__", "open_trace", "replay", "trace"]

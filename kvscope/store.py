@@ -30,6 +30,7 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .errors import StoreError
 
 SCHEMA_VERSION = 1
@@ -53,8 +55,24 @@ REQUIRED_ARRAYS = (
     "token_id",
 )
 QKV_ARRAYS = ("q", "k", "v", "rope_inv_freq", "rope_attention_scaling")
-# zarr lists the writer's lock file when it walks a group; it is ours, not a stray object
-warnings.filterwarnings("ignore", message=r"Object at \.kvscope-lock is not recognized")
+
+
+@contextlib.contextmanager
+def walking_members():
+    """zarr warns about the writer's lock file when it lists a group's members; the file is
+    ours, not a stray object. Silenced only around the calls that walk a store."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Object at \.kvscope-lock is not recognized")
+        yield
+
+
+def consolidate(path) -> None:
+    """Consolidate a store's metadata (only once it is complete: SPEC §2)."""
+    import zarr
+
+    with walking_members():
+        zarr.consolidate_metadata(str(path))
+
 
 COORD_VARIABLES = ("query_pos", "token_id", "prompt_len", "n_steps", "prefill_tail_qpos")
 
@@ -119,130 +137,95 @@ class Layout:
         return 256
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of the schema: what ``create`` makes and what a reader may expect."""
+
+    name: str
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    fill: float | int
+
+
+def _spec(name, dims, dtype, sizes: dict, chunks: dict, fill=float("nan")) -> ArraySpec:
+    """An array over ``dims`` whose chunk is the whole dim except where ``chunks`` says."""
+    shape = tuple(sizes[d] for d in dims)
+    return ArraySpec(name, shape, dims, dtype, tuple(max(1, chunks.get(d, sizes[d])) for d in dims), fill)
+
+
+def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
+    """``(coordinates, arrays)`` of a store with layout ``L`` (SPEC §3; the module docstring).
+    Rows and prefill arrays are chunked per sample, block of steps and layer; q/k/v per
+    sample, layer and block of positions."""
+    hs, f = L.head_dim_name, L.dtype
+    sizes = {
+        "sample": L.n_samples, "step": L.n_steps, "layer": L.n_layers, "pos": L.n_pos, "obs": L.obs_window,
+        "window": L.n_windows, "sink": L.n_sink, "qpos": L.n_pos, "head": L.n_heads, "kv_head": L.n_kv_heads,
+        "dim": L.head_dim, "rope_freq": L.rope_freqs, "event": L.policy_events,
+        hs: L.n_stored_heads,  # the stored head dim (one "head" for --heads mean)
+    }  # fmt: skip
+    rows = {"sample": 1, "step": L.block_steps, "layer": 1}
+    per_sample = {"sample": 1}
+    coords = ["sample", "step", "layer", hs, "pos", "obs"]
+    last = "pos" if L.resolution == "token" else "window"
+    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, rows)]
+    if L.resolution == "window":
+        coords += ["window", "sink"]
+        arrays.append(_spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, rows))
+    arrays += [
+        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, {"sample": 1, "layer": 1}),
+        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, {"sample": 1, "layer": 1}),
+        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, -1),
+        _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, -1),
+        _spec("prompt_len", ("sample",), "int32", sizes, {}, 0),
+        _spec("n_steps", ("sample",), "int32", sizes, {}, 0),
+        _spec("query_pos", ("sample", "step"), "int32", sizes, per_sample, -1),
+        _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, -1),
+    ]
+    if L.record_qkv:
+        coords += ["qpos"] + [d for d in ("head", "kv_head") if d != hs] + ["dim", "rope_freq"]
+        pb = L.pos_block
+        arrays += [
+            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, {"sample": 1, "qpos": pb, "layer": 1}),
+            _spec("k", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, {"sample": 1, "layer": 1, "pos": pb}),
+            _spec("v", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, {"sample": 1, "layer": 1, "pos": pb}),
+            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}),
+            _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}),
+        ]
+    if L.policy_events:
+        coords += ["event"] + (["kv_head"] if hs != "kv_head" and not L.record_qkv else [])
+        arrays += [
+            _spec("policy_tiers", ("sample", "event", "layer", "kv_head", "pos"), "int8", sizes, {"sample": 1, "event": 1}, -1),
+            _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample),
+            _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, -1),
+        ]  # fmt: skip
+    return [(name, sizes[name]) for name in coords], arrays
+
+
 def create(path: Path, layout: Layout, attrs: dict) -> None:
-    """Create the group and preallocate every array at full size (chunks are written later)."""
+    """Create the group and preallocate every array of :func:`schema` at full size (chunks
+    are written later); coordinates hold the index of their dim."""
     import zarr
 
     root = zarr.open_group(str(path), mode="w", zarr_format=3, attributes=attrs)
-    L = layout
-    hs = L.head_dim_name
-    f = L.dtype
-    comp = compressors()
-
-    def arr(name, shape, dims, dtype, chunks, fill):
-        root.create_array(
-            name,
-            shape=shape,
-            dtype=dtype,
-            chunks=chunks,
-            dimension_names=dims,
-            fill_value=fill,
-            filters=steps_last(dims) if "step" in dims and len(dims) > 2 else None,
-            compressors=comp,
-        )
-
-    def coord(name, n):
+    coords, arrays = schema(layout)
+    for name, n in coords:
         root.create_array(name, shape=(n,), dtype="int32", dimension_names=(name,), fill_value=0, compressors=None)
         root[name][:] = np.arange(n, dtype=np.int32)
-
-    coord("sample", L.n_samples)
-    coord("step", L.n_steps)
-    coord("layer", L.n_layers)
-    coord(hs, L.n_stored_heads)
-    coord("pos", L.n_pos)
-    coord("obs", L.obs_window)
-    S, T, Hs, blk = L.n_samples, L.n_pos, L.n_stored_heads, L.block_steps
-    nan = float("nan")
-    if L.resolution == "token":
-        arr(
-            "attn",
-            (S, L.n_steps, L.n_layers, Hs, T),
-            ("sample", "step", "layer", hs, "pos"),
-            f,
-            (1, blk, 1, Hs, T),
-            nan,
+    comp = compressors()
+    for a in arrays:
+        root.create_array(
+            a.name,
+            shape=a.shape,
+            dtype=a.dtype,
+            chunks=a.chunks,
+            dimension_names=a.dims,
+            fill_value=a.fill,
+            filters=steps_last(a.dims) if "step" in a.dims and len(a.dims) > 2 else None,
+            compressors=comp,
         )
-    else:
-        coord("window", L.n_windows)
-        coord("sink", L.n_sink)
-        arr(
-            "attn",
-            (S, L.n_steps, L.n_layers, Hs, L.n_windows),
-            ("sample", "step", "layer", hs, "window"),
-            f,
-            (1, blk, 1, Hs, max(1, L.n_windows)),
-            nan,
-        )
-        arr(
-            "attn_sink",
-            (S, L.n_steps, L.n_layers, Hs, L.n_sink),
-            ("sample", "step", "layer", hs, "sink"),
-            f,
-            (1, blk, 1, Hs, L.n_sink),
-            nan,
-        )
-    arr("prefill_colsum", (S, L.n_layers, Hs, T), ("sample", "layer", hs, "pos"), "float32", (1, 1, Hs, T), nan)
-    arr(
-        "prefill_tail",
-        (S, L.n_layers, Hs, L.obs_window, T),
-        ("sample", "layer", hs, "obs", "pos"),
-        f,
-        (1, 1, Hs, L.obs_window, T),
-        nan,
-    )
-    arr("prefill_tail_qpos", (S, L.obs_window), ("sample", "obs"), "int32", (1, L.obs_window), -1)
-    arr("tokens", (S, T), ("sample", "pos"), "int32", (1, T), -1)
-    arr("prompt_len", (S,), ("sample",), "int32", (S,), 0)
-    arr("n_steps", (S,), ("sample",), "int32", (S,), 0)
-    arr("query_pos", (S, L.n_steps), ("sample", "step"), "int32", (1, L.n_steps), -1)
-    arr("token_id", (S, L.n_steps), ("sample", "step"), "int32", (1, L.n_steps), -1)
-    if L.record_qkv:
-        coord("qpos", L.n_pos)
-        coord("head", L.n_heads) if hs != "head" else None
-        coord("kv_head", L.n_kv_heads) if hs != "kv_head" else None
-        coord("dim", L.head_dim)
-        coord("rope_freq", L.rope_freqs)
-        pb = L.pos_block
-        arr(
-            "q",
-            (S, T, L.n_layers, L.n_heads, L.head_dim),
-            ("sample", "qpos", "layer", "head", "dim"),
-            f,
-            (1, pb, 1, L.n_heads, L.head_dim),
-            nan,
-        )
-        for name in ("k", "v"):
-            arr(
-                name,
-                (S, L.n_layers, L.n_kv_heads, T, L.head_dim),
-                ("sample", "layer", "kv_head", "pos", "dim"),
-                f,
-                (1, 1, L.n_kv_heads, pb, L.head_dim),
-                nan,
-            )
-        arr(
-            "rope_inv_freq",
-            (L.n_layers, L.rope_freqs),
-            ("layer", "rope_freq"),
-            "float32",
-            (L.n_layers, max(1, L.rope_freqs)),
-            nan,
-        )
-        arr("rope_attention_scaling", (L.n_layers,), ("layer",), "float32", (L.n_layers,), nan)
-    if L.policy_events:
-        coord("event", L.policy_events)
-        if hs != "kv_head" and not L.record_qkv:
-            coord("kv_head", L.n_kv_heads)
-        arr(
-            "policy_tiers",
-            (S, L.policy_events, L.n_layers, L.n_kv_heads, T),
-            ("sample", "event", "layer", "kv_head", "pos"),
-            "int8",
-            (1, 1, L.n_layers, L.n_kv_heads, T),
-            -1,
-        )
-        arr("policy_bytes", (S, L.n_steps), ("sample", "step"), "float64", (1, L.n_steps), nan)
-        arr("policy_cache_bytes", (S, L.n_steps), ("sample", "step"), "int64", (1, L.n_steps), -1)
 
 
 # -- reading ------------------------------------------------------------------------
@@ -351,7 +334,8 @@ def open_trace(path: str | os.PathLike, chunks=None, validate_store: bool = True
     attrs = validate(path) if validate_store else read_attrs(path)
     complete = attrs.get("status") == "complete"
     try:
-        ds = xr.open_zarr(str(path), chunks=chunks, consolidated=complete, zarr_format=3)
+        with walking_members():
+            ds = xr.open_zarr(str(path), chunks=chunks, consolidated=complete, zarr_format=3)
     except Exception as exc:  # noqa: BLE001
         raise StoreError(f"cannot open {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     ds = ds.set_coords([name for name in COORD_VARIABLES if name in ds])
@@ -369,7 +353,9 @@ def store_info(path: str | os.PathLike) -> dict:
     group = zarr.open_group(str(path), mode="r")
     arrays = {}
     total_stored = total_logical = 0
-    for name, arr in sorted(group.arrays()):
+    with walking_members():
+        members = sorted(group.arrays())
+    for name, arr in members:
         stored = _stored_bytes(Path(path) / name / "c")
         chunk_bytes = int(np.prod(arr.chunks)) * arr.dtype.itemsize
         logical = arr.nchunks_initialized * chunk_bytes

@@ -16,6 +16,7 @@ def dataset_from_rows(
     prefill_colsum: np.ndarray | None = None,  # [sample, layer, kv_head, pos]
     w: int = 8,
     n_sink: int = 4,
+    head_dim: int = 64,
 ) -> xr.Dataset:
     """An in-memory trace Dataset (what ``open_trace`` returns) from given rows."""
     attn = np.asarray(attn, dtype=np.float32)
@@ -45,6 +46,10 @@ def dataset_from_rows(
         },
         attrs={
             "schema_version": 1,
+            "model": {
+                "name": "synthetic",
+                "config": {"n_layers": L, "n_heads": H, "n_kv_heads": H, "head_dim": head_dim},
+            },
             "status": "complete",
             "resolution": "token",
             "heads": "kv",
@@ -72,7 +77,7 @@ def write_synthetic_store(
     that stores larger than memory can be made."""
     import zarr
 
-    from .store import SCHEMA_VERSION, Layout, create
+    from .store import SCHEMA_VERSION, Layout, consolidate, create
 
     rng = np.random.default_rng(seed)
     T = prompt_len + n_steps
@@ -99,7 +104,10 @@ def write_synthetic_store(
         "status": "partial",
         "steps_committed": [0] * n_samples,
         "samples_done": [False] * n_samples,
-        "model": {"name": "synthetic", "config": {"n_layers": n_layers, "n_kv_heads": n_kv}},
+        "model": {
+            "name": "synthetic",
+            "config": {"n_layers": n_layers, "n_heads": n_kv, "n_kv_heads": n_kv, "head_dim": layout.head_dim},
+        },
         "heads": "kv",
         "head_dim_name": "kv_head",
         "resolution": "token",
@@ -132,5 +140,5 @@ def write_synthetic_store(
             if progress:
                 progress(s, t1)
     g.attrs.update({"status": "complete", "steps_committed": [n_steps] * n_samples, "samples_done": [True] * n_samples})
-    zarr.consolidate_metadata(str(path))
+    consolidate(path)
     return path

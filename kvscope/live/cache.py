@@ -38,18 +38,22 @@ One sequence at a time (batch 1). Needs a kvscope attention implementation
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .. import defaults
 from ..errors import KvscopeError
-from ..policies import BudgetExceeded, CacheSpec, Policy, Rope, parse
+from ..model_spec import ModelSpec
+from ..policies import CacheSpec, Policy, PolicyDriver, check_budget, parse
 from ..policies.quant import pack
+from ..rope import Rope, rotate_half
 from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
 
-BYTES_TOLERANCE = 1e-6
 INDEX = torch.int32  # dtype of the position / head / group index tensors
 
 
@@ -60,6 +64,21 @@ def live_policy(policy: Policy | str) -> Policy:
     if policy.clairvoyant:
         raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
     return policy
+
+
+def parse_kv_dtype(name: str | None):
+    """``--kv-dtype``: None for the model's dtype, else the torch dtype FP entries are stored in."""
+    if name in (None, "", "model"):
+        return None
+    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in table:
+        raise KvscopeError(f"--kv-dtype must be model, float16, bfloat16 or float32 (got {name!r})")
+    return table[name]
+
+
+def kv_storage_dtype(model, name: str | None):
+    """The dtype a live cache of ``model`` stores FP entries in: ``--kv-dtype``, or the model's."""
+    return parse_kv_dtype(name) or next(model.parameters()).dtype
 
 
 def prepare(model, kernel: str = "sdpa"):
@@ -76,16 +95,6 @@ def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [rows, bytes, per]
     return codes.view(packed.shape[0], packed.shape[1] * per)[:, :n].float()
-
-
-def _rotate_half(x: torch.Tensor, n_rot: int) -> torch.Tensor:
-    """``rotate_half`` of the first ``n_rot`` channels of ``x [n, D]`` (zeros past them), as
-    :func:`kvscope.policies.base.apply_rope` computes it."""
-    half = n_rot // 2
-    parts = [-x[:, half:n_rot], x[:, :half]]
-    if n_rot < x.shape[1]:
-        parts.append(torch.zeros((x.shape[0], x.shape[1] - n_rot), dtype=x.dtype, device=x.device))
-    return torch.cat(parts, dim=1)
 
 
 class _Pool:
@@ -122,7 +131,7 @@ class PolicyLayer(DynamicLayer):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, cache: "PolicyCache", index: int):
+    def __init__(self, cache: PolicyCache, index: int):
         super().__init__()
         self.cache, self.index = cache, index
         self.n_seen = 0
@@ -171,41 +180,35 @@ class PolicyCache(DynamicCache):
         max_new_tokens: int,
         *,
         kv_dtype: torch.dtype | None = None,
-        n_sink: int = 4,
-        w: int = 8,
-        obs_window: int = 32,
+        n_sink: int = defaults.N_SINK,
+        w: int = defaults.W,
+        obs_window: int = defaults.OBS_WINDOW,
         every: int | None = None,
         keep_tiers: bool = False,
         check: bool = False,
     ):
-        from ..replay import check_budget
-        from ..tracing.runner import _model_facts, _rope_parameters
-
         policy = live_policy(policy)
         if max_new_tokens < 1:
             raise KvscopeError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-        facts = _model_facts(model)
-        if any(t != "full_attention" for t in facts["layer_types"]) or (
-            facts["sliding_window"] and not facts["layer_types"]
-        ):
+        spec = ModelSpec.from_model(model)
+        if not spec.global_only:
             raise KvscopeError("live policy caches support global-attention layers only (this model slides windows)")
         self.policy, self.budget = policy, check_budget(budget)
         self.max_new_tokens = int(max_new_tokens)
-        self.n_layers, self.n_kv, self.head_dim = facts["n_layers"], facts["n_kv_heads"], facts["head_dim"]
+        self.n_layers, self.n_kv, self.head_dim = spec.n_layers, spec.n_kv_heads, spec.head_dim
         parameter = next(model.parameters())
         self.kv_dtype = kv_dtype or parameter.dtype
         self.itemsize = self.kv_dtype.itemsize
         self.device = parameter.device
         self.n_sink, self.w = n_sink, w
         self.every = every or w
-        inv_freq, scaling = _rope_parameters(model, self.n_layers)
-        rope = Rope(np.asarray(inv_freq, np.float64), np.asarray(scaling))
+        rope = Rope.from_model(model, self.n_layers)
         self.rope = rope if rope.usable() else None
         self.recorder = AttentionRecorder(n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window)
         self.keep_tiers, self.check = keep_tiers, check
         Cache.__init__(self, layers=[PolicyLayer(self, i) for i in range(self.n_layers)])
         self.pools = [_Pool(self.head_dim, self.kv_dtype, self.device) for _ in range(self.n_layers)]
-        self.state = None
+        self.driver: PolicyDriver | None = None
         self.seen = 0  # positions that exist
         self.step = -1  # last step whose decision was applied
         self._pending: str | None = None
@@ -217,6 +220,11 @@ class PolicyCache(DynamicCache):
 
     # -- sizes ------------------------------------------------------------------------------
     @property
+    def state(self):
+        """The policy's cache state (None before the prompt)."""
+        return None if self.driver is None else self.driver.state
+
+    @property
     def spec(self) -> CacheSpec:
         if self.state is None:
             raise KvscopeError("the cache has not seen a prompt yet")
@@ -225,12 +233,12 @@ class PolicyCache(DynamicCache):
     @property
     def budget_bytes(self) -> float:
         """``β · FP_bytes(P + S)`` over all layers and KV heads."""
-        return self.spec.capacity * self.n_layers * self.n_kv
+        return self.spec.total_capacity
 
     @property
     def full_bytes(self) -> float:
         """``FP_bytes(P + S)``: a full cache of the final length at ``kv_dtype``."""
-        return self.spec.final_len * self.spec.fp_bytes * self.n_layers * self.n_kv
+        return self.spec.full_bytes
 
     def slots(self, layer: int) -> int:
         """Key slots per head the layer hands to attention now (before this forward's key)."""
@@ -259,7 +267,7 @@ class PolicyCache(DynamicCache):
                 self.w,
                 self.itemsize,
             )
-            self.state = self.policy.start(spec, rope=self.rope)
+            self.driver = PolicyDriver(self.policy.start(spec, rope=self.rope), check=self.check)
             if self.state.ledger is not None:
                 self.state.ledger.sink = self._quantize
             self._pending = "prefill"
@@ -270,7 +278,7 @@ class PolicyCache(DynamicCache):
                 raise KvscopeError(
                     f"this PolicyCache was made for {self.max_new_tokens} new tokens; decoding went past them"
                 )
-            self.state.append(self.seen)
+            self.driver.append(self.seen)
             self._pending = "decode"
         self.seen += n_new
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
@@ -436,7 +444,7 @@ class PolicyCache(DynamicCache):
             pos = q["q_pos"]
             cos = torch.index_select(cos_table[layer], 0, pos)  # [n, D] float32: replay's tables
             sin = torch.index_select(sin_table[layer], 0, pos)
-            keys = keys * cos + _rotate_half(keys, 2 * ledger.rope.inv_freq.shape[1]) * sin
+            keys = keys * cos + rotate_half(keys, ledger.rope.n_rot) * sin
         return keys, values
 
     def _rope_tables(self, rope: Rope):
@@ -462,39 +470,35 @@ class PolicyCache(DynamicCache):
             )
         self._views = []
         offer_slots(None)
-        st = self.state
-        if kind == "prefill" and not self.recorder.enabled:  # a policy that ignores the prompt's attention
-            p = self.seen
-            st.prefill(np.zeros((self.n_layers, self.n_kv, p)), np.zeros((self.n_layers, self.n_kv, 1, p), np.float32))
-        elif kind == "prefill":
-            caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
-            colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
-            tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
-            st.prefill(np.nan_to_num(colsum), np.nan_to_num(tail))
-        else:
-            if self.policy.observes:
-                st.observe(self.recorder.rows[0, :, :, : self.seen].float().cpu().numpy())
-            st.compress()
+        used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
         self._sync()
         self.step += 1
-        used = st.bytes_used()  # [layer, kv_head]
         data, index = self.actual_bytes()
+        self.driver.check_held(data)
         self.bytes_model.append(float(used.sum()))
         self.bytes_actual.append(data)
         self.bytes_index.append(index)
-        if st.reached:
-            limit = st.spec.capacity * (1 + BYTES_TOLERANCE)
-            if (used > limit).any() or data > self.budget_bytes * (1 + BYTES_TOLERANCE):
-                raise BudgetExceeded(
-                    f"{self.policy.label()} holds {data} bytes ({used.max():.0f} per layer and head by the byte "
-                    f"model) at step {self.step}, over its budget {self.budget_bytes:.0f} (β = {self.budget})"
-                )
         if self.check:
-            st.check()
             self._check_content()
         if self.keep_tiers and self.step % self.every == 0:
-            self.tier_events[self.step] = st.tiers.copy()
+            self.tier_events[self.step] = self.state.tiers.copy()
+
+    def _prompt_attention(self) -> tuple[np.ndarray, np.ndarray]:
+        """``colsum [L, Hkv, P]`` and ``tail [L, Hkv, obs, P]`` of the prompt's own attention
+        (zeros for a policy that ignores it: they were not computed)."""
+        p = self.seen
+        if not self.recorder.enabled:
+            return np.zeros((self.n_layers, self.n_kv, p)), np.zeros((self.n_layers, self.n_kv, 1, p), np.float32)
+        caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
+        colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
+        tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
+        return np.nan_to_num(colsum), np.nan_to_num(tail)
+
+    def _decide(self) -> np.ndarray:
+        """The policy decides on the row this cache served (kv-group mean, by position)."""
+        row = self.recorder.rows[0, :, :, : self.seen].float().cpu().numpy() if self.policy.observes else None
+        return self.driver.decide(row)
 
     def _sync(self) -> None:
         """Make the pools match the state's tiers: FP rows stay while their position is FP
@@ -539,3 +543,40 @@ class PolicyCache(DynamicCache):
                 np.add.at(held, (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
             if not np.array_equal(held, (tiers[layer] >= TIER_Q).astype(np.int64)):  # evicted: held 0 times
                 raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
+
+
+@dataclass
+class LivePolicy:
+    """A cache factory for :func:`kvscope.trace` (``cache=``): every batch decodes under a
+    recording :class:`PolicyCache` (tiers kept at every event, bytes at every step)."""
+
+    policy: Policy | str
+    budget: float
+    kv_dtype: str = "model"
+
+    def __post_init__(self):
+        self.policy = live_policy(self.policy)
+        self.budget = check_budget(self.budget)
+        parse_kv_dtype(self.kv_dtype)
+
+    def settings(self) -> dict:
+        """What a resumed trace must match."""
+        return {"policy": self.policy.label(), "budget": self.budget, "kv_dtype": self.kv_dtype}
+
+    def describe(self, model) -> dict:
+        """The store's ``policy`` attribute."""
+        dtype = kv_storage_dtype(model, self.kv_dtype)
+        return {
+            "label": self.policy.label(),
+            "name": self.policy.name,
+            "params": self.policy.params(),
+            "budget": self.budget,
+            "kv_dtype": str(dtype).removeprefix("torch."),
+            "kv_itemsize": dtype.itemsize,
+        }
+
+    def __call__(self, model, layout) -> PolicyCache:
+        return PolicyCache(
+            model, self.policy, self.budget, layout.n_steps, kv_dtype=parse_kv_dtype(self.kv_dtype),
+            n_sink=layout.n_sink, w=layout.window, obs_window=layout.obs_window, every=layout.window, keep_tiers=True,
+        )  # fmt: skip

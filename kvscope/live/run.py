@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .. import defaults
 from ..errors import KvscopeError
+from ..model_spec import ModelSpec
+from ..models import DEFAULT_MODEL, load, resolve
+from ..policies import check_budget
+from ..prompts import as_prompts, check_context, encode, eos_ids
+from .cache import PolicyCache, live_policy, parse_kv_dtype, prepare
 
 
 @dataclass
@@ -122,8 +128,8 @@ def run_loaded(
     max_new_tokens: int,
     *,
     kv_dtype=None,
-    n_sink: int = 4,
-    w: int = 8,
+    n_sink: int = defaults.N_SINK,
+    w: int = defaults.W,
     scorer=None,
     expected=None,
     on_step=None,
@@ -131,8 +137,6 @@ def run_loaded(
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each)."""
     from transformers import DynamicCache
-
-    from .cache import PolicyCache
 
     def make():
         return PolicyCache(model, policy, budget, max_new_tokens, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
@@ -171,27 +175,9 @@ def run_loaded(
 
 def _text(tokenizer, model, tokens: list[int]) -> str:
     """The generated text up to the first end-of-sequence token."""
-    from ..tracing.runner import _eos_ids
-
-    eos = set(_eos_ids(model, tokenizer))
+    eos = set(eos_ids(model, tokenizer))
     cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokenizer.decode(tokens[:cut])
-
-
-def kv_storage_dtype(model, name: str | None):
-    """The dtype a live cache of ``model`` stores FP entries in: ``--kv-dtype``, or the model's."""
-    return parse_kv_dtype(name) or next(model.parameters()).dtype
-
-
-def parse_kv_dtype(name: str | None):
-    import torch
-
-    if name in (None, "", "model"):
-        return None
-    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-    if name not in table:
-        raise KvscopeError(f"--kv-dtype must be model, float16, bfloat16 or float32 (got {name!r})")
-    return table[name]
 
 
 def run(
@@ -199,27 +185,22 @@ def run(
     policy,
     budget: float,
     *,
-    model: str = "smollm2-135m",
-    max_new_tokens: int = 64,
+    model: str = DEFAULT_MODEL,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     kv_dtype: str | None = None,
     device: str = "cpu",
     model_dtype: str = "auto",
     attn: str = "sdpa",
     chat: bool = False,
-    n_sink: int = 4,
-    w: int = 8,
+    n_sink: int = defaults.N_SINK,
+    w: int = defaults.W,
     scorer=None,
     trust_remote_code: bool = False,
     progress=None,
 ) -> list[RunResult]:
-    """Generate every prompt (text or :class:`~kvscope.tracing.runner.Prompt`) under
+    """Generate every prompt (text or :class:`~kvscope.prompts.Prompt`) under
     ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
     total)`` is called after every forward (3 decodes × ``max_new_tokens`` per prompt)."""
-    from ..models import load, resolve
-    from ..replay import check_budget
-    from ..tracing.runner import _encode, _model_facts, as_prompts, check_context
-    from .cache import live_policy, prepare
-
     check_budget(budget)
     policy = live_policy(policy)
     if max_new_tokens < 1:
@@ -229,8 +210,8 @@ def run(
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
     prepare(loaded, attn)
-    encoded = _encode(tokenizer, prompts, chat)
-    check_context(encoded, max_new_tokens, _model_facts(loaded)["max_position_embeddings"])
+    encoded = encode(tokenizer, prompts, chat)
+    check_context(encoded, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings)
     results = []
     done, total = [0], 3 * max_new_tokens * len(prompts)
 

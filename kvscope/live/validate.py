@@ -26,6 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KvscopeError
+from ..models import load, resolve
+from ..policies import check_budget
+from ..prompts import Prompt
+from ..replay import replay
+from ..store import open_trace
+from ..tracing.runner import TraceSettings, trace_loaded
+from .cache import LivePolicy, kv_storage_dtype, live_policy
 
 
 def validate(
@@ -39,13 +46,6 @@ def validate(
 ) -> dict:
     """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
     ``predicted`` and ``live`` errors and the decision agreement."""
-    from ..models import load, resolve
-    from ..replay import check_budget, replay
-    from ..store import open_trace
-    from ..tracing.runner import Prompt, TraceSettings, trace_loaded
-    from .cache import live_policy
-    from .run import kv_storage_dtype
-
     budget = check_budget(budget)
     policy = live_policy(policy)
     ds = open_trace(store)
@@ -61,13 +61,14 @@ def validate(
     itemsize = dtype.itemsize
 
     open_loop = replay(ds, [policy], [budget], observe="exact", kv_itemsize=itemsize)
+    acc = ds.kvscope
     settings = TraceSettings(
         model=attrs["model"]["name"],
         max_new_tokens=int(ds.sizes["step"]),
         heads="kv",
-        window=int(attrs.get("w", 8)),
-        n_sink=int(attrs.get("n_sink", 4)),
-        obs_window=int(attrs.get("obs_window", 32)),
+        window=acc.w,
+        n_sink=acc.n_sink,
+        obs_window=acc.obs_window,
         record_qkv=True,
         dtype="float32",
         device=attrs.get("device", "cpu"),
@@ -75,20 +76,18 @@ def validate(
         model_dtype=settings_doc.get("model_dtype", "auto"),
         stop_at_eos=bool(attrs.get("generation", {}).get("stop_at_eos", True)),
         chat=bool(attrs.get("generation", {}).get("chat_template", False)),
-        policy=policy.label() if ":" in policy.label() else policy.name,
-        budget=budget,
-        kv_dtype=str(dtype).removeprefix("torch."),
     )
     settings.check()
-    prompts = [
-        Prompt(p["text"], p.get("source", "cli"), p.get("expected"), p.get("meta") or {}) for p in attrs["prompts"]
-    ]
+    cache = LivePolicy(policy, budget, str(dtype).removeprefix("torch."))
+    prompts = [Prompt.from_doc(p) for p in attrs["prompts"]]
     tmp = None
     if live_out is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvscope-validate-")
         live_out = Path(tmp.name) / "live.zarr"
     try:
-        trace_loaded(model, tokenizer, source, prompts, Path(live_out), settings, force=True, progress=progress)
+        trace_loaded(
+            model, tokenizer, source, prompts, Path(live_out), settings, force=True, progress=progress, cache=cache
+        )
         live = open_trace(live_out)
         closed = replay(live, [policy], [budget], observe="exact", kv_itemsize=itemsize, every=settings.window)
         report = _report(ds, live, open_loop, closed, policy.label(), budget, itemsize)

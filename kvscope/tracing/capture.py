@@ -4,12 +4,14 @@ kvscope registers one attention function per fast kernel (``kvscope_fused`` for 
 ``kvscope_eager``, ``kvscope_fa2`` for flash_attention_2) together with the matching
 ``AttentionMaskInterface`` entry. The function computes the layer output with the
 kernel the user chose and, when a :class:`AttentionRecorder` is active, recomputes the
-probabilities of the *new query rows only* in fp32::
+probabilities of the *new query rows only* in fp32 with the attention rule of
+:mod:`kvscope.attention` (the layer's scaling and softcap as the model passes them; the
+sliding window and padding through transformers' mask)::
 
     a = softmax(mask(softcap(q · kᵀ · scaling)))          # [batch, head, q, kv]
 
-with KV heads repeated for GQA. Nothing model-specific is hooked: the function sees the
-real post-RoPE q/k/v of every model that routes through ``AttentionInterface``.
+Nothing model-specific is hooked: the function sees the real post-RoPE q/k/v of every model
+that routes through ``AttentionInterface``.
 
 Key slots are mapped to absolute positions: the keys handed to the function are always
 the last ``kv`` slots of the sequence (dynamic layers return every slot, sliding-window
@@ -29,10 +31,12 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
 
+from .. import attention
+
 KERNELS = ("sdpa", "eager", "flash_attention_2")
 HEAD_MODES = ("all", "kv", "mean")
 
-_ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar(
     "kvscope_active_recorder", default=None
 )
 
@@ -44,19 +48,19 @@ class SlotView:
     keys: torch.Tensor  # the very tensor the cache layer returned (matched by identity)
     slot_pos: torch.Tensor  # [kv_head, kv] absolute position of each key slot, −1 = padding
     head_mask: torch.Tensor | None  # [kv_head, kv] bool, True = a real slot (None: no padding)
-    recorder: "AttentionRecorder | None" = None  # the cache's own observer (rows it decides on)
+    recorder: AttentionRecorder | None = None  # the cache's own observer (rows it decides on)
     used: bool = False  # set by the attention function: the cache checks that it was seen
 
 
-_LIVE: contextvars.ContextVar["SlotView | None"] = contextvars.ContextVar("kvscope_live_slots", default=None)
+_LIVE: contextvars.ContextVar[SlotView | None] = contextvars.ContextVar("kvscope_live_slots", default=None)
 
 
-def offer_slots(view: "SlotView | None") -> None:
+def offer_slots(view: SlotView | None) -> None:
     """Called by a live cache layer's ``update`` right before the layer's attention."""
     _LIVE.set(view)
 
 
-def _slot_view(key: torch.Tensor) -> "SlotView | None":
+def _slot_view(key: torch.Tensor) -> SlotView | None:
     view = _LIVE.get()
     return view if view is not None and view.keys is key else None
 
@@ -69,24 +73,17 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
 
 
-def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, q_offset: int) -> torch.Tensor:
-    """Mask fp32 scores [batch, head, q, kv] in place of the kernel's own masking.
-
-    ``mask`` is transformers' mask (bool: True = attend; float: additive) for the full
-    query length; ``q_offset`` selects the rows of this block. ``None`` with more than one
-    query row means sdpa's upper-left causal alignment (SPEC appendix).
-    """
-    q_len, kv_len = scores.shape[-2], scores.shape[-1]
+def _mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
+    """transformers' ``mask`` (bool: True = attend; float: additive) for the rows
+    ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for :func:`kvscope.attention.softmax`.
+    ``None`` with more than one query row means sdpa's upper-left causal alignment (SPEC appendix)."""
     if mask is None:
-        if q_len == 1 and q_offset == 0 and kv_len >= 1:
-            return scores
-        rows = torch.arange(q_offset, q_offset + q_len, device=scores.device)[:, None]
-        cols = torch.arange(kv_len, device=scores.device)[None, :]
-        return scores.masked_fill(cols > rows, float("-inf"))
+        if full_q_len == 1:
+            return None, None
+        rows = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
+        return attention.visible(rows, torch.arange(kv_len, device=device)), None
     block = mask[..., q_offset : q_offset + q_len, :]
-    if block.dtype == torch.bool:
-        return scores.masked_fill(~block, float("-inf"))
-    return scores + block.to(torch.float32)
+    return (block, None) if block.dtype == torch.bool else (None, block)
 
 
 def attention_probs(
@@ -98,27 +95,16 @@ def attention_probs(
     q_offset: int = 0,
     full_q_len: int | None = None,
 ) -> torch.Tensor:
-    """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key``.
-
-    GQA without copying keys: the heads of a group are stacked as extra query rows,
-    ``[batch, kv_head, group·q, D] @ [batch, kv_head, D, kv]``. Rows whose every key is
-    masked (left-padding query rows) come out as zeros, not NaN.
-    """
-    b, h, r, d = query.shape
+    """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key`` (the rule of
+    :mod:`kvscope.attention`; the heads of a GQA group stacked as rows, keys never copied).
+    Rows whose every key is masked (left-padding query rows) come out as zeros, not NaN."""
+    b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
-    q = query.to(torch.float32).reshape(b, n_kv, (h // n_kv) * r, d)
-    scores = torch.matmul(q, key.to(torch.float32).transpose(-1, -2)).view(b, h, r, kv)
-    scores.mul_(scaling)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = _apply_mask(scores, mask, q_offset)
-    elif (full_q_len or r) > 1:
-        scores = _apply_mask(scores, None, q_offset)
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None and r > 1:
-        probs = torch.nan_to_num_(probs, nan=0.0)
-    return probs
+    logits = attention.logits(
+        attention.grouped(query.to(torch.float32), n_kv), key.to(torch.float32), scaling, softcap
+    ).view(b, h, r, kv)
+    visible, bias = _mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
+    return attention.softmax(logits, visible, bias)
 
 
 @dataclass
@@ -167,7 +153,7 @@ class AttentionRecorder:
         self.layers = {}
         self.rows = None
 
-    def active(self) -> "_Activation":
+    def active(self) -> _Activation:
         return _Activation(self)
 
     # -- reductions --------------------------------------------------------------
@@ -311,20 +297,18 @@ class _Activation:
 
 
 def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, training=False):
-    """Generic eager attention (the math of transformers' per-model eager functions)."""
+    """Generic eager attention in the query's dtype: the rule's logits, then the mask the way
+    transformers' per-model eager functions apply it (so outputs match them bit for bit)."""
     n_rep = query.shape[1] // key.shape[1]
-    k = repeat_kv(key, n_rep)
-    v = repeat_kv(value, n_rep)
-    scores = torch.matmul(query, k.transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = attention.logits(query, repeat_kv(key, n_rep), scaling, softcap)
+    if mask is None and query.shape[2] > 1:
+        mask, _ = _mask_terms(None, 0, query.shape[2], key.shape[2], query.shape[2], query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    elif query.shape[2] > 1:
-        scores = _apply_mask(scores, None, 0)
+    v = repeat_kv(value, n_rep)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout and training:
         weights = torch.nn.functional.dropout(weights, p=dropout, training=True)

@@ -32,7 +32,7 @@ class StoreLock:
         self.path = Path(path)
         self.handle = None
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> StoreLock:
         self.path.mkdir(parents=True, exist_ok=True)
         handle = open(self.path / LOCK_NAME, "a+")
         try:
@@ -48,6 +48,20 @@ class StoreLock:
         handle.flush()
         self.handle = handle
         return self
+
+    @staticmethod
+    def held_by_other(path: Path) -> bool:
+        """Another process holds the writer lock of the store at ``path``."""
+        lock = Path(path) / LOCK_NAME
+        if not lock.is_file():
+            return False
+        with open(lock) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
 
     def release(self) -> None:
         if self.handle is not None:
