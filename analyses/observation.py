@@ -35,7 +35,7 @@ def main() -> None:
     per_layer = {}
     for name, path in ensure_traces(args).items():
         ds = kvscope.open_trace(path, chunks={})
-        r = A.study(ds, n_boot=500)
+        r = A.study(ds, [A.FMM(n_boot=500), A.Churn(n_boot=500), A.LIR(n_boot=500), A.Peaks()])
         conc = A.concentration(ds)
         fmm, churn, lir = r["fmm"], r["churn"], r["lir"]
         lir_any = A.lir(ds, h_lir=None, n_boot=500)  # short QA traces censor every H_lir = 8 window

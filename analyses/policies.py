@@ -27,7 +27,7 @@ def main() -> None:
 
     import kvscope
     from kvscope.plots import plot_compare
-    from kvscope.replay import comparison
+    from kvscope.report import comparison
 
     folder = Path(args.results) / "policies"
     folder.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def main() -> None:
         scores = task_scores(path)
         graded = [s for s in scores if s is not None]
         doc[name] = {"rows": rows, "full_kv_task_scores": scores}
-        plot_compare(r, folder / f"{name}.png")
+        plot_compare(r).savefig(folder / f"{name}.png", dpi=120)
         markdown += [
             "",
             f"## {name}"

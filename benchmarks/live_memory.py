@@ -48,12 +48,12 @@ def main() -> None:
     from kvscope.live import PolicyCache, prepare
     from kvscope.live.run import decode
     from kvscope.models import load, resolve
-    from kvscope.tracing.runner import _encode
+    from kvscope.prompts import encode
 
     source = resolve(args.model)
     model, tokenizer = load(source)
     prompt = workloads.prompts_for_model("prose", args.model, context=args.prompt_tokens, samples=1)[0]
-    ids = _encode(tokenizer, [prompt], False)[0]
+    ids = encode(tokenizer, [prompt], False)[0]
     S = args.new_tokens
 
     model.set_attn_implementation("sdpa")

@@ -34,7 +34,7 @@ POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", 
 REPLAY = """
 import json, sys, time
 import kvscope
-from kvscope.replay import comparison
+from kvscope.report import comparison
 store, policies, budgets, observe = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
 t0 = time.perf_counter()
 kvscope.replay(store, ["full"], [1.0], observe=observe)  # warm-up, as the decode's first run is
@@ -64,11 +64,12 @@ def main() -> None:
     import torch
     from trace_overhead import prose_prompt, untraced_decode
 
-    from kvscope.cli import _quiet_libraries
+    from kvscope.cli import quiet_libraries
     from kvscope.models import load, resolve
-    from kvscope.tracing.runner import Prompt, TraceSettings, trace_loaded
+    from kvscope.prompts import Prompt
+    from kvscope.tracing.runner import TraceSettings, trace_loaded
 
-    _quiet_libraries()
+    quiet_libraries().__enter__()  # for the whole benchmark process
     source = resolve(args.model)
     model, tokenizer = load(source, "cpu")
     prompt = prose_prompt(tokenizer, args.prompt_tokens)

@@ -72,12 +72,13 @@ def main() -> None:
 
     import torch
 
-    from kvscope.cli import _quiet_libraries
+    from kvscope.cli import quiet_libraries
     from kvscope.models import load, resolve
+    from kvscope.prompts import Prompt
     from kvscope.store import store_info
-    from kvscope.tracing.runner import Prompt, TraceSettings, trace_loaded
+    from kvscope.tracing.runner import TraceSettings, trace_loaded
 
-    _quiet_libraries()
+    quiet_libraries().__enter__()  # for the whole benchmark process
     source = resolve(args.model)
     model, tokenizer = load(source, args.device)
     prompt = prose_prompt(tokenizer, args.prompt_tokens)

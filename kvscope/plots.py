@@ -1,138 +1,20 @@
-"""Figures for the analyses (matplotlib, headless). Each function takes an analysis
-result Dataset and a file path and writes one figure."""
+"""Figures of replay results (the figures of the analyses are their metrics' ``plot``
+methods). Every function returns a matplotlib ``Figure`` and saves nothing
+(:func:`kvscope.figures.save` does)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-
-def _figure(width=7.0, height=4.2, ncols=1):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, ncols, figsize=(width, height), constrained_layout=True)
+from .figures import axes as figure_axes
 
 
-def _save(fig, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_fmm(result, path) -> None:
-    """FMM(H) with its bootstrap CI band."""
-    fig, ax = _figure()
-    h = result["horizon"].values
-    ax.plot(h, result["curve"].values, marker="o", label=f"FMM ({result.attrs['selection']})")
-    ax.fill_between(h, result["curve_low"].values, result["curve_high"].values, alpha=0.25, label="95% CI")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("horizon H (steps)")
-    ax.set_ylabel("future missed mass")
-    ax.set_ylim(0, max(0.05, float(np.nanmax(result["curve_high"].values)) * 1.15))
-    ax.set_title(f"Future Missed Mass, top {result.attrs['top_frac']:.0%} windows by history")
-    ax.legend()
-    _save(fig, path)
-
-
-def plot_churn(result, path) -> None:
-    fig, ax = _figure()
-    ax.plot(result["event_step"].values, result["churn_over_time"].values, marker=".")
-    ax.set_xlabel("step of the later event")
-    ax.set_ylabel("Jaccard distance to previous selection")
-    ax.set_title(f"Selection churn (mean {float(result['mean']):.3f})")
-    _save(fig, path)
-
-
-def plot_lir(result, path) -> None:
-    fig, (ax1, ax2) = _figure(9, 4, ncols=2)
-    ax1.bar(result["layer"].values, result["lir_layer"].values)
-    ax1.axhline(float(result["lir"]), color="k", lw=1, ls="--", label=f"all layers {float(result['lir']):.3f}")
-    ax1.set_xlabel("layer")
-    ax1.set_ylabel("LIR (reactivated / eligible)")
-    ax1.legend()
-    ax2.bar(["P01 cold→hot", "P10 hot→cold"], [float(result["p01"]), float(result["p10"])])
-    ax2.set_ylabel(f"lag-{result.attrs['delta']} transition probability")
-    _save(fig, path)
-
-
-def plot_peaks(result, path) -> None:
-    """Log-log exposure-normalized peak density with the fitted power law and alternatives."""
-    fig, ax = _figure()
-    lo = result["bin_low"].values.astype(float)
-    centers = lo * np.sqrt(2)
-    dens = result["density"].values
-    ok = np.isfinite(dens) & (dens > 0)
-    ax.loglog(centers[ok], dens[ok], "o", label="peak density per position")
-    alpha = float(result["alpha"])
-    if np.isfinite(alpha) and ok.any():
-        ref = centers[ok][0]
-        scale = dens[ok][0] / ref ** (-alpha)
-        ax.loglog(
-            centers[ok],
-            scale * centers[ok] ** (-alpha),
-            "-",
-            label=f"power law α={alpha:.2f} [{float(result['alpha_low']):.2f}, {float(result['alpha_high']):.2f}]",
-        )
-        lam = float(result["lambda"])
-        if np.isfinite(lam):
-            e_scale = dens[ok][0] / np.exp(-lam * ref)
-            ax.loglog(centers[ok], e_scale * np.exp(-lam * centers[ok]), ":", label=f"exponential λ={lam:.3f}")
-        ax.loglog(centers[ok], np.full(ok.sum(), np.nanmean(dens[ok])), "--", label="uniform")
-    ax.set_xlabel("distance to the query d (log2 bins)")
-    ax.set_ylabel("peaks per possible position")
-    ax.set_title(f"Attention peaks (top-{result.attrs['k']}), best by AIC: {result.attrs['best_model']}")
-    ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def plot_concentration(result, path) -> None:
-    fig, ax = _figure()
-    p = np.asarray(result["top_frac"].values)
-    ax.plot(p * 100, result["top_share_mean"].values, marker="o", label="mean over events and units")
-    ax.plot([0, 100], [0, 1], color="gray", ls=":", label="uniform")
-    ax.set_xlabel("top windows (%)")
-    ax.set_ylabel("share of per-step mass")
-    ax.set_title("Concentration of attention over windows")
-    ax.legend()
-    _save(fig, path)
-
-
-def plot_drift(result, path, sample=0, layer=None, head=0) -> None:
-    """Window-mass heatmap (step × window) of one unit with the selection overlaid."""
-    hdim = "kv_head" if "kv_head" in result["mass"].dims else "head"
-    layer = int(result["layer"].values[len(result["layer"]) // 2]) if layer is None else layer
-    m = result["mass"].sel(layer=layer).isel(sample=sample, **{hdim: head}).values  # [step, window]
-    sel = result["selection"].sel(layer=layer).isel(sample=sample, **{hdim: head}).values  # [event, window]
-    fig, ax = _figure(8, 5)
-    im = ax.imshow(np.log10(np.maximum(m.T, 1e-6)), aspect="auto", origin="lower", cmap="viridis")
-    fig.colorbar(im, ax=ax, label="log10 window mass")
-    ev, win = np.nonzero(sel == 1)
-    ax.scatter(result["event_step"].values[ev], win, s=4, c="red", marker="s", label="selected (history top-ρ)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("window")
-    ax.set_title(f"Window mass, sample {sample}, layer {layer}, {hdim} {head}")
-    ax.legend(loc="upper left", fontsize=8)
-    _save(fig, path)
-
-
-PLOTS = {
-    "fmm": plot_fmm,
-    "churn": plot_churn,
-    "lir": plot_lir,
-    "peaks": plot_peaks,
-    "concentration": plot_concentration,
-    "drift": plot_drift,
-}
-
-
-def plot_compare(result, path) -> None:
+def plot_compare(result, ax=None):
     """Replay comparison: FMM and output error against the bytes each policy really used
-    (hollow markers: the policy could not fit β and used more), and tier-mass stacks."""
+    (hollow markers: the policy could not fit β and used more), and tier-mass stacks. Returns
+    the Figure (``ax``: a sequence of 3 axes with output errors, 2 without)."""
     has_err = "output_rel_l2_mean" in result
-    fig, axes = _figure(width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
+    fig, axes = figure_axes(ax, width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
     budgets = result["budget"].values
     policies = list(result["policy"].values)
 
@@ -192,4 +74,26 @@ def plot_compare(result, path) -> None:
     ax.set_ylabel("share of future attention mass")
     ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")", fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    return fig
+
+
+def plot_tiers(
+    result, policy: str, budget: float, layer: int | None = None, sample: int | None = None, head: int = 0, ax=None
+):
+    """The tier of every position at every event (none, EVICTED, Q, FP) of one (policy, β) in
+    one layer and KV head (default: the middle layer of the longest sample)."""
+    from matplotlib.colors import ListedColormap
+
+    layer = int(result["layer"].values[result.sizes["layer"] // 2]) if layer is None else layer
+    sample = int(result["full_bytes"].argmax()) if sample is None else sample
+    tiers = result["tiers"].sel(policy=policy, budget=budget, layer=layer).isel(sample=sample, kv_head=head)
+    length = int((tiers >= 0).sum("pos").max())
+    fig, ax = figure_axes(ax, 9, 3)
+    cmap = ListedColormap(["#eeeeee", "#c44e52", "#dd8452", "#4c72b0"])  # none, EVICTED, Q, FP
+    im = ax.imshow(tiers.values[:, :length], aspect="auto", interpolation="nearest", cmap=cmap, vmin=-1.5, vmax=2.5)
+    bar = fig.colorbar(im, ax=ax, ticks=[-1, 0, 1, 2])
+    bar.ax.set_yticklabels(["none", "EVICTED", "Q", "FP"])
+    ax.set_xlabel("position")
+    ax.set_ylabel("event")
+    ax.set_title(f"{policy} at β = {budget}, layer {layer}, kv head {head}")
+    return fig

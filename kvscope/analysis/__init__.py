@@ -1,38 +1,49 @@
-"""Analyses over traces (SPEC §4): one module per metric, each a function over xarray
-objects that returns an ``xarray.Dataset`` with named dims, streaming over dask chunks.
+"""Analyses over traces (SPEC §4): one module per metric, each a ``@dataclass`` whose fields
+are its parameters, kept in a registry like the policies (:mod:`kvscope.analysis.metric`).
 
-    fmm(ds, horizon=32)           Future Missed Mass (+ FMM(H) curve, tier-resolved mass)
-    churn(ds)                     selection churn between consecutive events
-    lir(ds, m=4, h_lir=8)         Global LIR, P01/P10
-    peaks(ds, k=8)                log-distributed attention peaks, α fit, LogQuant coverage
-    concentration(ds)             mass held by the top windows, windows needed for a mass level
-    drift(ds)                     heatmap data, rank trajectories, churn over time
+    available()                   {name: class} of every registered metric
+    make("fmm", horizon=16)       a metric object (parameters checked on construction)
+    FMM(horizon=16)(ds)           → xarray.Dataset with named dims; fmm(ds, horizon=16) alike
+    register(MyMetric)            add a metric: ``kvscope analyze`` and its JSON pick it up
+    study(ds)                     FMM + churn + LIR + peaks over one read of the trace
+
+    fmm            Future Missed Mass (+ FMM(H) curve, tier-resolved mass)
+    lir            Global LIR, P01/P10
+    churn          selection churn between consecutive events
+    peaks          log-distributed attention peaks, α fit, LogQuant coverage
+    concentration  mass held by the top windows, windows needed for a mass level
+    drift          heatmap data, rank trajectories, churn over time
 """
 
-from .churn import churn
-from .common import Prepared, bootstrap_ratio, event_steps, make_units, selection_from_tiers, top_fraction_selection
-from .concentration import concentration
-from .drift import drift
-from .fmm import fmm
-from .lir import lir
-from .mass import Units, cumulative_scores, existence, prefill_unit_mass, unit_mass
-from .peaks import peaks
+from __future__ import annotations
+
+from ..windows import Units
+from .churn import Churn, churn
+from .common import Prepared, bootstrap_ratio, event_steps, selection_from_tiers, top_fraction_selection
+from .concentration import Concentration, concentration
+from .drift import Drift, drift
+from .fmm import FMM, fmm
+from .lir import LIR, lir
+from .mass import cumulative_scores, existence, prefill_unit_mass, unit_mass
+from .metric import Metric, UnitMetric
+from .peaks import Peaks, peaks
 from .recompute import rows_from_qk, with_recomputed_rows
+from .registry import METRICS, available, make, make_all, register
 from .study import study
 
-ANALYSES = {
-    "fmm": fmm,
-    "lir": lir,
-    "churn": churn,
-    "peaks": peaks,
-    "concentration": concentration,
-    "drift": drift,
-}
-
 __all__ = [
-    "ANALYSES",
+    "FMM",
+    "LIR",
+    "METRICS",
+    "Churn",
+    "Concentration",
+    "Drift",
+    "Metric",
+    "Peaks",
     "Prepared",
+    "UnitMetric",
     "Units",
+    "available",
     "bootstrap_ratio",
     "churn",
     "concentration",
@@ -42,13 +53,15 @@ __all__ = [
     "existence",
     "fmm",
     "lir",
-    "make_units",
+    "make",
+    "make_all",
     "peaks",
     "prefill_unit_mass",
+    "register",
     "rows_from_qk",
-    "with_recomputed_rows",
     "selection_from_tiers",
     "study",
     "top_fraction_selection",
     "unit_mass",
+    "with_recomputed_rows",
 ]

@@ -5,21 +5,29 @@ protected local tail are not candidates)::
 
     churn(e) = 1 − |A_e ∩ A_{e+1}| / |A_e ∪ A_{e+1}|,   0 when both are empty
 
-with ``A_e = {j : sel[e, j] = 1}``. Shapes: ``sel [..., event, unit]`` → ``[..., event−1]``.
+with ``A_e = {j : sel[e, j] = 1}``. ``earlier_only`` restricts both sets to the units that
+were candidates at the earlier event (replay's churn of FP sets: a position that appears
+between two events is new, not churn). Shapes: ``sel [..., event, unit]`` → ``[..., event−1]``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import xarray as xr
 
-from .common import SELECTED, Prepared, UnitData, UnitPlan, bootstrap_ratio, check_fraction, make_units
+from .common import SELECTED, UnitData
+from .metric import Pass, SelectionMetric, ci_text, fmt, layer_means, num, nums
 
 
-def churn_kernel(sel: np.ndarray, n_valid_events: np.ndarray | None = None) -> np.ndarray:
+def churn_kernel(sel: np.ndarray, n_valid_events: np.ndarray | None = None, earlier_only: bool = False) -> np.ndarray:
     """``[..., event−1]`` churn between events e and e+1 (NaN past ``n_valid_events``)."""
     a = sel[..., :-1, :] == SELECTED
     b = sel[..., 1:, :] == SELECTED
+    if earlier_only:
+        b &= sel[..., :-1, :] >= 0
     inter = (a & b).sum(-1)
     union = (a | b).sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -35,66 +43,67 @@ def valid_events(steps: np.ndarray, n_steps: np.ndarray) -> np.ndarray:
     return (steps[None, :] < np.asarray(n_steps)[:, None]).sum(1)
 
 
-def churn(
-    ds: xr.Dataset,
-    *,
-    granularity: str = "window",
-    w: int | None = None,
-    n_sink: int | None = None,
-    every: int | None = None,
-    top_frac: float = 0.2,
-    local: int = 64,
-    selection: xr.DataArray | None = None,
-    include_prefill: bool = True,
-    layers=None,
-    heads=None,
-    n_boot: int = 1000,
-    seed: int = 0,
-    prep: Prepared | None = None,
-    compute: bool = True,
-):
-    """Churn of a selection (default: the oracle-by-history) between consecutive events.
+@dataclass(kw_only=True)
+class Churn(SelectionMetric):
+    """Churn of a selection (default: the oracle-by-history) between consecutive events:
+    ``churn [sample, event, layer, H]`` (event = the later of the pair), ``churn_over_time
+    [event]``, ``churn_layer [layer]`` and the mean with its CI."""
 
-    Returns ``churn [sample, event, layer, H]`` (event = the later of the pair),
-    ``churn_over_time [event]``, ``churn_layer [layer]`` and ``mean``/``ci_low``/``ci_high``.
-    """
-    check_fraction("--top-frac", top_frac)
-    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
-    units = prep.units
-    every = every or units.w
-    steps = np.asarray(selection["event_step"].values) if selection is not None else prep.events(every)
+    name: ClassVar[str] = "churn"
+    title: ClassVar[str] = "selection churn: Jaccard distance between consecutive selections"
+    replayed: ClassVar[str] = "fp"
 
-    def per_unit(u: UnitData) -> np.ndarray:
-        sel, st = u.selection_or_history(every, top_frac, local)
-        return churn_kernel(sel, u.valid_events(st))
+    def width(self, run: Pass) -> int:
+        return max(0, len(run.steps) - 1)
 
-    width_ = max(0, len(steps) - 1)
+    def per_unit(self, u: UnitData, run: Pass) -> np.ndarray:
+        return churn_kernel(self.selection(u, run), u.valid_events(run.steps))
 
-    def finish(flat: np.ndarray) -> xr.Dataset:
+    def reduce(self, flat: np.ndarray, run: Pass) -> xr.Dataset:
+        prep, steps = run.prep, run.steps
         values = np.moveaxis(flat, 3, 1)  # [sample, event-1, layer, H]
         finite = np.isfinite(values)
-        est, lo, hi = bootstrap_ratio(np.where(finite, values, 0).sum(1), finite.sum(1), n_boot=n_boot, seed=seed)
+        est, lo, hi = self.interval(np.where(finite, values, 0).sum(1), finite.sum(1))
         with np.errstate(invalid="ignore"):
             over_time = np.nanmean(np.moveaxis(values, 1, 0).reshape(values.shape[1], -1), axis=1)
-            per_layer = np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
+        coords = prep.event_coords(steps[1:])
+        coords["event"] = np.arange(1, len(steps))
         return xr.Dataset(
             {
                 "churn": (("sample", "event", "layer", prep.hdim), values),
                 "churn_over_time": ("event", over_time),
-                "churn_layer": ("layer", per_layer),
+                "churn_layer": ("layer", layer_means(values)),
                 "mean": est,
                 "ci_low": lo,
                 "ci_high": hi,
             },
-            coords={
-                "sample": prep.m["sample"].values,
-                "event": np.arange(1, len(steps)),
-                "event_step": ("event", steps[1:]),
-                "layer": prep.m["layer"].values,
-                prep.hdim: prep.m[prep.hdim].values,
-            },
-            attrs={"metric": "churn", "granularity": units.kind, "w": units.w, "top_frac": top_frac, "local": local},
+            coords=coords,
+            attrs=self.attrs(run, selection=run.source, ci=self.ci_note(prep.n_samples, prep.n_trace_units)),
         )
 
-    plan = UnitPlan(per_unit, width_, finish, selection)
-    return plan.run(prep) if compute else plan
+    def summary(self, r: xr.Dataset) -> dict:
+        return {
+            **self.base_summary(r),
+            "churn": num(r["mean"]),
+            "ci95": [num(r["ci_low"]), num(r["ci_high"])],
+            "per_layer": nums(r["churn_layer"]),
+            "over_time": nums(r["churn_over_time"]),
+        }
+
+    def table(self, s: dict) -> list[tuple[str, str]]:
+        return [("mean churn (Jaccard distance)", fmt(s["churn"]) + ci_text(*s["ci95"])), ("95% CI", s["ci"])]
+
+    def plot(self, result: xr.Dataset, ax=None):
+        from ..figures import axes
+
+        fig, ax = axes(ax)
+        ax.plot(result["event_step"].values, result["churn_over_time"].values, marker=".")
+        ax.set_xlabel("step of the later event")
+        ax.set_ylabel("Jaccard distance to previous selection")
+        ax.set_title(f"Selection churn (mean {float(result['mean']):.3f})")
+        return fig
+
+
+def churn(ds: xr.Dataset, *, selection=None, prep=None, **params) -> xr.Dataset:
+    """``Churn(**params)(ds, selection=…)`` — see :class:`Churn`."""
+    return Churn(**params)(ds, selection=selection, prep=prep)

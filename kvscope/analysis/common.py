@@ -19,22 +19,14 @@ import uuid
 import numpy as np
 import xarray as xr
 
+from .. import defaults
 from ..errors import KvscopeError
-from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q  # noqa: F401 - re-exported
+from ..tiers import TIER_FP, TIER_Q
+from ..windows import Units
 from .kernels import cumulative, top_fraction_codes
-from .mass import Units, prefill_unit_mass, unit_mass
+from .mass import prefill_unit_mass, unit_mass
 
 NOT_CANDIDATE, NOT_SELECTED, SELECTED = -1, 0, 1
-UNIT_DIMS = ("sample", "layer")  # plus the stored head dim
-
-
-def make_units(ds: xr.Dataset, granularity: str = "window", w: int | None = None, n_sink: int | None = None) -> Units:
-    """Units of an analysis; ``w`` and ``n_sink`` default to the trace's attributes."""
-    return Units(
-        granularity,
-        int(w if w is not None else ds.attrs.get("w", 8)),
-        int(n_sink if n_sink is not None else ds.attrs.get("n_sink", 4)),
-    )
 
 
 def selection_codes(tiers: np.ndarray, accessible: bool = True, n_sink: int = 0) -> np.ndarray:
@@ -60,12 +52,6 @@ def event_steps(n_steps: int, every: int) -> np.ndarray:
     if every < 1:
         raise KvscopeError(f"event interval must be ≥ 1 (got {every})")
     return np.arange(0, n_steps, every)
-
-
-def check_fraction(name: str, value: float) -> float:
-    if not (0 < value < 1):
-        raise KvscopeError(f"{name} must lie in (0, 1) (got {value})")
-    return float(value)
 
 
 def top_fraction_selection(
@@ -104,21 +90,31 @@ class Prepared:
 
         self.ds = ds
         self.units = units
+        self.layers, self.heads, self.include_prefill = layers, heads, include_prefill
         m = unit_mass(ds, units, layers, heads)
         self.hdim = "kv_head" if "kv_head" in m.dims else "head"
         m = m.transpose("sample", "step", "layer", self.hdim, units.dim)
         if not isinstance(m.data, dsa.Array):
-            m = m.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
+            m = m.chunk({"sample": 1, "step": ds.kvscope.block_steps, "layer": 1})
         # one task per (sample, layer): all steps, all heads (heads are looped inside the task)
         self.m = m.chunk({"sample": 1, "step": -1, "layer": 1, self.hdim: -1, units.dim: -1})
         prefill = prefill_unit_mass(ds, units, layers, heads).transpose("sample", "layer", self.hdim, units.dim)
         if not include_prefill:
             prefill = xr.zeros_like(prefill)
         self.prefill = prefill.chunk({"sample": 1, "layer": 1, self.hdim: -1, units.dim: -1})
-        self.query_pos = np.asarray(ds["query_pos"].values)  # [sample, step]
-        self.n_steps = np.asarray(ds["n_steps"].values)  # [sample]
+        self.query_pos = ds.kvscope.query_pos  # [sample, step]
+        self.n_steps = ds.kvscope.n_steps  # [sample]
         self.n_units = self.m.sizes[units.dim]
         self.n_step_total = self.m.sizes["step"]
+
+    @property
+    def n_samples(self) -> int:
+        return self.m.sizes["sample"]
+
+    @property
+    def n_trace_units(self) -> int:
+        """(sample, layer, head) units analysed."""
+        return self.m.sizes["sample"] * self.m.sizes["layer"] * self.m.sizes[self.hdim]
 
     def events(self, every: int) -> np.ndarray:
         return event_steps(self.n_step_total, every)
@@ -131,7 +127,7 @@ class Prepared:
 
         m = self.m.data
         pre = self.prefill.data[:, None]  # [sample, 1, layer, H, unit]
-        qpos, n_steps, units = self.query_pos, self.n_steps, self.units
+        qpos, n_steps, units, with_prefill = self.query_pos, self.n_steps, self.units, self.include_prefill
         args = [m, pre]
         if selection is not None:
             sel = selection.transpose("sample", "event", "layer", self.hdim, units.dim)
@@ -148,8 +144,9 @@ class Prepared:
                 qpos[sample],
                 int(n_steps[sample]),
                 units,
-                None if sb is None else np.moveaxis(sb[0, :, 0], 1, 0),  # [H, event, unit]
-                steps,
+                include_prefill=with_prefill,
+                selection=None if sb is None else np.moveaxis(sb[0, :, 0], 1, 0),  # [H, event, unit]
+                selection_steps=steps,
             )
             return np.asarray(func(unit), dtype=np.float64).reshape(1, 1, 1, mb.shape[3], width)
 
@@ -187,27 +184,27 @@ class Prepared:
         return self.selection_array(np.moveaxis(sel, 3, 1), steps)
 
 
-class UnitPlan:
-    """A per-trace-unit computation: ``per_unit(u) -> [H, width]`` for the heads of a task and
-    ``finish(flat)`` that turns the gathered ``[sample, layer, H, width]`` into the result
-    Dataset. Several plans share one task per (sample, layer) in :func:`kvscope.analysis.study`."""
-
-    def __init__(self, per_unit, width: int, finish, selection=None):
-        self.per_unit, self.width, self.finish, self.selection = per_unit, width, finish, selection
-
-    def run(self, prep: "Prepared"):
-        return self.finish(prep.map_units(self.per_unit, self.width, selection=self.selection))
-
-
 class UnitData:
     """The trace units of one task (the heads of a (sample, layer)), vectorized over a
     leading dim: ``m [H, step, unit]``, ``prefill [H, unit]``, the sample's ``query_pos
     [step]`` and ``n_steps``, and optionally a given selection ``[H, event, unit]``. Every
     per-unit function returns ``[H, ...]``; any leading shape works (``[step, unit]`` alone too)."""
 
-    def __init__(self, m, prefill, query_pos, n_steps, units: Units, selection=None, selection_steps=None):
+    def __init__(
+        self,
+        m,
+        prefill,
+        query_pos,
+        n_steps,
+        units: Units,
+        *,
+        include_prefill=True,
+        selection=None,
+        selection_steps=None,
+    ):
         self.m = np.asarray(m, dtype=np.float64)
         self.prefill = np.asarray(prefill, dtype=np.float64)
+        self.include_prefill = include_prefill
         self.query_pos = np.asarray(query_pos)
         self.n_steps = n_steps
         self.units = units
@@ -238,8 +235,16 @@ class UnitData:
         return last[None, :] <= self.query_pos[steps][:, None]
 
     def scores(self, steps) -> np.ndarray:
-        """Cumulative scores ``c[t] = S[t] + prefill`` at ``steps``: ``[..., event, unit]``."""
-        return self.cum[..., steps, :] + self.prefill[..., None, :]
+        """Cumulative scores at ``steps`` ``[..., event, unit]`` (SPEC §1)::
+
+            c[t] = prefill + Σ_{1 ≤ t' ≤ t} m[t']       with the prompt's column mass
+            c[t] = Σ_{0 ≤ t' ≤ t} m[t']                  without it
+
+        Step 0's row is the prompt's last row, which the column sums already hold: counted once."""
+        scores = self.cum[..., steps, :]
+        if self.include_prefill:
+            scores = scores - self.m[..., :1, :] + self.prefill[..., None, :]
+        return scores
 
     def history_selection(self, steps, top_frac: float, local: int) -> np.ndarray:
         """``[..., event, unit]`` the oracle-by-history (FMM, churn and LIR of one task share it)."""
@@ -250,30 +255,43 @@ class UnitData:
             self._selections[key] = top_fraction_selection(self.scores(steps), self.exists(steps), protected, top_frac)
         return self._selections[key]
 
-    def selection_or_history(self, every: int, top_frac: float, local: int) -> tuple[np.ndarray, np.ndarray]:
-        """(selection ``[..., event, unit]``, event steps): the given one, or the history oracle."""
-        if self.selection is not None:
-            return np.asarray(self.selection), np.asarray(self.selection_steps)
-        steps = event_steps(self.m.shape[-2], every)
-        return self.history_selection(steps, top_frac, local), steps
-
     def valid_events(self, steps) -> int:
         return int((np.asarray(steps) < self.n_steps).sum())
 
 
-def bootstrap_ratio(num: np.ndarray, den: np.ndarray, n_boot: int = 1000, seed: int = 0, level: float = 0.95):
-    """Ratio of sums ``Σ num / Σ den`` over trace units with a percentile bootstrap CI.
+RESAMPLE = ("samples", "units")
 
-    ``num``, ``den``: one value per trace unit (any shape, flattened). Units are resampled
-    with replacement; seeded, so the same inputs give the same interval.
+
+def bootstrap_ratio(
+    num: np.ndarray,
+    den: np.ndarray,
+    n_boot: int = defaults.N_BOOT,
+    seed: int = 0,
+    level: float = 0.95,
+    resample: str = "samples",
+):
+    """Ratio of sums ``Σ num / Σ den`` with a percentile bootstrap CI: ``(estimate, low, high)``.
+
+    ``num``, ``den``: one value per trace unit, ``[sample, …]``. ``resample="samples"``
+    (default) is a cluster bootstrap: whole samples are drawn with replacement, each with every
+    layer and head, because the units of one prompt are correlated and a claim is about prompts;
+    with fewer than two samples there is no between-prompt interval (low = high = NaN).
+    ``resample="units"`` draws trace units independently (a within-prompt interval). Seeded.
     """
-    num = np.asarray(num, dtype=np.float64).ravel()
-    den = np.asarray(den, dtype=np.float64).ravel()
+    if resample not in RESAMPLE:
+        raise KvscopeError(f"resample must be samples or units (got {resample!r})")
+    num = np.asarray(num, dtype=np.float64)
+    den = np.asarray(den, dtype=np.float64)
+    if resample == "samples" and num.ndim:
+        num, den = num.reshape(num.shape[0], -1).sum(1), den.reshape(den.shape[0], -1).sum(1)
+    num, den = num.ravel(), den.ravel()
     keep = den > 0
     num, den = num[keep], den[keep]
     if den.size == 0:
         return math.nan, math.nan, math.nan
     estimate = num.sum() / den.sum()
+    if resample == "samples" and den.size < 2:
+        return float(estimate), math.nan, math.nan
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, den.size, size=(n_boot, den.size))
     ratios = num[idx].sum(1) / den[idx].sum(1)

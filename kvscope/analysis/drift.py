@@ -9,11 +9,15 @@ that were selected, dropped out and were selected again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import xarray as xr
 
 from .churn import churn_kernel, valid_events
-from .common import SELECTED, Prepared, UnitData, check_fraction, make_units
+from .common import SELECTED, UnitData
+from .metric import HistoryOracle, Pass, nums
 
 
 def returning_windows(sel: np.ndarray) -> np.ndarray:
@@ -29,50 +33,110 @@ def returning_windows(sel: np.ndarray) -> np.ndarray:
     return back
 
 
-def drift(
-    ds: xr.Dataset,
-    *,
-    w: int | None = None,
-    n_sink: int | None = None,
-    every: int | None = None,
-    top_frac: float = 0.2,
-    local: int = 64,
-    layers=None,
-    heads=None,
-) -> xr.Dataset:
+@dataclass(kw_only=True)
+class Drift(HistoryOracle):
     """Heatmap data, rank trajectories and churn over time. Loads the window masses of the
     chosen layers and heads (``[sample, step, layer, H, window]``): pick a few with ``layers=``."""
-    check_fraction("--top-frac", top_frac)
-    prep = Prepared(ds, make_units(ds, "window", w, n_sink), layers, heads)
-    steps = prep.events(every or prep.units.w)
-    n_ev, n_units = len(steps), prep.n_units
 
-    def per_unit(u: UnitData) -> np.ndarray:
-        sel = u.history_selection(steps, top_frac, local)
+    name: ClassVar[str] = "drift"
+    title: ClassVar[str] = "window-mass heatmaps, rank trajectories, churn over time"
+
+    def width(self, run: Pass) -> int:
+        return 2 * len(run.steps) * run.prep.n_units
+
+    def per_unit(self, u: UnitData, run: Pass) -> np.ndarray:
+        steps, n_units = run.steps, run.prep.n_units
+        sel = u.history_selection(steps, self.top_frac, self.local)
         masked = np.where(sel >= 0, u.scores(steps), -np.inf)
         order = np.argsort(-masked, axis=-1, kind="stable")
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(n_units), order.shape), axis=-1)
         return np.concatenate([u.flatten(sel), u.flatten(np.where(sel >= 0, rank, -1))], axis=-1)
 
-    flat = prep.map_units(per_unit, 2 * n_ev * n_units)
-    both = flat.reshape(*flat.shape[:3], 2, n_ev, n_units)
-    sel = np.moveaxis(both[..., 0, :, :], 3, 1).astype(np.int8)  # [sample, event, layer, H, window]
-    rank = np.moveaxis(both[..., 1, :, :], 3, 1).astype(np.int64)
-    back = returning_windows(np.moveaxis(sel, 1, -2))  # [sample, layer, H, window]
-    n_valid = valid_events(steps, prep.n_steps)[:, None, None]
-    ch = churn_kernel(np.moveaxis(sel, 1, -2), n_valid)  # [sample, layer, H, event-1]
-    with np.errstate(invalid="ignore"):
-        over_time = np.nanmean(ch.reshape(-1, ch.shape[-1]), axis=0) if ch.size else np.zeros(0)
-    dims = ("sample", "event", "layer", prep.hdim, "window")
-    return xr.Dataset(
-        {
-            "mass": prep.m.compute(),
-            "selection": (dims, sel),
-            "rank": (dims, rank),
-            "returning": (("sample", "layer", prep.hdim, "window"), back),
-            "churn_over_time": ("pair", over_time),
-        },
-        coords={"event": np.arange(n_ev), "event_step": ("event", steps), "pair_step": ("pair", steps[1:])},
-        attrs={"metric": "drift", "w": prep.units.w, "n_sink": prep.units.n_sink, "top_frac": top_frac, "local": local},
-    )
+    def reduce(self, flat: np.ndarray, run: Pass) -> xr.Dataset:
+        prep, steps = run.prep, run.steps
+        both = flat.reshape(*flat.shape[:3], 2, len(steps), prep.n_units)
+        sel = np.moveaxis(both[..., 0, :, :], 3, 1).astype(np.int8)  # [sample, event, layer, H, window]
+        rank = np.moveaxis(both[..., 1, :, :], 3, 1).astype(np.int64)
+        back = returning_windows(np.moveaxis(sel, 1, -2))  # [sample, layer, H, window]
+        n_valid = valid_events(steps, prep.n_steps)[:, None, None]
+        ch = churn_kernel(np.moveaxis(sel, 1, -2), n_valid)  # [sample, layer, H, event-1]
+        with np.errstate(invalid="ignore"):
+            over_time = np.nanmean(ch.reshape(-1, ch.shape[-1]), axis=0) if ch.size else np.zeros(0)
+        dims = ("sample", "event", "layer", prep.hdim, "window")
+        return xr.Dataset(
+            {
+                "mass": prep.m.compute(),
+                "selection": (dims, sel),
+                "rank": (dims, rank),
+                "returning": (("sample", "layer", prep.hdim, "window"), back),
+                "churn_over_time": ("pair", over_time),
+            },
+            coords={"event": np.arange(len(steps)), "event_step": ("event", steps), "pair_step": ("pair", steps[1:])},
+            attrs=self.attrs(run),
+        )
+
+    def summary(self, r: xr.Dataset) -> dict:
+        return {
+            **self.base_summary(r),
+            "returning_windows": int(r["returning"].sum()),
+            "windows": int(r.sizes["window"]),
+            "churn_over_time": nums(r["churn_over_time"]),
+        }
+
+    def table(self, s: dict) -> list[tuple[str, str]]:
+        return [
+            ("windows that left and re-entered the top set", str(s["returning_windows"])),
+            ("windows", str(s["windows"])),
+        ]
+
+    def plot(self, result: xr.Dataset, ax=None, sample: int = 0, layer: int | None = None, head: int = 0):
+        """Window-mass heatmap (step × window) of one unit with the selection overlaid."""
+        from ..figures import axes
+
+        hdim = "kv_head" if "kv_head" in result["mass"].dims else "head"
+        layer = int(result["layer"].values[len(result["layer"]) // 2]) if layer is None else layer
+        m = result["mass"].sel(layer=layer).isel(sample=sample, **{hdim: head}).values  # [step, window]
+        sel = result["selection"].sel(layer=layer).isel(sample=sample, **{hdim: head}).values  # [event, window]
+        fig, ax = axes(ax, 8, 5)
+        im = ax.imshow(np.log10(np.maximum(m.T, 1e-6)), aspect="auto", origin="lower", cmap="viridis")
+        fig.colorbar(im, ax=ax, label="log10 window mass")
+        ev, win = np.nonzero(sel == 1)
+        ax.scatter(result["event_step"].values[ev], win, s=4, c="red", marker="s", label="selected (history top-ρ)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("window")
+        ax.set_title(f"Window mass, sample {sample}, layer {layer}, {hdim} {head}")
+        ax.legend(loc="upper left", fontsize=8)
+        return fig
+
+    def plot_ranks(self, result: xr.Dataset, ax=None, sample=None, layer=None, head=None, n: int = 12):
+        """Rank trajectories (rank 0 = the heaviest window by cumulative score) of the windows that
+        left the top set and came back — of the (sample, layer, head) with the most such windows
+        unless given; the current top 8 where none came back."""
+        from ..figures import axes
+
+        hdim = "kv_head" if "kv_head" in result["rank"].dims else "head"
+        returning = result["returning"].sum("window")  # [sample, layer, H]
+        s, li, h = np.unravel_index(int(returning.values.argmax()), returning.shape)
+        s = s if sample is None else sample
+        li = li if layer is None else list(result["layer"].values).index(layer)
+        h = h if head is None else head
+        rank = result["rank"].isel(sample=s, layer=li, **{hdim: h})  # [event, window]
+        back = result["returning"].isel(sample=s, layer=li, **{hdim: h}).values  # [window]
+        shown = np.nonzero(back)[0][:n] if back.any() else np.argsort(rank.isel(event=-1).values)[:8]
+        fig, ax = axes(ax, 9, 4)
+        for j in shown:
+            ax.plot(result["event_step"].values, rank.sel(window=j).values, marker=".", label=f"window {j}")
+        ax.invert_yaxis()
+        ax.set_xlabel("step")
+        ax.set_ylabel("rank by cumulative score")
+        what = "left the top set and returned" if back.any() else "(none returned here: the current top 8)"
+        layer_id = int(result["layer"].values[li])
+        ax.set_title(f"sample {s}, layer {layer_id}, {hdim} {h}: {int(back.sum())} windows {what}")
+        ax.legend(fontsize=7, ncol=2)
+        return fig
+
+
+def drift(ds: xr.Dataset, **params) -> xr.Dataset:
+    """``Drift(**params)(ds)`` — see :class:`Drift`."""
+    return Drift(**params)(ds)

@@ -8,30 +8,31 @@ For a selection decided at event ``e`` at step ``t`` with horizon ``H``::
 
 Only units that existed at the decision count. Events without ``H`` future steps are
 right-censored (NaN), never scored on a shorter horizon. With ``S[t] = Σ_{t'≤t} m[t']``
-the future mass of a unit is ``S[t+H] − S[t]``.
+the future mass of a unit is ``S[t+H] − S[t]``. For a tiered selection (codes −1 none,
+0 EVICTED, 1 Q, 2 FP) "not selected" is EVICTED, and the *tier-resolved future mass* splits
+the denominator into its FP, Q and EVICTED shares.
+
+Two forms of the same definition: :class:`FMM` over a whole trace (per trace unit, streamed
+over dask tasks), and :class:`FutureMassStream` while rows arrive one step at a time (replay),
+tested equal.
 
 Shapes: ``future``, ``exists``, ``missed`` ``[..., event, unit]``; results ``[..., event]``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import xarray as xr
 
-from ..errors import KvscopeError
-from .common import (
-    NOT_SELECTED,
-    TIER_EVICTED,
-    TIER_FP,
-    TIER_Q,
-    Prepared,
-    UnitData,
-    UnitPlan,
-    bootstrap_ratio,
-    check_fraction,
-    make_units,
-)
+from .. import defaults
+from ..params import param
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
+from .common import NOT_SELECTED, UnitData
 from .kernels import fmm_curve
+from .metric import Pass, SelectionMetric, ci_text, fmt, layer_means, num, nums
 
 
 def fmm_kernel(future: np.ndarray, exists: np.ndarray, missed: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -56,6 +57,67 @@ def tier_fractions(future: np.ndarray, exists: np.ndarray, tiers: np.ndarray, va
     return np.where((valid & (den > 0))[..., None], out, np.nan)
 
 
+def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: int, present: tuple):
+    """:func:`tier_fractions` of one event: shares of ``future [..., pos]`` (total ``den [...]``
+    over the existing positions ``< exists``) on FP, Q and EVICTED → 3 × ``[...]``;
+    ``present`` (any FP, any Q, any EVICTED) says which tiers occur: absent ones are exactly 0
+    and an all-FP cache exactly 1."""
+    f = future[..., :exists]
+    t = tiers[..., :exists]
+    has_fp, has_q, has_ev = present
+    zero = np.zeros(den.shape)
+    q = f.sum(-1, where=t == TIER_Q) if has_q else zero
+    ev = f.sum(-1, where=t == TIER_EVICTED) if has_ev else zero
+    if not has_fp:
+        fp = zero
+    elif not (has_q or has_ev):
+        fp = den
+    else:
+        fp = f.sum(-1, where=t == TIER_FP)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return [np.where(den > 0, part / den, np.nan) for part in (fp, q, ev)]
+
+
+@dataclass
+class Resolved:
+    """An event whose horizon ``horizon`` (index ``index`` among the horizons) ends now."""
+
+    event: int
+    index: int
+    horizon: int
+    future: np.ndarray  # [..., pos] mass of steps t_e+1 .. t_e+horizon
+    den: np.ndarray  # [...] of it on positions that existed at the event
+    exists: int  # positions that existed at the event
+
+
+class FutureMassStream:
+    """FMM's future mass while rows arrive one step at a time::
+
+        stream.add(t, row)          → the events whose horizon h ∈ horizons ends at step t
+        stream.decided(e, t, n)     event e was decided at step t with n positions existing
+
+    ``future = S[t] − S[t_e]`` with ``S[t] = Σ_{t'≤t} row[t']`` (float64), as :class:`FMM` has it."""
+
+    def __init__(self, horizons: list[int], shape: tuple[int, ...]):
+        self.horizons = list(horizons)
+        self.cum = np.zeros(shape, dtype=np.float64)
+        self.pending: list[tuple[int, int, np.ndarray, int]] = []  # (event, step, S at that step, exists)
+
+    def add(self, t: int, row: np.ndarray) -> list[Resolved]:
+        self.cum += row
+        self.pending = [p for p in self.pending if t - p[1] <= self.horizons[-1]]
+        out = []
+        for event, t_e, cum_e, exists in self.pending:
+            h = t - t_e
+            if h in self.horizons:
+                future = self.cum - cum_e
+                out.append(Resolved(event, self.horizons.index(h), h, future, future[..., :exists].sum(-1), exists))
+        return out
+
+    def decided(self, event: int, t: int, exists: int) -> None:
+        self.pending.append((event, t, self.cum.copy(), exists))
+
+
 def default_horizons(horizon: int) -> list[int]:
     """1, 2, 4, … up to and including ``horizon``."""
     hs, h = [], 1
@@ -65,148 +127,127 @@ def default_horizons(horizon: int) -> list[int]:
     return hs + [horizon]
 
 
-def fmm(
-    ds: xr.Dataset,
-    *,
-    granularity: str = "window",
-    w: int | None = None,
-    n_sink: int | None = None,
-    horizon: int = 32,
-    horizons: list[int] | None = None,
-    every: int | None = None,
-    top_frac: float = 0.2,
-    local: int = 64,
-    selection: xr.DataArray | None = None,
-    tiers: xr.DataArray | None = None,
-    include_prefill: bool = True,
-    layers=None,
-    heads=None,
-    n_boot: int = 1000,
-    seed: int = 0,
-    prep: Prepared | None = None,
-    compute: bool = True,
-):
-    """Future Missed Mass of a selection (default: the oracle-by-history, top-``ρ``
-    candidates by cumulative score, newest ``local`` tokens protected).
+@dataclass(kw_only=True)
+class FMM(SelectionMetric):
+    """Future Missed Mass of a selection (default: the oracle-by-history), its FMM(H) curve
+    and, for tiers, the tier-resolved future mass."""
 
-    Returns a Dataset with
-    ``fmm [sample, event, layer, H]`` at ``horizon`` (NaN = censored),
-    ``fmm_layer [layer]`` (mean over events and other units),
-    ``curve [horizon]`` with ``curve_low``/``curve_high`` (bootstrap 95% CI over trace units),
-    scalars ``mean``, ``ci_low``, ``ci_high``, ``n_events`` and ``n_censored``, and — for a
-    tiered selection ``tiers`` (codes −1 none, 0 EVICTED, 1 Q, 2 FP) — ``tier_mass
-    [sample, event, layer, H, tier]`` and ``tier_mean [tier]``.
+    name: ClassVar[str] = "fmm"
+    title: ClassVar[str] = "Future Missed Mass of the history oracle (or a replayed policy), FMM(H) curve"
+    replayed: ClassVar[str] = "tiers"
 
-    Streams over trace units; ``compute=False`` returns ``(finish, lazy)`` where
-    ``finish(values)`` builds the Dataset from the computed ``lazy`` array (used by
-    :func:`kvscope.analysis.study` to share one read among analyses).
-    """
-    if horizon < 1:
-        raise KvscopeError(f"--horizon must be ≥ 1 (got {horizon})")
-    check_fraction("--top-frac", top_frac)
-    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
-    units = prep.units
-    curve_h = sorted(set(horizons or default_horizons(horizon)) | {horizon})
-    every = every or units.w
-    given = tiers if tiers is not None else selection
-    source = given.attrs.get("policy", "given") if given is not None else "history-oracle"
-    steps = np.asarray(given["event_step"].values) if given is not None else prep.events(every)
-    n_ev, n_h = len(steps), len(curve_h)
-    horizons_ = np.asarray(curve_h, dtype=np.int64)
-    with_tiers = tiers is not None
+    horizon: int = param(defaults.HORIZON, low=1, help="FMM horizon H (steps)")
+    horizons: tuple[int, ...] | None = param(None, cli=False, help="curve horizons (default 1, 2, 4, … H)")
 
-    def per_unit(u: UnitData) -> np.ndarray:
-        sel, st = u.selection_or_history(every, top_frac, local)  # [H, event, unit]
-        tier = sel if with_tiers else None
-        if with_tiers:
+    def curve_horizons(self) -> list[int]:
+        return sorted(set(self.horizons or default_horizons(self.horizon)) | {self.horizon})
+
+    def width(self, run: Pass) -> int:
+        n_ev = len(run.steps)
+        return len(self.curve_horizons()) * n_ev + (3 * n_ev if run.tiered else 0)
+
+    def per_unit(self, u: UnitData, run: Pass) -> np.ndarray:
+        st, n_h = run.steps, len(self.curve_horizons())
+        sel = self.selection(u, run)  # [H, event, unit]
+        tier = sel if run.tiered else None
+        if run.tiered:
             sel = np.where(tier < 0, -1, np.where(tier == TIER_EVICTED, NOT_SELECTED, 1))
         exists = u.exists(st)  # [event, unit]
         missed = (sel == NOT_SELECTED).reshape((-1,) + sel.shape[-2:])  # [H, event, unit]
         curve = np.empty(u.lead + (n_h, len(st)))  # [H, horizon, event]
         cum = u.cum.reshape((-1,) + u.cum.shape[-2:])
         last = min(u.n_steps, cum.shape[-2])  # steps that exist
-        fmm_curve(cum, np.asarray(st, np.int64), horizons_, last, exists, missed, curve.reshape(-1, n_h, len(st)))
+        horizons = np.asarray(self.curve_horizons(), dtype=np.int64)
+        fmm_curve(cum, np.asarray(st, np.int64), horizons, last, exists, missed, curve.reshape(-1, n_h, len(st)))
         out = [u.flatten(curve)]
-        if with_tiers:
-            future = u.cum[..., np.minimum(st + horizon, u.m.shape[-2] - 1), :] - u.cum[..., st, :]
-            out.append(u.flatten(tier_fractions(future, exists, tier, st + horizon <= u.n_steps - 1)))
+        if run.tiered:
+            future = u.cum[..., np.minimum(st + self.horizon, u.m.shape[-2] - 1), :] - u.cum[..., st, :]
+            out.append(u.flatten(tier_fractions(future, exists, tier, st + self.horizon <= u.n_steps - 1)))
         return np.concatenate(out, axis=-1)
 
-    width = n_h * n_ev + (3 * n_ev if with_tiers else 0)
-
-    def finish(flat: np.ndarray) -> xr.Dataset:
-        return _fmm_dataset(
-            prep,
-            flat,
-            steps,
-            curve_h,
-            horizon,
-            with_tiers,
-            n_boot,
-            seed,
+    def reduce(self, flat: np.ndarray, run: Pass) -> xr.Dataset:
+        prep, steps, curve_h = run.prep, run.steps, self.curve_horizons()
+        n_ev, n_h = len(steps), len(curve_h)
+        per_h = flat[..., : n_h * n_ev].reshape(*flat.shape[:3], n_h, n_ev)  # [sample, layer, H, horizon, event]
+        per_h = np.moveaxis(per_h, (3, 4), (0, 2))  # [horizon, sample, event, layer, H]
+        curve = np.array([self._mean_ci(v) for v in per_h])  # [horizon, 3]
+        values = per_h[curve_h.index(self.horizon)]
+        valid = (steps[None, :] + self.horizon) <= (prep.n_steps[:, None] - 1)  # [sample, event]
+        est, lo, hi = self._mean_ci(values)
+        dims = ("sample", "event", "layer", prep.hdim)
+        out = xr.Dataset(
             {
-                "metric": "fmm",
-                "granularity": units.kind,
-                "w": units.w,
-                "n_sink": units.n_sink,
-                "H": horizon,
-                "top_frac": top_frac,
-                "local": local,
-                "selection": source,
+                "fmm": (dims, values),
+                "fmm_layer": ("layer", layer_means(values)),
+                "curve": ("horizon", curve[:, 0]),
+                "curve_low": ("horizon", curve[:, 1]),
+                "curve_high": ("horizon", curve[:, 2]),
+                "mean": est,
+                "ci_low": lo,
+                "ci_high": hi,
+                "n_events": int(np.isfinite(values).sum()),
+                "n_censored": int((~valid).sum()) * values.shape[2] * values.shape[3],
             },
+            coords={**prep.event_coords(steps), "horizon": curve_h},
+            attrs=self.attrs(
+                run, H=self.horizon, selection=run.source, ci=self.ci_note(prep.n_samples, prep.n_trace_units)
+            ),
         )
+        if run.tiered:
+            fr = np.moveaxis(
+                flat[..., n_h * n_ev :].reshape(*flat.shape[:3], n_ev, 3), 3, 1
+            )  # [sample, event, layer, H, 3]
+            out["tier_mass"] = (dims + ("tier",), fr)
+            out = out.assign_coords(tier=["FP", "Q", "EVICTED"])
+            with np.errstate(invalid="ignore"):
+                out["tier_mean"] = ("tier", np.nanmean(fr.reshape(-1, 3), axis=0))
+        return out
 
-    plan = UnitPlan(per_unit, width, finish, given)
-    return plan.run(prep) if compute else plan
+    def _mean_ci(self, values: np.ndarray):
+        """Mean over (event, unit) pairs with its bootstrap CI; ``values [sample, event, layer, H]``."""
+        finite = np.isfinite(values)
+        return self.interval(np.where(finite, values, 0.0).sum(axis=1), finite.sum(axis=1))
+
+    def summary(self, r: xr.Dataset) -> dict:
+        doc = {
+            **self.base_summary(r),
+            "fmm": num(r["mean"]),
+            "ci95": [num(r["ci_low"]), num(r["ci_high"])],
+            "n_events": int(r["n_events"]),
+            "n_censored": int(r["n_censored"]),
+            "curve": {str(int(h)): num(v) for h, v in zip(r["horizon"].values, r["curve"].values)},
+            "per_layer": nums(r["fmm_layer"]),
+        }
+        if "tier_mean" in r:
+            doc["tier_mass"] = dict(zip(["FP", "Q", "EVICTED"], nums(r["tier_mean"])))
+        return doc
+
+    def table(self, s: dict) -> list[tuple[str, str]]:
+        head = f"FMM@{s['H']} ({s['selection']}, top {s['top_frac']:.0%}, local {s['local']})"
+        rows = [
+            (head, fmt(s["fmm"]) + ci_text(*s["ci95"])),
+            ("95% CI", s["ci"]),
+            ("events scored / censored", f"{s['n_events']} / {s['n_censored']}"),
+        ]
+        return rows + [(f"FMM(H={h})", fmt(v)) for h, v in s["curve"].items()]
+
+    def plot(self, result: xr.Dataset, ax=None):
+        """FMM(H) with its bootstrap CI band."""
+        from ..figures import axes
+
+        fig, ax = axes(ax)
+        h = result["horizon"].values
+        ax.plot(h, result["curve"].values, marker="o", label=f"FMM ({result.attrs['selection']})")
+        ax.fill_between(h, result["curve_low"].values, result["curve_high"].values, alpha=0.25, label="95% CI")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("horizon H (steps)")
+        ax.set_ylabel("future missed mass")
+        ax.set_ylim(0, max(0.05, float(np.nanmax(result["curve_high"].values)) * 1.15))
+        ax.set_title(f"Future Missed Mass, top {result.attrs['top_frac']:.0%} windows by history")
+        ax.legend()
+        return fig
 
 
-def _fmm_dataset(prep, flat, steps, curve_h, horizon, with_tiers, n_boot, seed, attrs) -> xr.Dataset:
-    n_ev, n_h = len(steps), len(curve_h)
-    per_h = flat[..., : n_h * n_ev].reshape(*flat.shape[:3], n_h, n_ev)  # [sample, layer, H, horizon, event]
-    per_h = np.moveaxis(per_h, (3, 4), (0, 2))  # [horizon, sample, event, layer, H]
-    curve = np.array([_summary(v, n_boot, seed) for v in per_h])  # [horizon, 3]
-    values = per_h[curve_h.index(horizon)]
-    valid = (steps[None, :] + horizon) <= (prep.n_steps[:, None] - 1)  # [sample, event]
-    est, lo, hi = _summary(values, n_boot, seed)
-    dims = ("sample", "event", "layer", prep.hdim)
-    with np.errstate(invalid="ignore"):
-        per_layer = (
-            np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
-            if np.isfinite(values).any()
-            else np.full(values.shape[2], np.nan)
-        )
-    out = xr.Dataset(
-        {
-            "fmm": (dims, values),
-            "fmm_layer": ("layer", per_layer),
-            "curve": ("horizon", curve[:, 0]),
-            "curve_low": ("horizon", curve[:, 1]),
-            "curve_high": ("horizon", curve[:, 2]),
-            "mean": est,
-            "ci_low": lo,
-            "ci_high": hi,
-            "n_events": int(np.isfinite(values).sum()),
-            "n_censored": int((~valid).sum()) * values.shape[2] * values.shape[3],
-        },
-        coords={
-            **prep.event_coords(steps),
-            "horizon": curve_h,
-        },
-        attrs=attrs,
-    )
-    if with_tiers:
-        fr = flat[..., n_h * n_ev :].reshape(*flat.shape[:3], n_ev, 3)
-        fr = np.moveaxis(fr, 3, 1)  # [sample, event, layer, H, 3]
-        out["tier_mass"] = (dims + ("tier",), fr)
-        out = out.assign_coords(tier=["FP", "Q", "EVICTED"])
-        with np.errstate(invalid="ignore"):
-            out["tier_mean"] = ("tier", np.nanmean(fr.reshape(-1, 3), axis=0))
-    return out
-
-
-def _summary(values: np.ndarray, n_boot: int, seed: int):
-    """Mean over (event, unit) pairs with a bootstrap CI over trace units."""
-    finite = np.isfinite(values)
-    per_unit_sum = np.where(finite, values, 0.0).sum(axis=1)  # [sample, layer, H]
-    per_unit_n = finite.sum(axis=1)
-    return bootstrap_ratio(per_unit_sum, per_unit_n, n_boot=n_boot, seed=seed)
+def fmm(ds: xr.Dataset, *, selection=None, tiers=None, prep=None, **params) -> xr.Dataset:
+    """``FMM(**params)(ds, selection=…, tiers=…)`` — see :class:`FMM`."""
+    return FMM(**params)(ds, selection=selection, tiers=tiers, prep=prep)

@@ -15,17 +15,20 @@ eligible and not reactivated)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import xarray as xr
 
-from ..errors import KvscopeError
-from .common import Prepared, UnitData, UnitPlan, bootstrap_ratio, check_fraction, make_units
+from .. import defaults
+from ..params import param
+from .common import UnitData
 from .kernels import lir_episodes
+from .metric import Pass, SelectionMetric, ci_text, fmt, num, nums
 
 
-def lir_kernel(
-    sel: np.ndarray, n_valid: np.ndarray, m: int = 4, h_lir: int | None = 8
-) -> tuple[np.ndarray, np.ndarray]:
+def lir_kernel(sel: np.ndarray, n_valid: np.ndarray, m: int, h_lir: int | None) -> tuple[np.ndarray, np.ndarray]:
     """``(eligible, reactivated)`` episode counts ``[...]`` summed over units.
 
     ``sel [..., event, unit]``; ``n_valid [...]`` events per leading index that are inside
@@ -33,10 +36,6 @@ def lir_kernel(
     an episode starts at ``s`` where ``sel[s] = 0`` follows ``sel[s−1] = 1`` and ends at the
     first later non-zero event inside the trace (a reactivation if it is a 1) or at its end.
     """
-    if m < 1:
-        raise KvscopeError(f"m (misses to become eligible) must be ≥ 1 (got {m})")
-    if h_lir is not None and h_lir < 1:
-        raise KvscopeError(f"H_lir must be ≥ 1 or None (got {h_lir})")
     sel = np.asarray(sel, dtype=np.int8)
     lead, (n_events, n_units) = sel.shape[:-2], sel.shape[-2:]
     flat = np.ascontiguousarray(sel.reshape(-1, n_events, n_units))
@@ -47,10 +46,8 @@ def lir_kernel(
     return eligible.reshape(lead), reactivated.reshape(lead)
 
 
-def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int = 1) -> np.ndarray:
+def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int) -> np.ndarray:
     """``[..., 4]`` counts (n0, n01, n1, n10) of lag-``δ`` pairs where both are candidates."""
-    if delta < 1:
-        raise KvscopeError(f"lag δ must be ≥ 1 (got {delta})")
     a, b = sel[..., :-delta, :], sel[..., delta:, :]
     pair_ok = (np.arange(a.shape[-2]) + delta < np.asarray(n_valid)[..., None])[..., None]
     both = pair_ok & (a >= 0) & (b >= 0)
@@ -61,52 +58,34 @@ def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int = 1) -> n
     return np.stack([n0, n01, n1, n10], -1)
 
 
-def lir(
-    ds: xr.Dataset,
-    *,
-    granularity: str = "window",
-    w: int | None = None,
-    n_sink: int | None = None,
-    every: int | None = None,
-    top_frac: float = 0.2,
-    local: int = 64,
-    m: int = 4,
-    h_lir: int | None = 8,
-    delta: int = 1,
-    selection: xr.DataArray | None = None,
-    include_prefill: bool = True,
-    layers=None,
-    heads=None,
-    n_boot: int = 1000,
-    seed: int = 0,
-    prep: Prepared | None = None,
-    compute: bool = True,
-):
+@dataclass(kw_only=True)
+class LIR(SelectionMetric):
     """Global LIR and lag-δ transition probabilities of a selection (default: the
-    oracle-by-history). Returns per-trace-unit counts ``eligible``/``reactivated``
-    ``[sample, layer, H]``, ``lir`` with CI, ``p01``, ``p10`` and ``lir_layer [layer]``."""
-    check_fraction("--top-frac", top_frac)
-    if m < 1:
-        raise KvscopeError(f"--m must be ≥ 1 (got {m})")
-    if h_lir is not None and h_lir < 1:
-        raise KvscopeError(f"--h-lir must be ≥ 1 or none (got {h_lir})")
-    if delta < 1:
-        raise KvscopeError(f"--delta must be ≥ 1 (got {delta})")
-    prep = prep or Prepared(ds, make_units(ds, granularity, w, n_sink), layers, heads, include_prefill)
-    units = prep.units
-    every = every or units.w
+    oracle-by-history): per-trace-unit counts ``eligible``/``reactivated`` ``[sample, layer, H]``,
+    ``lir`` with its CI, ``p01``, ``p10`` and ``lir_layer [layer]``."""
 
-    def per_unit(u: UnitData) -> np.ndarray:
-        sel, st = u.selection_or_history(every, top_frac, local)
-        n_valid = np.array(u.valid_events(st))
-        elig, react = lir_kernel(sel, n_valid, m=m, h_lir=h_lir)  # [H] each
-        return np.concatenate([elig[..., None], react[..., None], transition_counts(sel, n_valid, delta)], axis=-1)
+    name: ClassVar[str] = "lir"
+    title: ClassVar[str] = "Global LIR (latent importance reactivation), P01/P10"
+    replayed: ClassVar[str] = "fp"
 
-    width_ = 6
+    m: int = param(defaults.LIR_MISSES, low=1, flag="--m", help="misses before an episode is eligible")
+    h_lir: int | None = param(defaults.LIR_HORIZON, low=1, help="reactivation horizon in events", none="any time later")
+    delta: int = param(defaults.LIR_LAG, low=1, help="lag δ of P01/P10 (events)")
 
-    def finish(flat: np.ndarray) -> xr.Dataset:
+    def width(self, run: Pass) -> int:
+        return 6
+
+    def per_unit(self, u: UnitData, run: Pass) -> np.ndarray:
+        sel = self.selection(u, run)
+        n_valid = np.array(u.valid_events(run.steps))
+        elig, react = lir_kernel(sel, n_valid, self.m, self.h_lir)  # [H] each
+        trans = transition_counts(sel, n_valid, self.delta)
+        return np.concatenate([elig[..., None], react[..., None], trans], axis=-1)
+
+    def reduce(self, flat: np.ndarray, run: Pass) -> xr.Dataset:
+        prep = run.prep
         elig, react, trans = flat[..., 0], flat[..., 1], flat[..., 2:]
-        est, lo, hi = bootstrap_ratio(react, elig, n_boot=n_boot, seed=seed)
+        est, lo, hi = self.interval(react, elig)
         t = trans.reshape(-1, 4).sum(0)
         with np.errstate(invalid="ignore", divide="ignore"):
             per_layer = react.sum((0, 2)) / elig.sum((0, 2))
@@ -131,17 +110,49 @@ def lir(
                 prep.hdim: prep.m[prep.hdim].values,
                 "count": ["n0", "n01", "n1", "n10"],
             },
-            attrs={
-                "metric": "lir",
-                "granularity": units.kind,
-                "w": units.w,
-                "top_frac": top_frac,
-                "local": local,
-                "m": m,
-                "H_lir": "none" if h_lir is None else h_lir,
-                "delta": delta,
-            },
+            attrs=self.attrs(
+                run,
+                H_lir="none" if self.h_lir is None else self.h_lir,
+                selection=run.source,
+                ci=self.ci_note(prep.n_samples, prep.n_trace_units),
+            ),
         )
 
-    plan = UnitPlan(per_unit, width_, finish, selection)
-    return plan.run(prep) if compute else plan
+    def summary(self, r: xr.Dataset) -> dict:
+        return {
+            **self.base_summary(r),
+            "lir": num(r["lir"]),
+            "ci95": [num(r["ci_low"]), num(r["ci_high"])],
+            "eligible": int(r["n_eligible"]),
+            "reactivated": int(r["n_reactivated"]),
+            "p01": num(r["p01"]),
+            "p10": num(r["p10"]),
+            "per_layer": nums(r["lir_layer"]),
+        }
+
+    def table(self, s: dict) -> list[tuple[str, str]]:
+        return [
+            (f"Global LIR (m={s['m']}, H_lir={s['H_lir']})", fmt(s["lir"]) + ci_text(*s["ci95"])),
+            ("95% CI", s["ci"]),
+            ("episodes eligible / reactivated", f"{s['eligible']} / {s['reactivated']}"),
+            (f"P01 cold→hot (δ={s['delta']})", fmt(s["p01"])),
+            ("P10 hot→cold", fmt(s["p10"])),
+        ]
+
+    def plot(self, result: xr.Dataset, ax=None):
+        from ..figures import axes
+
+        fig, (ax1, ax2) = axes(ax, 9, 4, ncols=2)
+        ax1.bar(result["layer"].values, result["lir_layer"].values)
+        ax1.axhline(float(result["lir"]), color="k", lw=1, ls="--", label=f"all layers {float(result['lir']):.3f}")
+        ax1.set_xlabel("layer")
+        ax1.set_ylabel("LIR (reactivated / eligible)")
+        ax1.legend()
+        ax2.bar(["P01 cold→hot", "P10 hot→cold"], [float(result["p01"]), float(result["p10"])])
+        ax2.set_ylabel(f"lag-{self.delta} transition probability")
+        return fig
+
+
+def lir(ds: xr.Dataset, *, selection=None, prep=None, **params) -> xr.Dataset:
+    """``LIR(**params)(ds, selection=…)`` — see :class:`LIR`."""
+    return LIR(**params)(ds, selection=selection, prep=prep)

@@ -1,13 +1,10 @@
-"""Units, window masses and cumulative scores (SPEC §1).
-
-A *unit* is what a policy keeps or drops: a window of ``w`` positions after the sinks
-(window granularity) or a single position (token granularity)::
-
-    window j = positions [n_sink + j·w, n_sink + (j+1)·w)          exists at t iff its last position ≤ query_pos[t]
-    token  p = position p                                          exists at t iff p ≤ query_pos[t]
+"""Unit masses and cumulative scores of a trace (SPEC §1; units: :mod:`kvscope.windows`)::
 
     m[t, j] = Σ_{p∈j} a[t, p]                                       per-step mass (not cumulative)
-    c[t, j] = Σ_{t'≤t} m[t', j]  (+ Σ_{p∈j} prefill_colsum[p] when include_prefill)
+    c[t, j] = Σ_{p∈j} prefill_colsum[p] + Σ_{1≤t'≤t} m[t', j]       with the prompt's column mass
+            = Σ_{0≤t'≤t} m[t', j]                                   without it
+
+(step 0's row is the prompt's last row, which the column sums already hold).
 
 Every function takes and returns xarray objects with named dims; the trace-unit dims are
 ``sample``, ``layer`` and the stored head dim (``kv_head`` or ``head``). Arrays stay lazy
@@ -16,68 +13,12 @@ Every function takes and returns xarray objects with named dims; the trace-unit 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
+from ..windows import Units
 from .kernels import block_stats
-
-
-@dataclass(frozen=True)
-class Units:
-    """Geometry of the units of an analysis."""
-
-    kind: str  # "window" | "token"
-    w: int = 8
-    n_sink: int = 4
-
-    def __post_init__(self):
-        if self.kind not in ("window", "token"):
-            raise KvscopeError(f"granularity must be window or token (got {self.kind!r})")
-        if self.kind == "window" and (self.w < 4 or self.w % 4):
-            raise KvscopeError(f"--window must be a positive multiple of 4 (got {self.w})")
-        if self.n_sink < 0:
-            raise KvscopeError(f"n_sink must be ≥ 0 (got {self.n_sink})")
-
-    @property
-    def dim(self) -> str:
-        return "window" if self.kind == "window" else "pos"
-
-    @property
-    def size(self) -> int:
-        return self.w if self.kind == "window" else 1
-
-    @property
-    def offset(self) -> int:
-        """First position of unit 0."""
-        return self.n_sink if self.kind == "window" else 0
-
-    def count(self, n_pos: int) -> int:
-        if self.kind == "token":
-            return n_pos
-        return max(0, (n_pos - self.n_sink) // self.w)
-
-    def last_position(self, n_units: int) -> np.ndarray:
-        """[unit] last position of each unit."""
-        return self.offset + (np.arange(n_units) + 1) * self.size - 1
-
-    def n_existing(self, query_pos: np.ndarray) -> np.ndarray:
-        """Number of units that exist when the query sits at ``query_pos`` (any shape)."""
-        q = np.asarray(query_pos)
-        n = (q - self.offset + 1) // self.size
-        return np.where(q >= 0, np.maximum(n, 0), 0)
-
-    def protected(self, n_existing: np.ndarray, n_units: int, local_tokens: int) -> np.ndarray:
-        """[..., unit] True for units a policy always keeps: the newest ``local_tokens``
-        (rounded up to whole units) and, at token granularity, the sinks."""
-        n_local = -(-local_tokens // self.size) if local_tokens > 0 else 0
-        j = np.arange(n_units)
-        newest = j >= (np.asarray(n_existing)[..., None] - n_local)
-        if self.kind == "token":
-            newest = newest | (j < self.n_sink)
-        return newest
 
 
 def rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
@@ -126,15 +67,16 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
     n_units = units.count(a.sizes["pos"])
     lo, w = units.n_sink, units.w
 
-    data = a.data.map_blocks(window_sums, lo, n_units, w, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
+    data = a.data.map_blocks(window_masses, lo, n_units, w, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
     coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
 
-def window_sums(block: np.ndarray, first: int, n_units: int, w: int) -> np.ndarray:
+def window_masses(block: np.ndarray, first: int, n_units: int, w: int) -> np.ndarray:
     """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
-    masses, each the float32 sum of its ``w`` values in position order (NaN as 0): the same
-    bits whichever way the rows were chunked (:func:`kvscope.analysis.kernels.row_block_stats`)."""
+    masses: :func:`kvscope.windows.window_sums` of the rows in float32, compiled
+    (:func:`kvscope.analysis.kernels.row_block_stats`), so the same bits whichever way the rows
+    were chunked."""
     lead, n_pos = block.shape[:-1], block.shape[-1]
     rows_ = block.reshape(-1, 1, n_pos)  # [row, 1, pos]
     out = np.empty((rows_.shape[0], 1, n_units))
@@ -152,13 +94,13 @@ def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     a = rows(ds, layers, heads)
     a = a.transpose("sample", "step", "layer", head_dim(a), "pos")
     if not isinstance(a.data, dsa.Array):
-        a = a.chunk({"sample": 1, "step": int(ds.attrs.get("block_steps", 32)), "layer": 1})
+        a = a.chunk({"sample": 1, "step": ds.kvscope.block_steps, "layer": 1})
     return a.copy(data=a.data.rechunk({4: -1}))
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
     """Prefill column sums per unit ``[sample, layer, H, unit]`` (window masses as for rows:
-    :func:`window_sums`, one task per stored chunk)."""
+    :func:`window_masses`, one task per stored chunk)."""
     import dask.array as dsa
 
     col = _subset(ds["prefill_colsum"], layers, heads)
@@ -169,18 +111,18 @@ def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> 
     args = (units.n_sink, n_units, units.w)
     if isinstance(col.data, dsa.Array):
         data = col.data.rechunk({-1: -1})
-        data = data.map_blocks(window_sums, *args, dtype=np.float64, chunks=data.chunks[:-1] + ((n_units,),))
+        data = data.map_blocks(window_masses, *args, dtype=np.float64, chunks=data.chunks[:-1] + ((n_units,),))
     else:
-        data = window_sums(np.asarray(col.values), *args)
+        data = window_masses(np.asarray(col.values), *args)
     coords = {k: v for k, v in col.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=col.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
 
 def cumulative_scores(m: xr.DataArray, prefill: xr.DataArray | None = None) -> xr.DataArray:
-    """``c[t, j] = Σ_{t'≤t} m[t', j]`` (+ prefill column mass): ``[sample, step, layer, H, unit]``."""
+    """``c[t, j]`` of the module docstring: ``[sample, step, layer, H, unit]``."""
     c = m.cumsum("step")
     if prefill is not None:
-        c = c + prefill
+        c = c - m.isel(step=0) + prefill
     return c.transpose(*m.dims)
 
 

@@ -23,16 +23,20 @@ Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (§5.1, 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import dask.array as dsa
 import numpy as np
 import xarray as xr
 from scipy.optimize import minimize_scalar
 
-from ..errors import KvscopeError
+from .. import defaults
+from ..params import param
 from ..policies.logquant import fp_sets_per_step
 from .kernels import block_stats, peak_width
-from .mass import head_dim, stored_rows
+from .mass import stored_rows
+from .metric import Bootstrapped, Metric, ci_text, fmt, num, nums
 
 
 def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
@@ -120,45 +124,6 @@ def row_profile(qpos: np.ndarray, n_sink: int, k: int, n_bins: int) -> tuple[np.
     return N_D, exposure
 
 
-def peak_statistics(
-    ds: xr.Dataset,
-    *,
-    k: int = 8,
-    n_sink: int | None = None,
-    layers=None,
-    heads=None,
-    logquant_window: int = 32,
-    compute: bool = True,
-):
-    """One streaming pass over the rows: ``(rows, per_block)`` with ``per_block [sample,
-    step block, layer, H, 2 + n_bins + 3]`` the sums of :func:`_block_rows` (numpy, or dask
-    with ``compute=False``); :func:`peaks` adds them up over step blocks."""
-    if k < 1:
-        raise KvscopeError(f"--top-k must be ≥ 1 (got {k})")
-    n_sink = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    a = stored_rows(ds, layers, heads)
-    arr = a.data
-    qpos = np.asarray(ds["query_pos"].values)  # [sample, step]
-    c = arr.chunks
-    q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
-    width = peak_width(n_bins_for(arr.shape[-1]))
-    per_unit = dsa.map_blocks(
-        _block_rows,
-        arr,
-        q_arr,
-        LogQuantSets(ds, logquant_window),
-        n_sink,
-        k,
-        dtype=np.float64,
-        drop_axis=[4],
-        new_axis=[4],
-        chunks=(c[0], (1,) * len(c[1]), c[2], c[3], (width,)),
-    )  # [sample, step block, layer, H, width]: independent leaves, summed on the driver
-    if compute:
-        per_unit = per_unit.compute()
-    return a, per_unit
-
-
 class LogQuantSets:
     """LogQuant FP positions of every step of a sample, built on first use (per process)."""
 
@@ -202,93 +167,198 @@ class LogQuantSets:
         self._init_caches()
 
 
-def peaks(
-    ds: xr.Dataset,
-    *,
-    k: int = 8,
-    n_sink: int | None = None,
-    layers=None,
-    heads=None,
-    logquant_window: int = 32,
-    n_boot: int = 200,
-    seed: int = 0,
-    precomputed=None,
-) -> xr.Dataset:
+@dataclass(kw_only=True)
+class Peaks(Bootstrapped, Metric):
     """Exposure-normalized log2 histogram of peak distances, α fit with CI, AIC comparison
-    and LogQuant coverage. Returns an ``xarray.Dataset`` (see module docstring).
-    ``precomputed``: the ``(rows, per_block)`` of :func:`peak_statistics`."""
-    a, per_block = precomputed or peak_statistics(
-        ds, k=k, n_sink=n_sink, layers=layers, heads=heads, logquant_window=logquant_window
-    )
-    n_sink_ = int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink)
-    n_bins = n_bins_for(a.sizes["pos"])
-    per_unit = np.asarray(per_block).sum(1)  # over step blocks -> [sample, layer, H, width]
-    stats = {"sum_log": per_unit[..., 0], "sum_d": per_unit[..., 1], "bins": per_unit[..., 2 : 2 + n_bins]}
-    coverage = per_unit[..., 2 + n_bins :]  # [sample, layer, H, 3]
-    N_D_sample, exposure_sample = row_profile(np.asarray(ds["query_pos"].values), n_sink_, k, n_bins)
-    S_n, L, H = stats["sum_log"].shape
-    units_per_sample = L * H
-    hdim = head_dim(a)
+    and LogQuant coverage (module docstring)."""
 
-    def fitted(weights: np.ndarray, kind: str = "power"):  # weights [sample, layer, H] per trace unit
-        term = stats["sum_log"] if kind == "power" else stats["sum_d"]
-        return fit_stats(float((weights * term).sum()), weights.sum((1, 2)) @ N_D_sample, kind)
+    name: ClassVar[str] = "peaks"
+    title: ClassVar[str] = "log2 peak density, α fit, AIC, LogQuant coverage"
 
-    ones = np.ones((S_n, L, H))
-    qpos = np.asarray(ds["query_pos"].values)
-    n_rows = int(units_per_sample * ((qpos >= 0) & (qpos - n_sink_ >= 1)).sum())
-    alpha, ll_power = fitted(ones)
-    lam, ll_exp = fitted(ones, "exponential")
-    N_D = ones.sum((1, 2)) @ N_D_sample
-    ll_uniform = uniform_log_lik(N_D)
-    counts = stats["bins"].sum((0, 1, 2)).astype(np.float64)
-    exposure = units_per_sample * exposure_sample.sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        density = np.where(exposure > 0, counts / exposure, np.nan)
-    rng = np.random.default_rng(seed)
-    boot = []
-    if np.isfinite(alpha):
-        n_units = S_n * L * H
-        for _ in range(n_boot):
-            weights = np.bincount(rng.integers(0, n_units, n_units), minlength=n_units).reshape(S_n, L, H)
+    k: int = param(defaults.PEAKS_TOP_K, low=1, flag="--top-k", help="peaks per row")
+    n_sink: int | None = param(None, low=0, flag="--sinks", help="sink positions", none="the trace's")
+    logquant_window: int = param(defaults.LOGQUANT_W, low=1, help="LogQuant W for coverage")
+    n_boot: int = param(defaults.N_BOOT_PEAKS, low=1, flag="--bootstrap", help="bootstrap resamples of the α fit")
+
+    def sinks(self, ds: xr.Dataset) -> int:
+        return self.n_sink if self.n_sink is not None else ds.kvscope.n_sink
+
+    def statistics(self, ds: xr.Dataset, compute: bool = True):
+        """One streaming pass over the rows: ``(rows, per_block)`` with ``per_block [sample,
+        step block, layer, H, 2 + n_bins + 3]`` the sums of :func:`_block_rows` (numpy, or dask
+        with ``compute=False``); :meth:`__call__` adds them up over step blocks."""
+        self.check_scope(ds)
+        a = stored_rows(ds, self.layers, self.heads)
+        arr = a.data
+        qpos = ds.kvscope.query_pos  # [sample, step]
+        c = arr.chunks
+        q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
+        width = peak_width(n_bins_for(arr.shape[-1]))
+        per_block = dsa.map_blocks(
+            _block_rows,
+            arr,
+            q_arr,
+            LogQuantSets(ds, self.logquant_window),
+            self.sinks(ds),
+            self.k,
+            dtype=np.float64,
+            drop_axis=[4],
+            new_axis=[4],
+            chunks=(c[0], (1,) * len(c[1]), c[2], c[3], (width,)),
+        )  # [sample, step block, layer, H, width]: independent leaves, summed on the driver
+        return a, (per_block.compute() if compute else per_block)
+
+    def __call__(self, ds: xr.Dataset, precomputed=None) -> xr.Dataset:
+        a, per_block = precomputed or self.statistics(ds)
+        n_sink = self.sinks(ds)
+        n_bins = n_bins_for(a.sizes["pos"])
+        per_unit = np.asarray(per_block).sum(1)  # over step blocks -> [sample, layer, H, width]
+        sum_log, sum_d, bins = per_unit[..., 0], per_unit[..., 1], per_unit[..., 2 : 2 + n_bins]
+        coverage = per_unit[..., 2 + n_bins :]  # [sample, layer, H, 3]
+        qpos = ds.kvscope.query_pos
+        N_D_sample, exposure_sample = row_profile(qpos, n_sink, self.k, n_bins)
+        S_n, L, H = sum_log.shape
+
+        def fitted(weights: np.ndarray, kind: str = "power"):  # weights [sample, layer, H] per trace unit
+            term = sum_log if kind == "power" else sum_d
+            return fit_stats(float((weights * term).sum()), weights.sum((1, 2)) @ N_D_sample, kind)
+
+        ones = np.ones((S_n, L, H))
+        alpha, ll_power = fitted(ones)
+        lam, ll_exp = fitted(ones, "exponential")
+        ll_uniform = uniform_log_lik(ones.sum((1, 2)) @ N_D_sample)
+        counts = bins.sum((0, 1, 2)).astype(np.float64)
+        exposure = L * H * exposure_sample.sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            density = np.where(exposure > 0, counts / exposure, np.nan)
+        lo, hi = self._alpha_interval(fitted, (S_n, L, H)) if np.isfinite(alpha) else (math.nan, math.nan)
+        per_layer_alpha = [fitted(np.where(np.arange(L)[None, :, None] == li, 1.0, 0.0) * ones)[0] for li in range(L)]
+        cov = coverage.sum((0, 2))  # [layer, 3]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cov_lq, cov_rc = cov[:, 0] / cov[:, 2], cov[:, 1] / cov[:, 2]
+        aic = {"power": 2 - 2 * ll_power, "exponential": 2 - 2 * ll_exp, "uniform": -2 * ll_uniform}
+        best = min(aic, key=lambda key: aic[key] if np.isfinite(aic[key]) else np.inf)
+        n_rows = int(L * H * ((qpos >= 0) & (qpos - n_sink >= 1)).sum())
+        return xr.Dataset(
+            {
+                "count": ("bin", counts),
+                "exposure": ("bin", exposure),
+                "density": ("bin", density),
+                "alpha": alpha,
+                "alpha_low": float(lo),
+                "alpha_high": float(hi),
+                "lambda": lam,
+                "aic": ("model", [aic["power"], aic["exponential"], aic["uniform"]]),
+                "log_lik": ("model", [ll_power, ll_exp, ll_uniform]),
+                "alpha_layer": ("layer", np.asarray(per_layer_alpha)),
+                "coverage_logquant": ("layer", cov_lq),
+                "coverage_recency": ("layer", cov_rc),
+                "n_peaks": int(counts.sum()),
+                "n_rows": n_rows,
+            },
+            coords={
+                "bin": np.arange(n_bins),
+                "bin_low": ("bin", 2 ** np.arange(n_bins)),
+                "model": ["power", "exponential", "uniform"],
+                "layer": a["layer"].values,
+            },
+            attrs={
+                "metric": "peaks",
+                "k": self.k,
+                "n_sink": n_sink,
+                "logquant_W": self.logquant_window,
+                "best_model": best,
+                "heads_dim": ds.kvscope.hdim,
+                "n_boot": self.n_boot,
+                "resample": self.resample,
+                "ci": self.ci_note(S_n, S_n * L * H),
+            },
+        )
+
+    def _alpha_interval(self, fitted, shape: tuple[int, int, int]) -> tuple[float, float]:
+        """Percentile interval of α refitted on bootstrap weights: whole samples (every layer and
+        head of a drawn prompt) or, with ``resample="units"``, trace units."""
+        S_n, L, H = shape
+        if self.resample == "samples" and S_n < 2:
+            return math.nan, math.nan
+        rng = np.random.default_rng(self.seed)
+        n = S_n if self.resample == "samples" else S_n * L * H
+        boot = []
+        for _ in range(self.n_boot):
+            counts = np.bincount(rng.integers(0, n, n), minlength=n)
+            weights = (
+                np.broadcast_to(counts[:, None, None], shape) if self.resample == "samples" else counts.reshape(shape)
+            )
             boot.append(fitted(weights)[0])
-    lo, hi = np.quantile(boot, [0.025, 0.975]) if boot else (math.nan, math.nan)
-    per_layer_alpha = [fitted(np.where(np.arange(L)[None, :, None] == li, 1.0, 0.0) * ones)[0] for li in range(L)]
-    cov = coverage.sum((0, 2))  # [layer, 3]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cov_lq = cov[:, 0] / cov[:, 2]
-        cov_rc = cov[:, 1] / cov[:, 2]
-    aic = {"power": 2 - 2 * ll_power, "exponential": 2 - 2 * ll_exp, "uniform": -2 * ll_uniform}
-    best = min(aic, key=lambda key: aic[key] if np.isfinite(aic[key]) else np.inf)
-    return xr.Dataset(
-        {
-            "count": ("bin", counts),
-            "exposure": ("bin", exposure),
-            "density": ("bin", density),
-            "alpha": alpha,
-            "alpha_low": float(lo),
-            "alpha_high": float(hi),
-            "lambda": lam,
-            "aic": ("model", [aic["power"], aic["exponential"], aic["uniform"]]),
-            "log_lik": ("model", [ll_power, ll_exp, ll_uniform]),
-            "alpha_layer": ("layer", np.asarray(per_layer_alpha)),
-            "coverage_logquant": ("layer", cov_lq),
-            "coverage_recency": ("layer", cov_rc),
-            "n_peaks": int(counts.sum()),
-            "n_rows": n_rows,
-        },
-        coords={
-            "bin": np.arange(n_bins),
-            "bin_low": ("bin", 2 ** np.arange(n_bins)),
-            "model": ["power", "exponential", "uniform"],
-            "layer": a["layer"].values,
-        },
-        attrs={
-            "metric": "peaks",
-            "k": k,
-            "n_sink": int(ds.attrs.get("n_sink", 4) if n_sink is None else n_sink),
-            "logquant_W": logquant_window,
-            "best_model": best,
-            "heads_dim": hdim,
-        },
-    )
+        lo, hi = np.quantile(boot, [0.025, 0.975])
+        return float(lo), float(hi)
+
+    def summary(self, r: xr.Dataset) -> dict:
+        return {
+            **self.base_summary(r),
+            "alpha": num(r["alpha"]),
+            "ci95": [num(r["alpha_low"]), num(r["alpha_high"])],
+            "lambda": num(r["lambda"]),
+            "aic": dict(zip(r["model"].values.tolist(), nums(r["aic"]))),
+            "n_peaks": int(r["n_peaks"]),
+            "n_rows": int(r["n_rows"]),
+            "log2_bins": [
+                {"from": int(lo), "count": int(c), "exposure": int(e), "density": num(d)}
+                for lo, c, e, d in zip(
+                    r["bin_low"].values, r["count"].values, r["exposure"].values, r["density"].values
+                )
+            ],
+            "alpha_per_layer": nums(r["alpha_layer"]),
+            "coverage_logquant_per_layer": nums(r["coverage_logquant"]),
+            "coverage_recency_per_layer": nums(r["coverage_recency"]),
+            "coverage_logquant": num(np.nanmean(r["coverage_logquant"].values)),
+            "coverage_recency": num(np.nanmean(r["coverage_recency"].values)),
+        }
+
+    def table(self, s: dict) -> list[tuple[str, str]]:
+        rows = [
+            (f"α (power law, top-{s['k']} peaks)", fmt(s["alpha"]) + ci_text(*s["ci95"])),
+            ("95% CI", s["ci"]),
+            ("best model by AIC", s["best_model"]),
+            (
+                "AIC power / exponential / uniform",
+                " / ".join(fmt(s["aic"][m], ".1f") for m in ("power", "exponential", "uniform")),
+            ),
+            (
+                f"coverage LogQuant FP set (W={s['logquant_W']}) vs recency",
+                f"{fmt(s['coverage_logquant'])} vs {fmt(s['coverage_recency'])}",
+            ),
+        ]
+        return rows + [(f"density d∈[{b['from']}, {2 * b['from']})", fmt(b["density"], ".4g")) for b in s["log2_bins"]]
+
+    def plot(self, result: xr.Dataset, ax=None):
+        """Log-log exposure-normalized peak density with the fitted power law and alternatives."""
+        from ..figures import axes
+
+        fig, ax = axes(ax)
+        lo = result["bin_low"].values.astype(float)
+        centers = lo * np.sqrt(2)
+        dens = result["density"].values
+        ok = np.isfinite(dens) & (dens > 0)
+        ax.loglog(centers[ok], dens[ok], "o", label="peak density per position")
+        alpha = float(result["alpha"])
+        if np.isfinite(alpha) and ok.any():
+            ref = centers[ok][0]
+            scale = dens[ok][0] / ref ** (-alpha)
+            band = ci_text(float(result["alpha_low"]), float(result["alpha_high"]))
+            ax.loglog(centers[ok], scale * centers[ok] ** (-alpha), "-", label=f"power law α={alpha:.2f}{band}")
+            lam = float(result["lambda"])
+            if np.isfinite(lam):
+                e_scale = dens[ok][0] / np.exp(-lam * ref)
+                ax.loglog(centers[ok], e_scale * np.exp(-lam * centers[ok]), ":", label=f"exponential λ={lam:.3f}")
+            ax.loglog(centers[ok], np.full(ok.sum(), np.nanmean(dens[ok])), "--", label="uniform")
+        ax.set_xlabel("distance to the query d (log2 bins)")
+        ax.set_ylabel("peaks per possible position")
+        ax.set_title(f"Attention peaks (top-{result.attrs['k']}), best by AIC: {result.attrs['best_model']}")
+        ax.legend(fontsize=8)
+        return fig
+
+
+def peaks(ds: xr.Dataset, *, precomputed=None, **params) -> xr.Dataset:
+    """``Peaks(**params)(ds)`` — see :class:`Peaks`."""
+    return Peaks(**params)(ds, precomputed=precomputed)

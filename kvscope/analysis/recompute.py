@@ -1,14 +1,14 @@
 """Attention rows recomputed from recorded queries and keys (``--record qkv``).
 
-For step ``t`` with query position ``q = P − 1 + t``, layer ``l`` and query head ``h``::
+For step ``t`` with query position ``q = P − 1 + t``, layer ``l`` and query head ``h``, with
+the model's attention rule (:mod:`kvscope.attention`: scaling, softcap, sliding window of
+layer ``l``, from the trace's model config)::
 
     a[t, l, h, p] = softmax_p( softcap(q[q, l, h] · k[l, h // g, p] · scaling_l) ),  p ≤ q
 
-(``g`` query heads per KV head; ``scaling_l`` and the softcap from the trace attributes,
-``head_dim^−½`` and none when absent), then averaged over the heads of a KV group when
-``heads="kv"``. Returns rows shaped like ``attn`` — ``[sample, step, layer, kv_head, pos]``
-float32, NaN beyond ``q`` — as dask blocks of one (sample, layer), so the analyses accept
-them wherever they accept stored rows. Sliding-window layers see only their window.
+then averaged over the heads of a KV group when ``heads="kv"``. Returns rows shaped like
+``attn`` — ``[sample, step, layer, kv_head, pos]`` float32, NaN beyond ``q`` — as dask blocks
+of one (sample, layer), so the analyses accept them wherever they accept stored rows.
 """
 
 from __future__ import annotations
@@ -16,58 +16,41 @@ from __future__ import annotations
 import dask
 import dask.array as dsa
 import numpy as np
+import torch
 import xarray as xr
 
+from ..attention import AttentionRule, grouped
 from ..errors import KvscopeError
 
+STEP_BLOCK = 64  # steps whose logits are computed together: [steps, head, pos] float32 at a time
 
-def _layer_rows(q, k, qpos, scaling, softcap, window, heads):
+
+def _layer_rows(q, k, qpos, rule: AttentionRule, heads: str) -> np.ndarray:
     """q [qpos, head, D], k [kv_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos] float32."""
-    n_heads, n_kv = q.shape[1], k.shape[0]
-    g = n_heads // n_kv
-    n_pos = k.shape[1]
+    n_heads, n_kv, n_pos = q.shape[1], k.shape[0], k.shape[1]
     out = np.full((len(qpos), n_heads if heads == "all" else n_kv, n_pos), np.nan, dtype=np.float32)
-    kk = np.nan_to_num(k.astype(np.float32))
-    for t, qp in enumerate(qpos):
-        if qp < 0:
-            continue
-        qv = q[qp].astype(np.float32).reshape(n_kv, g, -1)  # [kv, g, D]
-        scores = np.einsum("kgd,kpd->kgp", qv, kk[:, : qp + 1]) * scaling
-        if softcap:
-            scores = np.tanh(scores / softcap) * softcap
-        if window:
-            scores[..., : max(0, qp - window + 1)] = -np.inf
-        scores -= scores.max(-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(-1, keepdims=True)
-        out[t, :, : qp + 1] = probs.reshape(n_heads, -1) if heads == "all" else probs.mean(1)
+    keys = torch.from_numpy(np.nan_to_num(np.asarray(k, dtype=np.float32)))  # [kv, pos, D]
+    k_pos = torch.arange(n_pos)
+    steps = np.flatnonzero(np.asarray(qpos) >= 0)
+    for b0 in range(0, len(steps), STEP_BLOCK):
+        block = steps[b0 : b0 + STEP_BLOCK]
+        rows = np.asarray(qpos)[block]
+        queries = torch.from_numpy(np.asarray(q[rows], dtype=np.float32))  # [n, head, D]
+        qg = grouped(queries[:, :, None, :], n_kv)  # [n, kv, g, D]
+        q_at = torch.from_numpy(rows)[:, None, None, None]
+        probs = rule.probs(qg, keys, q_at, k_pos)  # [n, kv, g, pos]
+        probs = (probs.reshape(len(block), n_heads, n_pos) if heads == "all" else probs.mean(2)).numpy()
+        out[block] = np.where(np.arange(n_pos)[None, None, :] <= rows[:, None, None], probs, np.nan)
     return out[None, :, None]
-
-
-def attention_params(ds: xr.Dataset) -> tuple[list[float], float | None, list[int | None]]:
-    """``(scaling [layer], softcap, sliding_window [layer])`` of the traced model: the
-    recorded per-layer scaling (``head_dim^−½`` when absent), the logit softcap, and the
-    window of each sliding-attention layer (None for full attention)."""
-    config = ds.attrs.get("model", {}).get("config", {})
-    head_dim = ds.sizes["dim"] if "dim" in ds.sizes else int(config.get("head_dim") or 64)
-    n_layers = ds.sizes["layer"]
-    scaling = [s if s is not None else head_dim**-0.5 for s in (config.get("attention_scaling") or [None] * n_layers)]
-    layer_types = config.get("layer_types") or []
-    window = config.get("sliding_window")
-    windows = [
-        window if (layer_types and layer_types[layer] == "sliding_attention") or (not layer_types and window) else None
-        for layer in range(n_layers)
-    ]
-    return scaling, config.get("attn_logit_softcapping"), windows
 
 
 def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     """Rows ``[sample, step, layer, kv_head|head, pos]`` recomputed from ``q`` and ``k``."""
     if "q" not in ds or "k" not in ds:
         raise KvscopeError("this trace has no recorded q/k (trace with --record qkv)")
-    scaling, softcap, windows = attention_params(ds)
+    model = ds.kvscope.model
     n_layers = ds.sizes["layer"]
-    qpos = np.asarray(ds["query_pos"].values)
+    qpos = ds.kvscope.query_pos
     n_samples, n_steps = qpos.shape
     n_pos = ds.sizes["pos"]
     n_out = ds.sizes["head"] if heads == "all" else ds.sizes["kv_head"]
@@ -75,14 +58,11 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     for s in range(n_samples):
         row = []
         for layer in range(n_layers):
-            sliding = windows[layer]
             task = dask.delayed(_layer_rows)(
                 ds["q"].data[s, :, layer] if hasattr(ds["q"].data, "dask") else ds["q"][s, :, layer].values,
                 ds["k"].data[s, layer] if hasattr(ds["k"].data, "dask") else ds["k"][s, layer].values,
                 qpos[s],
-                scaling[layer],
-                softcap,
-                sliding,
+                model.rule(layer),
                 heads,
             )
             row.append(dsa.from_delayed(task, shape=(1, n_steps, 1, n_out, n_pos), dtype=np.float32))
