@@ -4,7 +4,8 @@
     prompts("niah", tokenizer, context=2048, seed=0, samples=3, chat=True)  → [Prompt]
     score("niah", output_text, expected)         → task score in [0, 1]
 
-Every workload reads its recipe (context, samples, templates) from ``traces/NAME.toml``;
+Every workload reads its recipe (context, samples, templates) from ``kvscope/recipes/NAME.toml``
+(package data, read with ``importlib.resources``);
 the text comes from what ships with Python — the reference-manual topics of ``pydoc_data``
 (prose, haystacks) and standard-library source files (code) — so nothing is downloaded and a
 seed gives the same prompts on every machine with the same Python. A prompt's length is
@@ -23,20 +24,20 @@ chat task) and lands within 2% of ``context``.
 from __future__ import annotations
 
 import ast
+import importlib.resources
 import importlib.util
 import operator
 import random
 import re
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
 from .errors import KvscopeError
-from .tracing.runner import Prompt
+from .prompts import Prompt, encode
 
-RECIPES = Path(__file__).resolve().parents[1] / "traces"
+RECIPES = importlib.resources.files("kvscope") / "recipes"
 TOLERANCE = 0.02
 
 
@@ -59,7 +60,7 @@ def load_recipe(name: str) -> dict:
     path = RECIPES / f"{name}.toml"
     if not path.is_file():
         raise KvscopeError(f"workload recipe {path} is missing")
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         return tomllib.load(f)
 
 
@@ -276,9 +277,7 @@ def get(name: str) -> Workload:
 
 def count_tokens(tokenizer, text: str, chat: bool) -> int:
     """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it)."""
-    from .tracing.runner import _encode
-
-    return len(_encode(tokenizer, [Prompt(text, "count")], chat)[0])
+    return len(encode(tokenizer, [Prompt(text, "count")], chat)[0])
 
 
 def _fit(make, tokenizer, chat: bool, context: int, limit: int | None):
