@@ -292,8 +292,8 @@ def test_dask_chunked_equals_in_memory(tmp_path):
         ("peaks", {"n_boot": 20}),
         ("concentration", {}),
     ]:
-        a = A.ANALYSES[name](lazy, **kwargs)
-        b = A.ANALYSES[name](eager, **kwargs)
+        a = A.make(name, **kwargs)(lazy)
+        b = A.make(name, **kwargs)(eager)
         for var in a.data_vars:
             np.testing.assert_allclose(
                 np.asarray(a[var].values, float),

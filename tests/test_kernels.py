@@ -15,7 +15,8 @@ from kvscope.analysis.common import top_fraction_selection
 from kvscope.analysis.fmm import fmm_kernel
 from kvscope.analysis.kernels import block_stats, cumulative, fmm_curve, peak_width
 from kvscope.analysis.lir import lir_kernel
-from kvscope.analysis.mass import window_sums
+from kvscope.analysis.mass import window_masses
+from kvscope.windows import window_sums
 
 # -- references -----------------------------------------------------------------------
 
@@ -134,13 +135,15 @@ def test_window_sums_are_chunking_invariant_float32_sums():
     rng = np.random.default_rng(0)
     x = rng.random((6, 2, 100)).astype(np.float16)
     x[..., 90:] = np.nan
-    whole = window_sums(x, 4, 12, 8)
-    parts = np.concatenate([window_sums(x[:2], 4, 12, 8), window_sums(x[2:], 4, 12, 8)])
+    whole = window_masses(x, 4, 12, 8)
+    parts = np.concatenate([window_masses(x[:2], 4, 12, 8), window_masses(x[2:], 4, 12, 8)])
     np.testing.assert_array_equal(whole, parts)  # the same bits
     expected = np.zeros((6, 2, 12), dtype=np.float32)
     for i in range(8):  # float32, position order, NaN as 0
         expected += np.nan_to_num(x[..., 4 + i : 4 + 12 * 8 : 8].astype(np.float32))
     np.testing.assert_array_equal(whole, expected.astype(np.float64))
+    # the compiled form of the one definition (kvscope.windows.window_sums), bit for bit
+    np.testing.assert_array_equal(whole, window_sums(x.astype(np.float32), 4, 8, 12).astype(np.float64))
 
 
 def test_block_stats_refuses_windows_past_the_row():

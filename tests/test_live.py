@@ -131,16 +131,17 @@ def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
 @pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict"])
 def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     source, model, tokenizer = loaded
-    from kvscope.tracing.runner import Prompt, TraceSettings, trace_loaded
+    from kvscope.live import LivePolicy
+    from kvscope.prompts import Prompt
+    from kvscope.tracing.runner import TraceSettings, trace_loaded
 
-    settings = TraceSettings(
-        max_new_tokens=33, record_qkv=True, dtype="float32", stop_at_eos=False, policy=name, budget=0.3, block_steps=16
-    )
+    settings = TraceSettings(max_new_tokens=33, record_qkv=True, dtype="float32", stop_at_eos=False, block_steps=16)
     settings.check()
     import pydoc_data.topics as topics
 
     out = tmp_path / f"{name}.zarr"
-    trace_loaded(model, tokenizer, source, [Prompt(topics.topics["assignment"][:1400])], out, settings)
+    prompt = [Prompt(topics.topics["assignment"][:1400])]
+    trace_loaded(model, tokenizer, source, prompt, out, settings, cache=LivePolicy(name, 0.3))
     live = kvscope.open_trace(out)
     assert live.attrs["policy"]["name"] == name and live.attrs["policy"]["kv_itemsize"] == 4
     replayed = kvscope.replay(live, [name], [0.3], observe="exact", kv_itemsize=4)

@@ -11,9 +11,9 @@ import pytest
 
 import kvscope
 from kvscope import analysis
-from kvscope.analysis.recompute import attention_params
 from kvscope.policies import CacheState, Ledger, make
-from kvscope.replay import _against_full, _AttentionModel, _reference, effective_kv, tiers_for
+from kvscope.replay import effective_kv, tiers_for
+from kvscope.replay.output_error import against_full, reference
 
 from .conftest import run_cli
 
@@ -98,8 +98,7 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
     import torch
 
     ds = kvscope.open_trace(qkv_trace)
-    scaling, softcap, windows = attention_params(ds)
-    attention = _AttentionModel(np.asarray(scaling, np.float32), softcap, windows)
+    rules = ds.kvscope.model.rules()
     P, S = int(ds["prompt_len"].values[0]), int(ds["n_steps"].values[0])
     k = ds["k"].isel(sample=0, pos=slice(0, P + S)).values.astype(np.float32)
     v = ds["v"].isel(sample=0, pos=slice(0, P + S)).values.astype(np.float32)
@@ -112,7 +111,7 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
         gone = tiers[0, 0, :qpos] == 0  # streaming decides by position: the same set in every head
         assert gone.sum() > 50
         query = ds["q"].isel(sample=0, qpos=qpos).values.astype(np.float32)
-        reference = _reference(attention, query, torch.from_numpy(k), torch.from_numpy(v), qpos, 3)
+        ref = reference(rules, query, torch.from_numpy(k), torch.from_numpy(v), qpos)
         for how in l1:
             spec = kvscope.policies.CacheSpec(30, 3, 64, P, P + S, 1.0)
             ledger = Ledger(spec, 2, "channel", k=k, v=v) if how == "quantize" else None
@@ -126,9 +125,7 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
             else:
                 state.tiers[..., np.nonzero(gone)[0]] = 0
             state.length = qpos + 1
-            _, err, _ = _against_full(
-                attention, query, torch.from_numpy(k), torch.from_numpy(v), state, qpos, reference, 3
-            )
+            _, err, _ = against_full(rules, state, ref, torch.from_numpy(k), torch.from_numpy(v), qpos)
             l1[how].append(float(err.mean()))
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
 
@@ -147,6 +144,10 @@ def test_analyses_take_replayed_tiers(qkv_trace, result):
     assert float(fmm["mean"]) == pytest.approx(float(result["fmm_mean"].sel(policy="qevict", budget=0.3)), abs=1e-6)
     tm = fmm["tier_mean"].values
     assert np.allclose(tm, result["tier_mean"].sel(policy="qevict", budget=0.3).values, atol=1e-6)
+    # replay's streaming form of FMM equals the analysis layer's, event by event and per horizon
+    mine = result.sel(policy="qevict", budget=0.3)
+    np.testing.assert_allclose(fmm["tier_mass"].values, mine["tier_mass"].values, atol=1e-12)
+    np.testing.assert_allclose(fmm["curve"].values, mine["fmm_curve"].values, atol=1e-12)
     sel = analysis.selection_from_tiers(tiers, accessible=False)
     churn = analysis.churn(ds, granularity="token", selection=sel, n_boot=20)
     assert 0 <= float(churn["mean"]) <= 1
