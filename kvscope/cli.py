@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 import warnings
@@ -33,6 +34,8 @@ def quiet_libraries():
     and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # a refused chunk ends zarr's concurrent reads early; their pending tasks are dropped at exit
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -375,15 +378,41 @@ def _add_info(sub) -> None:
     p = sub.add_parser("info", help="describe a trace store")
     p.add_argument("store")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quick", action="store_true", help="skip decoding every committed chunk")
+    p.add_argument("--quick", action="store_true", help="only the checks on open, not every committed chunk")
     p.set_defaults(func=_cmd_info)
 
 
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check every committed chunk of a trace or replay result and its values")
+    p.add_argument("store", help="a trace (*.zarr) or a replay result (kvscope replay --out)")
+    p.add_argument("--deep", action="store_true", help="also recompute a sample of rows from recorded q/k")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args) -> int:
+    from .verify import verify
+
+    report = verify(args.store, deep=args.deep)
+    if args.json:
+        print(json.dumps(report.doc(), indent=1))
+    else:
+        for problem in report.problems:
+            print(problem.line())
+        if report.n_problems > len(report.problems):
+            print(f"… and {report.n_problems - len(report.problems)} more problems")
+        verdict = "ok" if report.ok else f"{report.n_problems} problem(s)"
+        extra = f", {report.deep_rows} rows recomputed from q/k" if args.deep else ""
+        print(f"{verdict}: {args.store} ({report.kind}; {report.chunks} chunks, {report.rows} rows checked{extra})")
+    return 0 if report.ok else EXIT_BAD_INPUT
+
+
 def _cmd_info(args) -> int:
-    from .store import store_info, verify_chunks
+    from .store import store_info
+    from .verify import refuse_if_damaged, verify
 
     if not args.quick:
-        verify_chunks(args.store)
+        refuse_if_damaged(verify(args.store))
     info = store_info(args.store)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -474,10 +503,13 @@ def _params_from_args(cls, args) -> dict:
 
 def _cmd_analyze(args) -> int:
     from .figures import save
+    from .paths import figure_path
     from .report import print_rows
     from .store import open_trace
 
     metric = args.metric_class(**_params_from_args(args.metric_class, args))
+    if args.plot:
+        figure_path(args.plot)
     ds = open_trace(args.store, chunks={})
     if args.from_qk:
         from .analysis import with_recomputed_rows
@@ -598,6 +630,7 @@ def _add_replay(sub) -> None:
 
 
 def _cmd_replay(args) -> int:
+    from .paths import figure_path, output_path
     from .plots import plot_compare
     from .policies import parse
     from .replay import replay, save_result
@@ -607,8 +640,12 @@ def _cmd_replay(args) -> int:
     if not policies:
         raise KvscopeError("--policies needs at least one policy")
     budgets = _budgets(args.budgets)
-    if args.out and os.path.exists(args.out):
-        raise KvscopeError(f"{args.out} exists; choose another --out (results are never overwritten)")
+    if args.out:
+        output_path(args.out, "--out", inputs=[args.store])
+        if os.path.lexists(args.out):
+            raise KvscopeError(f"{args.out} exists; choose another --out (results are never overwritten)")
+    if args.plot:
+        figure_path(args.plot)
     ds = open_trace(args.store)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
     bar, task = _progress(f"replay {len(policies)}×{len(budgets)}", quiet, "steps")
@@ -653,9 +690,12 @@ def _add_compare(sub) -> None:
 
 
 def _cmd_compare(args) -> int:
+    from .paths import figure_path
     from .plots import plot_compare
     from .replay import open_result
 
+    if args.plot:
+        figure_path(args.plot)
     result = open_result(args.result)
     if args.plot:
         _save_figure(plot_compare(result), args.plot)
@@ -700,6 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_trace(sub)
     _add_info(sub)
+    _add_verify(sub)
     _add_analyze(sub)
     _add_replay(sub)
     _add_compare(sub)
@@ -717,12 +758,41 @@ def main(argv: list[str] | None = None) -> int:
         with quiet_libraries():
             return int(args.func(args) or 0)
     except KvscopeError as exc:
-        message = " ".join(str(exc).split())
-        print(f"kvscope: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _one_line(exc)
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (| head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:  # noqa: BLE001 - never a traceback (KVSCOPE_DEBUG=1 shows it)
+        if os.environ.get("KVSCOPE_DEBUG"):
+            raise
+        if _in_codec(exc):  # CRC-valid bytes that still do not decode: a damaged chunk
+            return _one_line(KvscopeError(f"a chunk could not be decoded ({_first_line(exc)}); run kvscope verify"))
+        print(f"kvscope: internal error: {_first_line(exc)} (KVSCOPE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: Exception) -> int:
+    print(f"kvscope: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _in_codec(exc: BaseException) -> bool:
+    """The exception was raised while zarr decoded a chunk."""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if "/zarr/codecs/" in name or "/numcodecs/" in name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -114,6 +114,13 @@ class TraceAccessor:
         """``[sample]`` valid steps."""
         return np.asarray(self._ds["n_steps"].values)
 
+    def require_steps(self) -> None:
+        """Refuse a trace without a single committed step (nothing to measure)."""
+        if not self.n_steps.any():
+            raise KvscopeError(
+                "the trace holds no committed decode steps (a partial store killed before its first block)"
+            )
+
     @functools.cached_property
     def prompt_len(self) -> np.ndarray:
         """``[sample]`` prompt tokens."""

@@ -43,18 +43,6 @@ from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every
 from .errors import StoreError
 
 SCHEMA_VERSION = 1
-REQUIRED_ARRAYS = (
-    "attn",
-    "prefill_colsum",
-    "prefill_tail",
-    "prefill_tail_qpos",
-    "tokens",
-    "prompt_len",
-    "n_steps",
-    "query_pos",
-    "token_id",
-)
-QKV_ARRAYS = ("q", "k", "v", "rope_inv_freq", "rope_attention_scaling")
 
 
 @contextlib.contextmanager
@@ -147,12 +135,13 @@ class ArraySpec:
     dtype: str
     chunks: tuple[int, ...]
     fill: float | int
+    written: str  # which chunks exist once steps are committed (kvscope.integrity.ChunkRules)
 
 
-def _spec(name, dims, dtype, sizes: dict, chunks: dict, fill=float("nan")) -> ArraySpec:
+def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float("nan")) -> ArraySpec:
     """An array over ``dims`` whose chunk is the whole dim except where ``chunks`` says."""
     shape = tuple(sizes[d] for d in dims)
-    return ArraySpec(name, shape, dims, dtype, tuple(max(1, chunks.get(d, sizes[d])) for d in dims), fill)
+    return ArraySpec(name, shape, dims, dtype, tuple(max(1, chunks.get(d, sizes[d])) for d in dims), fill, written)
 
 
 def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
@@ -167,40 +156,43 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
         hs: L.n_stored_heads,  # the stored head dim (one "head" for --heads mean)
     }  # fmt: skip
     rows = {"sample": 1, "step": L.block_steps, "layer": 1}
+    per_layer = {"sample": 1, "layer": 1}
     per_sample = {"sample": 1}
     coords = ["sample", "step", "layer", hs, "pos", "obs"]
     last = "pos" if L.resolution == "token" else "window"
-    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, rows)]
+    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, rows, "steps")]
     if L.resolution == "window":
         coords += ["window", "sink"]
-        arrays.append(_spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, rows))
+        arrays.append(_spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, rows, "steps"))
     arrays += [
-        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, {"sample": 1, "layer": 1}),
-        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, {"sample": 1, "layer": 1}),
-        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, -1),
-        _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, -1),
-        _spec("prompt_len", ("sample",), "int32", sizes, {}, 0),
-        _spec("n_steps", ("sample",), "int32", sizes, {}, 0),
-        _spec("query_pos", ("sample", "step"), "int32", sizes, per_sample, -1),
-        _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, -1),
+        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, per_layer, "sample"),
+        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, per_layer, "sample"),
+        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, "sample", -1),
+        _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, "static", -1),
+        _spec("prompt_len", ("sample",), "int32", sizes, {}, "static", 0),
+        _spec("n_steps", ("sample",), "int32", sizes, {}, "any", 0),
+        _spec("query_pos", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
+        _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
     ]
     if L.record_qkv:
         coords += ["qpos"] + [d for d in ("head", "kv_head") if d != hs] + ["dim", "rope_freq"]
         pb = L.pos_block
+        q_chunks, kv_chunks = {"sample": 1, "qpos": pb, "layer": 1}, {"sample": 1, "layer": 1, "pos": pb}
         arrays += [
-            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, {"sample": 1, "qpos": pb, "layer": 1}),
-            _spec("k", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, {"sample": 1, "layer": 1, "pos": pb}),
-            _spec("v", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, {"sample": 1, "layer": 1, "pos": pb}),
-            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}),
-            _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}),
+            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, q_chunks, "positions"),
+            _spec("k", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("v", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}, "static"),
+            _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}, "static"),
         ]
     if L.policy_events:
         coords += ["event"] + (["kv_head"] if hs != "kv_head" and not L.record_qkv else [])
+        tiers = ("sample", "event", "layer", "kv_head", "pos")
         arrays += [
-            _spec("policy_tiers", ("sample", "event", "layer", "kv_head", "pos"), "int8", sizes, {"sample": 1, "event": 1}, -1),
-            _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample),
-            _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, -1),
-        ]  # fmt: skip
+            _spec("policy_tiers", tiers, "int8", sizes, {"sample": 1, "event": 1}, "events", -1),
+            _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample, "sample"),
+            _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, "sample", -1),
+        ]
     return [(name, sizes[name]) for name in coords], arrays
 
 
@@ -241,107 +233,87 @@ def read_attrs(path: str | os.PathLike) -> dict:
         raise StoreError(f"{p} is not a Zarr v3 store (no zarr.json)")
     try:
         doc = json.loads(meta.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         raise StoreError(f"{p}/zarr.json is unreadable or truncated ({exc.__class__.__name__})") from exc
-    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise StoreError(f"{p} is not a Zarr v3 group")
-    attrs = doc.get("attributes") or {}
-    version = attrs.get("schema_version")
-    if version is None:
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict) or "schema_version" not in attrs:
         raise StoreError(f"{p} is not a kvscope trace (no schema_version attribute)")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    version = attrs["schema_version"]
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise StoreError(f"{p} has schema version {version!r}, not a kvscope schema version")
+    if version > SCHEMA_VERSION:
         raise StoreError(
             f"{p} has schema version {version}, newer than this kvscope supports ({SCHEMA_VERSION}); upgrade kvscope"
         )
     return attrs
 
 
-def validate(path: str | os.PathLike) -> dict:
-    """Check schema version, required arrays, shapes, committed steps and chunk files.
+@dataclass
+class CheckedStore:
+    """A trace store that passed every check of :mod:`kvscope.integrity` on open."""
 
-    Returns the group attributes. Chunk *contents* are verified by :func:`verify_chunks`.
-    """
+    path: Path
+    attrs: dict
+    layout: Layout
+    store: object  # kvscope.integrity.TraceStore: every read checked
+    committed: np.ndarray  # [sample] committed steps
+    prompt_len: np.ndarray  # [sample]
+    small: dict  # the small arrays read and checked on open (query_pos, token_id, tokens, …)
+
+
+def check_store(path: str | os.PathLike) -> CheckedStore:
+    """Attributes, schema and the small arrays of a trace (:mod:`kvscope.integrity`), one line
+    naming what and where for the first problem."""
+    from .integrity import check_attrs, check_schema, check_small_arrays, read_metas
+
     p = Path(path)
     attrs = read_attrs(p)
-    required = list(REQUIRED_ARRAYS)
-    if attrs.get("resolution") == "window":
-        required.append("attn_sink")
-    if attrs.get("record_qkv"):
-        required += list(QKV_ARRAYS)
-    missing = [name for name in required if not (p / name / "zarr.json").is_file()]
-    if missing:
-        raise StoreError(f"{p} is missing arrays: {', '.join(missing)}")
-    metas = {}
-    for name in required:
-        try:
-            metas[name] = json.loads((p / name / "zarr.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise StoreError(f"{p}/{name}/zarr.json is unreadable or truncated") from exc
-    shape = metas["attn"]["shape"]
-    n_samples, n_steps = shape[0], shape[1]
-    committed = attrs.get("steps_committed")
-    if not isinstance(committed, list) or len(committed) != n_samples:
-        raise StoreError(f"{p}: steps_committed must list one count per sample ({n_samples})")
-    if any((not isinstance(c, int)) or c < 0 or c > n_steps for c in committed):
-        raise StoreError(f"{p}: steps_committed {committed} outside 0..{n_steps}")
-    for name in ("tokens", "query_pos", "token_id", "prefill_colsum"):
-        if metas[name]["shape"][0] != n_samples:
-            raise StoreError(f"{p}: array {name} has {metas[name]['shape'][0]} samples, attn has {n_samples}")
-    block = metas["attn"]["chunk_grid"]["configuration"]["chunk_shape"][1]
-    n_layers = shape[2]
-    for s, c in enumerate(committed):
-        for b in range(-(-c // block)):
-            for layer in range(n_layers):
-                chunk = p / "attn" / "c" / str(s) / str(b) / str(layer) / "0" / "0"
-                if not chunk.is_file():
-                    raise StoreError(
-                        f"{p}: chunk attn/c/{s}/{b}/{layer}/0/0 of committed steps is missing (truncated store)"
-                    )
-    return attrs
+    check_attrs(p, attrs)
+    layout, arrays = check_schema(p, attrs, read_metas(p))
+    store, committed, prompt_len, small = check_small_arrays(p, attrs, layout, arrays)
+    return CheckedStore(p, attrs, layout, store, committed, prompt_len, small)
 
 
-def verify_chunks(path: str | os.PathLike, names=("attn",)) -> None:
-    """Decode every committed chunk of ``names`` (bounded memory); raise on corruption."""
-    import zarr
-
-    attrs = validate(path)
-    group = zarr.open_group(str(path), mode="r")
-    for name in names:
-        arr = group[name]
-        block = arr.chunks[1]
-        for s, c in enumerate(attrs["steps_committed"]):
-            for t0 in range(0, c, block):
-                for layer in range(arr.shape[2]):
-                    try:
-                        arr[s, t0 : min(c, t0 + block), layer]
-                    except Exception as exc:  # noqa: BLE001 - any codec error means corruption
-                        raise StoreError(
-                            f"{path}: chunk {name}[sample {s}, steps {t0}.., layer {layer}] is corrupt "
-                            f"({exc.__class__.__name__})"
-                        ) from exc
-
-
-def open_trace(path: str | os.PathLike, chunks=None, validate_store: bool = True):
-    """Open a trace as a lazily loaded ``xarray.Dataset`` with named dims and coordinates.
+def open_trace(path: str | os.PathLike, chunks=None):
+    """Open a trace as a lazily loaded ``xarray.Dataset`` with named dims and coordinates,
+    after the checks of :func:`check_store`; every chunk it reads is checked too.
 
     ``chunks=None`` gives lazily indexed arrays; ``chunks={}`` dask arrays with the store's
-    chunks (one block of steps × one layer); any other value is passed to xarray.
-    Rows at ``step >= n_steps[sample]`` are not part of the trace (NaN, or uncommitted
-    data in a killed partial store).
-    """
+    chunks (one block of steps × one layer); any other value is passed to xarray. Only committed
+    steps are visible: ``n_steps`` and ``query_pos`` say which rows exist, and in a partial store
+    uncommitted rows read as NaN (lazily: a partial store opens dask-backed)."""
     import xarray as xr
 
-    attrs = validate(path) if validate_store else read_attrs(path)
-    complete = attrs.get("status") == "complete"
-    try:
+    checked = check_store(path)
+    complete = checked.attrs["status"] == "complete"
+    if not complete and chunks is None:
+        chunks = {}
+    try:  # never the consolidated copy of the metadata: the arrays' own, which check_store checked
         with walking_members():
-            ds = xr.open_zarr(str(path), chunks=chunks, consolidated=complete, zarr_format=3)
-    except Exception as exc:  # noqa: BLE001
+            ds = xr.open_zarr(checked.store, chunks=chunks, consolidated=False, zarr_format=3)
+    except Exception as exc:  # noqa: BLE001 - any other reason zarr/xarray cannot open it: one line
         raise StoreError(f"cannot open {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     ds = ds.set_coords([name for name in COORD_VARIABLES if name in ds])
+    ds = ds.assign_coords(
+        n_steps=("sample", checked.committed.astype(np.int32)),
+        query_pos=(("sample", "step"), checked.small["query_pos"]),
+        token_id=(("sample", "step"), checked.small["token_id"]),
+    )
     if not complete:
-        ds = ds.assign_coords(n_steps=("sample", np.asarray(attrs["steps_committed"], dtype=np.int32)))
-    ds.attrs = dict(attrs)
+        ds = _committed_only(ds, checked)
+    ds.attrs = dict(checked.attrs)
+    return ds
+
+
+def _committed_only(ds, checked: CheckedStore):
+    """Rows of uncommitted steps (a killed writer's half-written block) hidden as NaN."""
+    import xarray as xr
+
+    step_ok = xr.DataArray(np.arange(ds.sizes["step"])[None, :] < checked.committed[:, None], dims=("sample", "step"))
+    for name in [v for v in ("attn", "attn_sink", "policy_bytes") if v in ds]:
+        ds[name] = ds[name].where(step_ok)
     return ds
 
 
@@ -349,7 +321,7 @@ def store_info(path: str | os.PathLike) -> dict:
     """Summary for ``kvscope info``: model, dims, status, sizes and compression."""
     import zarr
 
-    attrs = validate(path)
+    attrs = check_store(path).attrs
     group = zarr.open_group(str(path), mode="r")
     arrays = {}
     total_stored = total_logical = 0

@@ -81,6 +81,7 @@ def write_synthetic_store(
 
     rng = np.random.default_rng(seed)
     T = prompt_len + n_steps
+    block_steps = min(block_steps, n_steps)  # as a real trace's
     layout = Layout(
         n_samples=n_samples,
         n_steps=n_steps,
@@ -121,11 +122,7 @@ def write_synthetic_store(
     path = Path(path)
     create(path, layout, attrs)
     g = zarr.open_group(str(path), mode="r+")
-    g["prompt_len"][:] = np.full(n_samples, prompt_len, dtype=np.int32)
-    g["n_steps"][:] = np.full(n_samples, n_steps, dtype=np.int32)
-    step = np.arange(n_steps)
-    g["query_pos"][:] = np.broadcast_to(prompt_len - 1 + step, (n_samples, n_steps)).astype(np.int32)
-    g["prefill_colsum"][:] = np.zeros((n_samples, n_layers, n_kv, T), dtype=np.float32)
+    _write_prompt(g, rng, n_samples, n_steps, n_layers, n_kv, prompt_len, layout.obs_window)
     for s in range(n_samples):
         for t0 in range(0, n_steps, block_steps):
             t1 = min(n_steps, t0 + block_steps)
@@ -142,3 +139,27 @@ def write_synthetic_store(
     g.attrs.update({"status": "complete", "steps_committed": [n_steps] * n_samples, "samples_done": [True] * n_samples})
     consolidate(path)
     return path
+
+
+def _write_prompt(g, rng, n_samples: int, n_steps: int, n_layers: int, n_kv: int, P: int, obs: int) -> None:
+    """Everything but the decode rows: tokens, positions, and the prompt's attention taken as
+    uniform over the causal prefix (row ``r`` gives ``1/(r+1)`` to each key ``≤ r``), so the
+    column sums ``Σ_{r ≥ p} 1/(r+1)`` add up to ``P`` as a real trace's do."""
+    T = P + n_steps
+    tokens = rng.integers(0, 1000, (n_samples, T)).astype(np.int32)
+    step = np.arange(n_steps)
+    g["prompt_len"][:] = np.full(n_samples, P, dtype=np.int32)
+    g["n_steps"][:] = np.full(n_samples, n_steps, dtype=np.int32)
+    g["tokens"][:] = tokens
+    g["token_id"][:] = tokens[:, P:]
+    g["query_pos"][:] = np.broadcast_to(P - 1 + step, (n_samples, n_steps)).astype(np.int32)
+    colsum = np.full(T, np.nan, dtype=np.float32)
+    colsum[:P] = np.cumsum((1.0 / np.arange(1, P + 1))[::-1])[::-1]
+    g["prefill_colsum"][:] = np.broadcast_to(colsum, (n_samples, n_layers, n_kv, T))
+    qpos = np.arange(P - obs, P)
+    tail = np.full((obs, T), np.nan, dtype=np.float16)
+    for o, r in enumerate(qpos):
+        if r >= 0:
+            tail[o, : r + 1] = 1.0 / (r + 1)
+    g["prefill_tail"][:] = np.broadcast_to(tail, (n_samples, n_layers, n_kv, obs, T))
+    g["prefill_tail_qpos"][:] = np.broadcast_to(np.where(qpos >= 0, qpos, -1), (n_samples, obs)).astype(np.int32)

@@ -36,6 +36,16 @@ def window_sums(x: np.ndarray, n_sink: int, w: int, n_windows: int) -> np.ndarra
     return sums if exists.all() else np.where(exists, sums, np.nan)
 
 
+def window_rows(windows: np.ndarray, sinks: np.ndarray, qpos: np.ndarray, n_sink: int, w: int):
+    """A window-resolution row as units in order of their first position — the sinks, then the
+    windows — and the last unit that exists for each query (a unit exists when its first
+    position ≤ the query): ``(rows [..., unit], last [...])``, ``last = −1`` where there is no
+    query. ``windows [..., window]``, ``sinks [..., sink]``, ``qpos`` broadcastable to ``[...]``."""
+    first = np.concatenate([np.arange(n_sink), n_sink + np.arange(windows.shape[-1]) * w])  # [unit]
+    last = np.searchsorted(first, qpos, side="right") - 1
+    return np.concatenate([sinks, windows], axis=-1), np.where(np.asarray(qpos) >= 0, last, -1)
+
+
 @dataclass(frozen=True)
 class Units:
     """Geometry of the units of an analysis or a policy."""

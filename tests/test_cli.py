@@ -178,8 +178,8 @@ def _broken_copy(src: Path, dst: Path, how: str) -> Path:
     [
         ("garbage", "zarr.json is unreadable or truncated"),
         ("truncated-meta", "zarr.json is unreadable or truncated"),
-        ("truncated-chunk", "chunk attn[sample 0, steps 4.., layer 0] is corrupt"),
-        ("missing-chunk", "chunk attn/c/0/1/1/0/0 of committed steps is missing"),
+        ("truncated-chunk", "attn chunk (0, 1, 0, 0, 0): fails its CRC32C checksum"),
+        ("missing-chunk", "attn chunk (0, 1, 1, 0, 0): is missing inside the committed steps"),
         ("newer", "schema version 99, newer than this kvscope supports (1)"),
     ],
 )

@@ -135,8 +135,8 @@ def test_window_sums_are_chunking_invariant_float32_sums():
     rng = np.random.default_rng(0)
     x = rng.random((6, 2, 100)).astype(np.float16)
     x[..., 90:] = np.nan
-    whole = window_masses(x, 4, 12, 8)
-    parts = np.concatenate([window_masses(x[:2], 4, 12, 8), window_masses(x[2:], 4, 12, 8)])
+    whole = window_masses(x, None, 4, 12, 8)
+    parts = np.concatenate([window_masses(x[:2], None, 4, 12, 8), window_masses(x[2:], None, 4, 12, 8)])
     np.testing.assert_array_equal(whole, parts)  # the same bits
     expected = np.zeros((6, 2, 12), dtype=np.float32)
     for i in range(8):  # float32, position order, NaN as 0

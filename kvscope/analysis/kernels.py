@@ -24,6 +24,8 @@ import math
 import numpy as np
 from numba import njit
 
+from ..errors import StoreError
+
 N_PEAK_EXTRA = 5  # Σ log d, Σ d, then (after the bins) Σ FP share, Σ recency share, rows with mass
 
 
@@ -106,11 +108,18 @@ def _lowest(top_v, top_p, n, by_position):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def row_block_stats(half, table, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats):  # pragma: no cover
+def row_block_stats(
+    half, table, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks
+):  # pragma: no cover
     """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
     (uint16, decoded through ``table``) or as float32 ``full`` (the other one empty). NaN
     (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
-    that stays in cache for every statistic.
+    that stays in cache for every statistic, and checked on the way:
+
+    ``checks  [4]`` float64, accumulated over rows with a query: rows whose NaN are not exactly
+              the positions beyond the query, the smallest and the largest value up to the
+              query, and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
+              values (``2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a bad sum).
 
     ``q       [step]`` int64 query position of each row (−1: no query at that step)
     ``fp      [step, F]`` int64 LogQuant FP positions of each step (−1 padded)
@@ -140,14 +149,19 @@ def row_block_stats(half, table, full, q, fp, n_sink, w, n_units, k, n_bins, win
             if fp[t, i] >= n_sink:
                 fp_size += 1
         for h in range(n_heads):
+            nans = 0
             if is_half:
                 for p in range(n_pos):
                     v = table[half[t, h, p]]
+                    nans += v != v
                     buf[p] = v if v == v else zero
             else:
                 for p in range(n_pos):
                     v = full[t, h, p]
+                    nans += v != v
                     buf[p] = v if v == v else zero
+            if qt >= 0:
+                _check_row(buf, qt, nans, n_pos, is_half, checks)
             for j in range(n_win):  # position order within each window, windows side by side
                 win[j] = buf[n_sink + j * w]
             for i in range(1, w):
@@ -189,13 +203,68 @@ def row_block_stats(half, table, full, q, fp, n_sink, w, n_units, k, n_bins, win
                 stats[h, 4 + n_bins] += 1.0
 
 
+@njit(nogil=True, cache=True)
+def _check_row(buf, qt, nans, n_pos, is_half, checks):  # pragma: no cover - compiled
+    """Fold one decoded row (NaN already 0 in ``buf``, ``nans`` counted) into ``checks``."""
+    n = min(qt + 1, n_pos)
+    if nans != n_pos - n:
+        checks[0] += 1.0
+    total = 0.0
+    lo, hi = checks[1], checks[2]
+    for p in range(n):
+        v = buf[p]
+        total += v
+        lo = min(lo, v)
+        hi = max(hi, v)
+    checks[1], checks[2] = lo, hi
+    tolerance = 2.0**-10 + n * 2.0**-24 if is_half else 1e-5 + n * 2.0**-23
+    checks[3] = max(checks[3], abs(total - 1.0) - tolerance)
+
+
+def new_checks() -> np.ndarray:
+    """The ``checks`` accumulator of :func:`row_block_stats`, empty."""
+    return np.array([0.0, np.inf, -np.inf, -np.inf])
+
+
+def row_checks(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The checks of probability rows ``x [a, b, pos]`` (as stored) whose queries sit at ``q [a]``
+    (−1: none), nothing else computed."""
+    checks = new_checks()
+    no_fp, no_windows, no_stats = (
+        np.empty((x.shape[0], 0), np.int64),
+        np.empty(x.shape[:2] + (0,)),
+        np.empty((x.shape[1], 0)),
+    )
+    block_stats(x, q, no_fp, 0, x.shape[-1], 0, 0, 1, no_windows, no_stats, checks)
+    return checks
+
+
+def refuse_bad_rows(checks: np.ndarray, where: str) -> None:
+    """One line naming the rows and what is wrong with them (a value a trace cannot hold)."""
+    problem = rows_problem(checks)
+    if problem is not None:
+        raise StoreError(f"{where}: {problem}; kvscope verify names every such chunk")
+
+
+def rows_problem(checks: np.ndarray) -> str | None:
+    """What is wrong with the rows ``checks`` summarize, or None."""
+    if checks[0]:
+        return f"{int(checks[0])} row(s) with NaN where a probability belongs or values beyond the query"
+    if checks[1] < 0 or checks[2] > 1 + 2.0**-10:
+        return f"probabilities outside [0, 1] (min {checks[1]:.3g}, max {checks[2]:.3g})"
+    if checks[3] > 0:
+        return f"rows that do not sum to 1 (off by {checks[3]:.3g} beyond the tolerance of their dtype)"
+    return None
+
+
 HALF_TABLE = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] every fp16 value
 _NO_HALF = np.empty((0, 0, 0), dtype=np.uint16)
 _NO_FULL = np.empty((0, 0, 0), dtype=np.float32)
 
 
-def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats) -> None:
-    """:func:`row_block_stats` on rows ``x [step, H, pos]`` as stored (fp16 or any float).
+def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None):
+    """:func:`row_block_stats` on rows ``x [step, H, pos]`` as stored (fp16 or any float);
+    ``checks`` (:func:`new_checks`) accumulates the row checks of rows with a query.
 
     Peaks only (``n_units = 0``) still sum windows of ``w`` for each row's total mass."""
     if w < 1 or n_sink + n_units * w > x.shape[-1]:
@@ -206,7 +275,8 @@ def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int
         half, full = np.ascontiguousarray(x).view(np.uint16), _NO_FULL
     else:
         half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
-    row_block_stats(half, HALF_TABLE, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats)
+    checks = new_checks() if checks is None else checks
+    row_block_stats(half, HALF_TABLE, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks)
 
 
 @njit(nogil=True, cache=True)

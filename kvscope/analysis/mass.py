@@ -17,8 +17,8 @@ import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
-from ..windows import Units
-from .kernels import block_stats
+from ..windows import Units, window_rows
+from .kernels import block_stats, new_checks, refuse_bad_rows, row_checks
 
 
 def rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
@@ -56,33 +56,64 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
                 f"the store holds windows of {stored_w} after {stored_sink} sinks; "
                 f"asked for windows of {units.w} after {units.n_sink}"
             )
-        m = _subset(ds["attn"], layers, heads).fillna(0).astype(np.float64)
+        m = _checked_windows(ds, layers, heads).fillna(0).astype(np.float64)
         factor = units.w // stored_w
         if factor > 1:
             n = (m.sizes["window"] // factor) * factor
             m = m.isel(window=slice(0, n)).coarsen(window=factor).sum()
             m = m.assign_coords(window=np.arange(m.sizes["window"]))
         return m
+    import dask.array as dsa
+
     a = stored_rows(ds, layers, heads)
     n_units = units.count(a.sizes["pos"])
-    lo, w = units.n_sink, units.w
-
-    data = a.data.map_blocks(window_masses, lo, n_units, w, dtype=np.float64, chunks=a.data.chunks[:-1] + ((n_units,),))
+    c = a.data.chunks
+    q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
+    chunks = c[:-1] + ((n_units,),)
+    data = dsa.map_blocks(window_masses, a.data, q, units.n_sink, n_units, units.w, dtype=np.float64, chunks=chunks)
     coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
 
-def window_masses(block: np.ndarray, first: int, n_units: int, w: int) -> np.ndarray:
+def _checked_windows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
+    """A window-resolution store's window sums ``[sample, step, layer, H, window]``, each block
+    checked with its sinks as probability rows when it is read."""
+    import dask.array as dsa
+
+    attn = _subset(ds["attn"], layers, heads)
+    sinks = _subset(ds["attn_sink"], layers, heads).transpose(*attn.dims[:-1], "sink")
+    if not isinstance(attn.data, dsa.Array):
+        attn, sinks = attn.chunk({"step": ds.kvscope.block_steps}), sinks.chunk({"step": ds.kvscope.block_steps})
+    c = attn.data.chunks
+    sinks_data = sinks.data.rechunk(c[:-1] + ((sinks.sizes["sink"],),))
+    q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
+    data = dsa.map_blocks(
+        _refuse_bad_windows, attn.data, sinks_data, q, ds.kvscope.n_sink, ds.kvscope.w, dtype=attn.dtype
+    )
+    return attn.copy(data=data)
+
+
+def _refuse_bad_windows(windows, sinks, q, n_sink: int, w: int) -> np.ndarray:
+    rows, last = window_rows(windows, sinks, np.broadcast_to(q[..., 0], windows.shape[:-1]), n_sink, w)
+    flat = rows.reshape(-1, 1, rows.shape[-1])
+    refuse_bad_rows(row_checks(flat, last.reshape(-1)), "attn window rows")
+    return windows
+
+
+def window_masses(block: np.ndarray, q, first: int, n_units: int, w: int) -> np.ndarray:
     """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
     masses: :func:`kvscope.windows.window_sums` of the rows in float32, compiled
     (:func:`kvscope.analysis.kernels.row_block_stats`), so the same bits whichever way the rows
-    were chunked."""
+    were chunked. ``q`` (broadcastable to the leading dims) places each row's query; rows with a
+    query are checked as probability rows on the way, ``q = None`` (column sums) are not."""
     lead, n_pos = block.shape[:-1], block.shape[-1]
     rows_ = block.reshape(-1, 1, n_pos)  # [row, 1, pos]
     out = np.empty((rows_.shape[0], 1, n_units))
-    no_query = np.full(rows_.shape[0], -1, dtype=np.int64)
+    query = np.full(lead, -1, dtype=np.int64) if q is None else np.broadcast_to(q[..., 0], lead)  # [..row dims]
     no_fp = np.empty((rows_.shape[0], 0), dtype=np.int64)
-    block_stats(rows_, no_query, no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)))
+    checks = new_checks()
+    block_stats(rows_, query.reshape(-1), no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)), checks)
+    refuse_bad_rows(checks, "attn rows")
     return out.reshape(*lead, n_units)
 
 
@@ -108,7 +139,7 @@ def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> 
         return col.fillna(0)
     col = col.transpose(..., "pos")
     n_units = units.count(col.sizes["pos"])
-    args = (units.n_sink, n_units, units.w)
+    args = (None, units.n_sink, n_units, units.w)
     if isinstance(col.data, dsa.Array):
         data = col.data.rechunk({-1: -1})
         data = data.map_blocks(window_masses, *args, dtype=np.float64, chunks=data.chunks[:-1] + ((n_units,),))

@@ -183,7 +183,14 @@ class UnitMetric(Metric):
 
     def prepare(self, ds: xr.Dataset) -> Prepared:
         self.check_scope(ds)
-        return Prepared(ds, self.units(ds), self.layers, self.heads, self.include_prefill)
+        ds.kvscope.require_steps()
+        units = self.units(ds)
+        n_pos = ds.sizes["pos"] if "pos" in ds.sizes else units.n_sink + ds.sizes["window"] * ds.kvscope.w
+        if units.count(n_pos) < 1 or units.n_sink >= n_pos:
+            raise KvscopeError(
+                f"{self.name}: --sinks {units.n_sink} and --window {units.w} leave no unit in {n_pos} positions"
+            )
+        return Prepared(ds, units, self.layers, self.heads, self.include_prefill)
 
     def events(self, prep: Prepared) -> np.ndarray:
         return prep.events(self.every or prep.units.w)

@@ -32,9 +32,10 @@ import xarray as xr
 from scipy.optimize import minimize_scalar
 
 from .. import defaults
+from ..errors import KvscopeError
 from ..params import param
 from ..policies.logquant import fp_sets_per_step
-from .kernels import block_stats, peak_width
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows
 from .mass import stored_rows
 from .metric import Bootstrapped, Metric, ci_text, fmt, num, nums
 
@@ -94,11 +95,15 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
     n_bins = n_bins_for(n_pos)
     out = np.zeros((s_, 1, n_l, n_h, peak_width(n_bins)))
     no_windows = np.empty((n_step, n_h, 0))
+    first_layer = block_info[0]["array-location"][2][0]
     for i in range(s_):
         fp = fp_sets.block(first_sample + i, t0, n_step)
         for j in range(n_l):
             # no windows out; windows of 8 are summed only for each row's total mass
-            block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j])
+            checks = new_checks()
+            block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j], checks)
+            where = f"attn rows of sample {first_sample + i}, steps {t0}–{t0 + n_step - 1}, layer {first_layer + j}"
+            refuse_bad_rows(checks, where)
     return out
 
 
@@ -188,6 +193,9 @@ class Peaks(Bootstrapped, Metric):
         step block, layer, H, 2 + n_bins + 3]`` the sums of :func:`_block_rows` (numpy, or dask
         with ``compute=False``); :meth:`__call__` adds them up over step blocks."""
         self.check_scope(ds)
+        ds.kvscope.require_steps()
+        if self.sinks(ds) >= ds.sizes["pos"] - 1:
+            raise KvscopeError(f"peaks: --sinks {self.sinks(ds)} leaves no key in {ds.sizes['pos']} positions")
         a = stored_rows(ds, self.layers, self.heads)
         arr = a.data
         qpos = ds.kvscope.query_pos  # [sample, step]

@@ -23,7 +23,7 @@ import xarray as xr
 
 from ..errors import KvscopeError
 from .common import UnitData
-from .kernels import block_stats, peak_width
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows
 from .mass import stored_rows
 from .metric import UnitMetric
 from .peaks import LogQuantSets, Peaks, n_bins_for
@@ -86,8 +86,11 @@ def _two_stages(ds, prep, units, runs, peaks):
         out = np.zeros(x.shape[:4] + (packed_width,))
         fp = fp_sets.block(sample, t0, t1 - t0) if peaks else np.empty((t1 - t0, 0), dtype=np.int64)
         peak_sums = out[0, 0, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
+        checks = new_checks()
         block_stats(x[0, :, 0], qpos[sample, t0:t1], fp, u_geom.n_sink, u_geom.w, n_units, k, n_bins if peaks else 1,
-                    out[0, :, 0, :, :n_units], peak_sums)  # fmt: skip
+                    out[0, :, 0, :, :n_units], peak_sums, checks)  # fmt: skip
+        layer = block_info[0]["array-location"][2][0]
+        refuse_bad_rows(checks, f"attn rows of sample {sample}, steps {t0}–{t1 - 1}, layer {layer}")
         return out
 
     per_head = raw.shape[1] * packed_width * 8  # float64 bytes of one trace unit's window masses

@@ -105,6 +105,7 @@ class ReplaySetup:
             raise KvscopeError(f"every must be ≥ 1 (got {every})")
         if acc.resolution != "token":
             raise KvscopeError("replay needs token-resolution rows; this store holds window sums")
+        acc.require_steps()
         if observe == "exact" and not acc.has_qkv:
             raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")
         steps = np.arange(0, ds.sizes["step"], every or acc.w)

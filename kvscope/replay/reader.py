@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from ..analysis.kernels import refuse_bad_rows, row_checks
+
 
 class SampleReader:
     """Rows, queries, prompt attention and K/V of sample ``s`` of a trace whose stored rows
@@ -40,6 +42,8 @@ class SampleReader:
             for old in [k for k in self._rows if k < b - 1]:  # the oracle's look-ahead reads one block ahead
                 del self._rows[old]
             a = self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
+            where = f"attn rows of sample {self.s}, steps {steps.start}–{steps.stop - 1}"
+            refuse_bad_rows(row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps]), where)
             self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
         return self._rows[b][t - steps.start]
 

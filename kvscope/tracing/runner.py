@@ -29,9 +29,10 @@ from .. import __version__, defaults
 from ..errors import KvscopeError, StoreError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
+from ..paths import output_path
 from ..prompts import Prompt, as_prompts, check_context, encode, eos_ids
 from ..rope import Rope
-from ..store import SCHEMA_VERSION, Layout, consolidate, create, read_attrs, validate
+from ..store import SCHEMA_VERSION, Layout, check_store, consolidate, create, read_attrs
 from .capture import HEAD_MODES, KERNELS, implementation_name, register
 from .decode import decode_all
 from .writer import StoreLock, StoreWriter
@@ -155,7 +156,7 @@ def trace(
     settings.check()
     check_cache(settings, cache)
     prompts = as_prompts(prompts)
-    out = Path(out)
+    out = output_path(out, "--out")
     source = resolve(settings.model)
     _prepare_out(out, _settings_doc(settings, source, prompts, cache), resume, force)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
@@ -192,7 +193,7 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> di
     if resume:
         if status == "complete":
             raise KvscopeError(f"{out} is already complete; nothing to resume")
-        validate(out)
+        check_store(out)
         theirs = attrs.get("settings", {})
         diff = sorted(k for k in set(theirs) | set(settings_doc) if theirs.get(k) != settings_doc.get(k))
         if diff:

@@ -1,0 +1,396 @@
+"""``kvscope verify``: every committed chunk of a trace read, checked, and its values tested.
+
+    1. the checks on open (:mod:`kvscope.integrity`): attributes, schema, the small arrays —
+       a store that fails them is reported with that one problem (nothing else can be trusted);
+    2. every chunk the committed steps need: present, its CRC32C matching, decodable;
+    3. its values (:data:`CHECKS`):
+         attention rows      probabilities in [0, 1], finite up to the query, NaN beyond it,
+                             each row summing to 1 within the tolerance of its dtype
+                             (window resolution: window sums and sinks together)
+         prefill_colsum      finite, ≥ 0 on the prompt, NaN beyond; each head's sums add up to P
+         q, k, v             finite on the positions recorded, NaN beyond
+         rope parameters     finite, > 0
+         policy arrays       tier codes −1/0/1/2, bytes ≥ 0
+    4. ``deep``: rows of a sample of steps recomputed from the recorded q/k with the model's
+       attention rule (:mod:`kvscope.attention`) and compared with the stored rows.
+
+Each problem is one line naming the array and the chunk (its block index along every dim).
+A replay result (``kvscope replay --out``) is checked by :func:`verify_result`.
+
+Row-sum tolerance of ``n`` stored values: ``2^-10 + n·2^-24`` for fp16 (each value rounded to
+11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import KvscopeError, StoreError
+from .integrity import DamagedStore
+
+MAX_PROBLEMS = 200  # lines reported; the count says how many more
+
+
+@dataclass
+class Problem:
+    array: str
+    chunk: str  # block index along every dim, or "-" for the store as a whole
+    what: str
+
+    def line(self) -> str:
+        return f"{self.array} chunk {self.chunk}: {self.what}" if self.chunk != "-" else self.what
+
+
+@dataclass
+class Report:
+    path: str
+    kind: str  # trace | replay result
+    problems: list[Problem] = field(default_factory=list)
+    n_problems: int = 0
+    chunks: int = 0
+    rows: int = 0
+    deep_rows: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.n_problems == 0
+
+    def add(self, array: str, chunk, what: str) -> None:
+        self.n_problems += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(Problem(array, chunk if isinstance(chunk, str) else _index(chunk), what))
+
+    def doc(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "problems"}, "ok": self.ok,
+                "problems": [p.line() for p in self.problems]}  # fmt: skip
+
+
+def _index(index) -> str:
+    return "(" + ", ".join(str(int(i)) for i in index) + ")"
+
+
+# -- value checks of one chunk ---------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What the value checks of a trace need besides the chunk."""
+
+    checked: object  # kvscope.store.CheckedStore
+    n_sink: int
+    w: int
+
+    @property
+    def query_pos(self) -> np.ndarray:  # [sample, step], −1 past the committed steps
+        return self.checked.small["query_pos"]
+
+
+def _rows(report: Report, array: str, index, rows: np.ndarray, qpos: np.ndarray) -> None:
+    """Probability rows ``rows [a, b, pos]`` whose queries sit at ``qpos [a]`` (−1: no row),
+    checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`)."""
+    from .analysis.kernels import row_checks, rows_problem
+
+    problem = rows_problem(row_checks(rows, qpos))
+    if problem is not None:
+        report.add(array, index, problem)
+    report.rows += int((qpos >= 0).sum()) * rows.shape[1]
+
+
+def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
+    """Token rows ``[1, step, 1, Hs, pos]`` of one block of steps starting at ``origin[1]``."""
+    s, t0 = origin[0], origin[1]
+    qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
+    _rows(report, "attn", index, data[0, :, 0], qpos)  # [step, Hs, pos]
+
+
+def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray) -> None:
+    """Window sums ``[1, step, 1, Hs, window]`` and sinks ``[…, sink]`` of one block of steps:
+    together they are the row (:func:`kvscope.windows.window_rows`), checked over units with the
+    last existing unit standing in for the query position."""
+    from .windows import window_rows
+
+    s, t0 = origin[0], origin[1]
+    qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
+    rows, last = window_rows(data[0, :, 0], sinks[0, :, 0], qpos, ctx.n_sink, ctx.w)  # [step, Hs, unit], [step]
+    _rows(report, "attn", index, rows, last)
+
+
+def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
+    """The last prefill rows ``[1, 1, Hs, obs, pos]`` of a sample and layer."""
+    qpos = ctx.checked.small["prefill_tail_qpos"][index[0]]  # [obs]
+    _rows(report, "prefill_tail", index, np.moveaxis(data[0, 0], 1, 0), qpos)  # [obs, Hs, pos]
+
+
+def check_colsum(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
+    """Column sums ``[1, 1, Hs, pos]``: finite ≥ 0 on the prompt, NaN beyond, adding up to P."""
+    P = int(ctx.checked.prompt_len[index[0]])
+    x = data[0, 0].astype(np.float64)  # [Hs, pos]
+    prompt, rest = x[:, :P], x[:, P:]
+    if not np.isfinite(prompt).all() or (prompt < 0).any():
+        report.add("prefill_colsum", index, "non-finite or negative column sums on the prompt")
+    elif not np.isnan(rest).all():
+        report.add("prefill_colsum", index, "values beyond the prompt (must be NaN)")
+    elif (np.abs(prompt.sum(-1) - P) > 1e-4 * P + 1e-3).any():
+        report.add("prefill_colsum", index, f"column sums do not add up to the {P} prompt rows")
+
+
+def check_recorded(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
+    """q/k/v ``[…, pos, …]``: finite on the recorded positions (``< P + committed − 1``), NaN beyond."""
+    axis = dims.index("qpos" if "qpos" in dims else "pos")
+    s = index[0]
+    start = origin[axis]
+    end = int(ctx.checked.prompt_len[s] + ctx.checked.committed[s] - 1)
+    pos = start + np.arange(data.shape[axis])
+    x = np.moveaxis(data, axis, 0)
+    if not np.isfinite(x[pos < end]).all():
+        report.add(array, index, "non-finite values on recorded positions")
+    elif not np.isnan(x[pos >= end]).all():
+        report.add(array, index, "values on positions that were never recorded (must be NaN)")
+
+
+def check_rope(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
+    x = data[np.isfinite(data)] if array == "rope_inv_freq" else data
+    if not np.isfinite(x).all() or (x <= 0).any() or (array == "rope_inv_freq" and x.size == 0):
+        report.add(array, index, "rotary parameters must be finite and positive")
+
+
+def check_policy(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
+    if array == "policy_tiers" and not np.isin(data, (-1, 0, 1, 2)).all():
+        report.add(array, index, "tier codes outside −1 (none), 0 EVICTED, 1 Q, 2 FP")
+    elif array != "policy_tiers":
+        c = int(ctx.checked.committed[index[0]])
+        x = data[0, :c]
+        if not np.isfinite(x).all() or (x < 0).any():
+            report.add(array, index, "bytes must be finite and ≥ 0 on committed steps")
+
+
+# -- the passes -------------------------------------------------------------------------------
+
+
+def verify(path, deep: bool = False, deep_rows: int = 64) -> Report:
+    """The report of a trace store (module docstring); a replay result goes to :func:`verify_result`."""
+    from .store import check_store, read_attrs
+
+    started = time.perf_counter()
+    report = Report(str(path), "trace")
+    try:
+        attrs = read_attrs(path)
+    except StoreError:
+        if _is_result(path):
+            return verify_result(path)
+        raise
+    try:
+        checked = check_store(path)
+    except StoreError as exc:
+        report.add("store", "-", str(exc))
+        return report
+    ctx = Context(checked, attrs["n_sink"], attrs["w"])
+    _chunks(report, ctx)
+    if deep and report.ok:
+        _deep(report, checked, deep_rows)
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _required_blocks(rules, spec):
+    """Block indices of ``spec`` that the committed steps need, in storage order."""
+    grid = [math.ceil(n / c) for n, c in zip(spec.shape, spec.chunks, strict=True)]
+    for index in itertools.product(*(range(g) for g in grid)):
+        if rules.required(spec.name, index):
+            yield index
+
+
+ON_OPEN = ("tokens", "prompt_len", "n_steps", "query_pos", "token_id", "prefill_tail_qpos")
+SLAB_BYTES = 64 * 2**20  # chunks read together (zarr decodes them concurrently), at most this much
+
+
+def _slabs(rules, spec):
+    """Runs of required blocks that differ only along one dim (the one with the most blocks after
+    ``sample``), of at most :data:`SLAB_BYTES`: ``(first block index, dim, count)``."""
+    grid = [math.ceil(n / c) for n, c in zip(spec.shape, spec.chunks, strict=True)]
+    dim = max(range(1, len(grid)), key=lambda d: grid[d], default=0)
+    per_chunk = math.prod(spec.chunks) * np.dtype(spec.dtype).itemsize
+    run_max = max(1, SLAB_BYTES // per_chunk)
+    runs: dict[tuple, list[int]] = {}
+    for index in _required_blocks(rules, spec):
+        runs.setdefault(index[:dim] + index[dim + 1 :], []).append(index[dim])
+    for rest, along in runs.items():
+        along.sort()
+        start = 0
+        for i in range(1, len(along) + 1):  # consecutive blocks, cut at run_max
+            if i == len(along) or along[i] != along[i - 1] + 1 or i - start == run_max:
+                yield rest[:dim] + (along[start],) + rest[dim:], dim, i - start
+                start = i
+
+
+def _chunks(report: Report, ctx: Context) -> None:
+    """Every required chunk of every array read through the checked store, slab by slab (zarr
+    decodes a slab's chunks concurrently: more threads of our own only compete with it), then
+    each chunk's values."""
+    import zarr
+
+    from .store import schema
+
+    checked = ctx.checked
+    group = zarr.open_group(store=checked.store, mode="r", zarr_format=3)
+    for spec in schema(checked.layout)[1]:
+        if spec.name in ON_OPEN or spec.name == "attn_sink":  # attn_sink: with attn
+            continue
+        for first, dim, count in _slabs(checked.store.rules, spec):
+            for index, data in _read_slab(report, group[spec.name], spec, first, dim, count):
+                report.chunks += 1
+                _values(report, ctx, group, spec, index, data)
+
+
+def _read_slab(report: Report, array, spec, first: tuple, dim: int, count: int):
+    """``(block index, data)`` of ``count`` blocks from ``first`` along ``dim``; a slab that
+    fails is read again block by block, so that each bad chunk is named."""
+    blocks = [first[:dim] + (first[dim] + i,) + first[dim + 1 :] for i in range(count)]
+    selection = first[:dim] + (slice(first[dim], first[dim] + count),) + first[dim + 1 :]
+    try:
+        slab = array.get_block_selection(selection)
+    except Exception:  # noqa: BLE001 - located below, chunk by chunk
+        for index in blocks:
+            data = _read(report, array, spec.name, index)
+            if data is not None:
+                yield index, data
+        return
+    size = spec.chunks[dim]
+    for i, index in enumerate(blocks):
+        yield index, slab[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]
+
+
+def _read(report: Report, array, name: str, index):
+    try:
+        return array.get_block_selection(index)
+    except DamagedStore as exc:
+        report.add(name, index, exc.problem)
+    except Exception as exc:  # noqa: BLE001 - a codec that cannot decode the chunk
+        report.add(name, index, f"cannot be decoded ({type(exc).__name__}: {str(exc)[:80]})")
+    return None
+
+
+def _values(report: Report, ctx: Context, group, spec, index, data: np.ndarray) -> None:
+    name = spec.name
+    origin = tuple(i * c for i, c in zip(index, spec.chunks, strict=True))
+    if name == "attn" and ctx.checked.attrs["resolution"] == "window":
+        sinks = _read(report, group["attn_sink"], "attn_sink", index)
+        if sinks is not None:
+            check_windows(report, ctx, index, origin, data, sinks)
+    elif name == "attn":
+        check_attn(report, ctx, index, origin, data)
+    elif name == "prefill_tail":
+        check_tail(report, ctx, index, origin, data)
+    elif name == "prefill_colsum":
+        check_colsum(report, ctx, index, origin, data)
+    elif name in ("q", "k", "v"):
+        check_recorded(report, ctx, name, index, origin, data, spec.dims)
+    elif name.startswith("rope_"):
+        check_rope(report, ctx, name, index, origin, data, spec.dims)
+    elif name.startswith("policy_"):
+        check_policy(report, ctx, name, index, origin, data, spec.dims)
+
+
+def _deep(report: Report, checked, n_rows: int) -> None:
+    """Rows of up to ``n_rows`` steps per sample recomputed from q/k (every layer) and compared
+    with the stored ones (token resolution): max |Δ| within what the stored dtype allows."""
+    from .analysis.recompute import _layer_rows
+    from .store import open_trace
+
+    if not checked.attrs["record_qkv"]:
+        report.add("store", "-", "deep verification needs q/k/v (the trace was recorded without --record qkv)")
+        return
+    if checked.attrs["resolution"] != "token":
+        return
+    ds = open_trace(checked.path)
+    model, heads = ds.kvscope.model, checked.attrs["heads"]
+    tolerance = 0.05 if checked.attrs["dtype"] == "float16" else 1e-4  # q/k rounded to fp16 move the logits
+    for s, c in enumerate(checked.committed):
+        steps = np.unique(np.linspace(0, c - 1, min(n_rows, c)).astype(int)) if c else np.zeros(0, int)
+        qpos = checked.small["query_pos"][s, steps]
+        for layer in range(checked.layout.n_layers):
+            q = ds["q"].isel(sample=s, layer=layer).values  # [qpos, head, D]
+            k = ds["k"].isel(sample=s, layer=layer).values  # [kv_head, pos, D]
+            again = _layer_rows(q, k, qpos, model.rule(layer), "all" if heads == "all" else "kv")[0, :, 0]
+            if heads == "mean":
+                again = again.mean(1, keepdims=True)
+            stored = ds["attn"].isel(sample=s, layer=layer, step=steps).values.astype(np.float32)
+            worst = np.nanmax(np.abs(np.nan_to_num(stored) - np.nan_to_num(again)))
+            report.deep_rows += again.shape[0] * again.shape[1]
+            if worst > tolerance:
+                report.add("attn", (s, layer), f"rows differ from q/k by up to {worst:.3g} (tolerance {tolerance})")
+
+
+# -- replay results ---------------------------------------------------------------------------
+
+
+def _is_result(path) -> bool:
+    import json
+
+    meta = Path(path) / "zarr.json"
+    try:
+        return json.loads(meta.read_text()).get("attributes", {}).get("kind") == "kvscope replay"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+RESULT_VARIABLES = {
+    "tiers": ("policy", "budget", "sample", "event", "layer", "kv_head", "pos"),
+    "tier_mass": ("policy", "budget", "sample", "event", "layer", "kv_head", "tier"),
+    "bytes_used": ("policy", "budget", "sample", "step"),
+    "fmm_mean": ("policy", "budget"),
+    "byte_ratio_used": ("policy", "budget"),
+}
+
+
+def verify_result(path) -> Report:
+    """A replay result: its variables and dims, every chunk decodable, values in range."""
+    import zarr
+
+    started = time.perf_counter()
+    report = Report(str(path), "replay result")
+    try:
+        group = zarr.open_group(str(path), mode="r", zarr_format=3)
+        names = {name for name, _ in group.arrays()}
+    except Exception as exc:  # noqa: BLE001 - unreadable metadata
+        report.add("store", "-", f"{path} cannot be opened as a replay result ({type(exc).__name__})")
+        return report
+    for name, dims in RESULT_VARIABLES.items():
+        meta_dims = tuple(group[name].metadata.dimension_names or ()) if name in names else None
+        if meta_dims != dims:
+            report.add(name, "-", f"{name}: missing or with dims {meta_dims}, expected {dims}")
+    for name in sorted(names):
+        array = group[name]
+        for index in itertools.product(*(range(math.ceil(n / c)) for n, c in zip(array.shape, array.chunks))):
+            data = _read(report, array, name, index)
+            if data is not None:
+                report.chunks += 1
+                _result_values(report, name, index, data)
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _result_values(report: Report, name: str, index, data: np.ndarray) -> None:
+    if name == "tiers" and not np.isin(data, (-1, 0, 1, 2)).all():
+        report.add(name, index, "tier codes outside −1, 0, 1, 2")
+    elif (
+        name in ("tier_mass", "fmm", "fmm_fp", "fmm_mean", "fmm_fp_mean") and ((data < -1e-9) | (data > 1 + 1e-9)).any()
+    ):
+        report.add(name, index, "shares outside [0, 1]")
+    elif name in ("bytes_used", "budget_bytes", "full_bytes", "byte_ratio") and (data < 0).any():
+        report.add(name, index, "negative bytes")
+
+
+def refuse_if_damaged(report: Report) -> None:
+    """Turn a report into the one-line error of a command that needs a sound store."""
+    if not report.ok:
+        first = report.problems[0].line()
+        more = f" (and {report.n_problems - 1} more: kvscope verify {report.path})" if report.n_problems > 1 else ""
+        raise KvscopeError(f"{report.path}: {first}{more}")
