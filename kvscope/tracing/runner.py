@@ -236,6 +236,7 @@ def trace_loaded(
     else:
         lock = StoreLock(out).acquire()
         committed, done = list(existing["steps_committed"]), list(existing["samples_done"])
+    writer = None
     try:
         writer = StoreWriter(out, committed, done)
         eos = set(eos_ids(model, tokenizer)) if settings.stop_at_eos else set()
@@ -249,8 +250,22 @@ def trace_loaded(
         _complete(out)
         texts, steps = _texts(out, tokenizer)
         return TraceResult(out, len(encoded), steps, time.perf_counter() - started, writer.bytes_written, texts)
+    except BaseException:
+        if existing is None:
+            _discard_uncommitted(out, writer)
+        raise
     finally:
         lock.release()
+
+
+def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
+    """A new store whose run failed before committing a step is removed, so that a re-run starts
+    afresh; once a step is committed it stays (``partial``) for ``--resume``."""
+    if writer is not None:
+        writer.abandon()  # the blocks already handed over are written first
+        if any(writer.committed):
+            return
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _dynamic_cache(model, layout: Layout):
@@ -360,18 +375,21 @@ def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | 
         old = StoreLock(out).acquire()
         shutil.rmtree(out)
         old.release()
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.creating-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    create(tmp, layout, attrs)
-    _write_static(tmp, layout, encoded, rope)
-    lock = StoreLock(tmp).acquire()
+    lock = StoreLock(tmp)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        create(tmp, layout, attrs)
+        _write_static(tmp, layout, encoded, rope)
+        lock.acquire()
         os.rename(tmp, out)
-    except OSError as exc:
+    except BaseException as exc:
         lock.release()
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StoreError(f"cannot create {out}: {exc.strerror}") from exc
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot create {out}: {exc.strerror or exc}") from exc
+        raise
     lock.path = out
     return lock
 

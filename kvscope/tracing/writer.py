@@ -110,9 +110,14 @@ class StoreWriter:
         self._raise_if_failed()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self.abandon()
         self._raise_if_failed()
+
+    def abandon(self) -> None:
+        """Stop once the blocks already handed over are written (or failed); raises nothing."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -1,0 +1,77 @@
+"""Issue 13, "trust every input": models, prompts, options, store paths and locks that a hostile
+but fair user hands kvscope end with one line and exit code 2 (real CLI runs), reach no network
+they were not meant to, and leave every store as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import kvscope
+from kvscope.errors import KvscopeError
+from kvscope.live.validate import validate
+
+from .conftest import ROOT, one_line_error, run_cli, tree_digest
+
+PROMPT = "Write one sentence about the sea."
+
+
+def trace_args(model, out, *extra) -> list:
+    return ["trace", "--model", model, "--max-new-tokens", "4", "--out", out, "--quiet", *extra]
+
+
+# -- a failed trace, locks, links -------------------------------------------------------
+
+
+class Stop(Exception):
+    pass
+
+
+def _stop_at(step: int):
+    def progress(p):
+        if p.steps_done > step:
+            raise Stop
+
+    return progress
+
+
+def test_failure_before_the_first_commit_leaves_no_store(tmp_path, tiny_models):
+    out = tmp_path / "t.zarr"
+    kwargs = {"model": str(tiny_models["llama"]), "max_new_tokens": 12, "block_steps": 4, "stop_at_eos": False}
+    with pytest.raises(Stop):
+        kvscope.trace(PROMPT, out, progress=_stop_at(2), **kwargs)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(Stop):  # after a committed block the store stays, partial, and --resume continues it
+        kvscope.trace(PROMPT, out, progress=_stop_at(6), **kwargs)
+    assert kvscope.open_trace(out).attrs["steps_committed"] == [4]
+    with pytest.raises(KvscopeError, match="holds a partial trace"):
+        kvscope.trace(PROMPT, out, **kwargs)
+    assert kvscope.trace(PROMPT, out, resume=True, **kwargs).steps == [12]
+
+
+def test_interrupted_first_block_leaves_no_store_and_a_rerun_works(tmp_path):
+    out = tmp_path / "t.zarr"
+    cmd = [sys.executable, str(ROOT / "cli.py"), "trace", "--prompt", PROMPT, "--out", str(out), "--quiet",
+           "--ignore-eos", "--max-new-tokens", "64", "--block-steps", "64"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "prefill_tail").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == "kvscope: interrupted", err
+    assert list(tmp_path.iterdir()) == []
+    cmd[cmd.index("--max-new-tokens") + 1] = "2"
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert kvscope.open_trace(out).attrs["status"] == "complete"
