@@ -75,3 +75,38 @@ def test_interrupted_first_block_leaves_no_store_and_a_rerun_works(tmp_path):
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert kvscope.open_trace(out).attrs["status"] == "complete"
+
+
+@pytest.fixture
+def partial_store(tmp_path, tiny_models):
+    out = tmp_path / "partial.zarr"
+    kwargs = {"model": str(tiny_models["llama"]), "max_new_tokens": 12, "block_steps": 4, "stop_at_eos": False}
+    with pytest.raises(Stop):
+        kvscope.trace(PROMPT, out, progress=_stop_at(6), **kwargs)
+    return out
+
+
+def test_a_lock_that_is_a_link_is_never_followed(tmp_path, partial_store, tiny_models):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("not kvscope's to truncate\n")
+    lock = partial_store / ".kvscope-lock"
+    lock.unlink()
+    lock.symlink_to(outside)
+    before = tree_digest(partial_store)
+    args = ["trace", "--model", tiny_models["llama"], "--prompt", PROMPT, "--max-new-tokens", "12", "--block-steps",
+            "4", "--ignore-eos", "--out", partial_store, "--quiet"]  # fmt: skip
+    for flag in ("--force", "--resume"):
+        one_line_error(run_cli(*args, flag), ".kvscope-lock is a symbolic link")
+    assert outside.read_text() == "not kvscope's to truncate\n"
+    assert lock.is_symlink() and tree_digest(partial_store) == before
+
+
+def test_out_that_is_a_link_is_never_written_through(tmp_path, partial_store, tiny_models):
+    link = tmp_path / "link.zarr"
+    link.symlink_to(partial_store)
+    before = tree_digest(partial_store)
+    proc = run_cli(*trace_args(tiny_models["llama"], link, "--prompt", PROMPT, "--force"))
+    one_line_error(proc, f"--out {link} is a symbolic link")
+    with pytest.raises(KvscopeError, match="is a symbolic link"):
+        kvscope.trace(PROMPT, link, model=str(tiny_models["llama"]), max_new_tokens=12, block_steps=4, resume=True)
+    assert link.is_symlink() and tree_digest(partial_store) == before

@@ -175,6 +175,8 @@ def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache)
 
 def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> dict | None:
     """Decide what to do with ``out``; returns the existing attrs when resuming."""
+    if out.is_symlink():
+        raise KvscopeError(f"--out {out} is a symbolic link; kvscope writes a store only at its real path")
     if not out.exists():
         if resume:
             raise KvscopeError(f"--resume: no store at {out}")
