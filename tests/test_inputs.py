@@ -110,3 +110,31 @@ def test_out_that_is_a_link_is_never_written_through(tmp_path, partial_store, ti
     with pytest.raises(KvscopeError, match="is a symbolic link"):
         kvscope.trace(PROMPT, link, model=str(tiny_models["llama"]), max_new_tokens=12, block_steps=4, resume=True)
     assert link.is_symlink() and tree_digest(partial_store) == before
+
+
+# -- options ----------------------------------------------------------------------------
+
+
+def test_non_finite_temperature(tmp_path, tiny_models):
+    out = tmp_path / "never.zarr"
+    proc = run_cli(*trace_args(tiny_models["llama"], out, "--prompt", PROMPT, "--temperature", "nan"))
+    one_line_error(proc, "--temperature must be a finite number (got nan)")
+    assert not out.exists()
+
+
+def test_numbers_of_the_python_api(tmp_path, tiny_models):
+    model = str(tiny_models["llama"])
+    for value in (float("inf"), float("-inf")):
+        with pytest.raises(KvscopeError, match=rf"--temperature must be a finite number \(got {value}\)"):
+            kvscope.trace(PROMPT, tmp_path / "a.zarr", model=model, max_new_tokens=2, temperature=value)
+    with pytest.raises(KvscopeError, match=r"--max-new-tokens must be an integer \(got inf\)"):
+        kvscope.trace(PROMPT, tmp_path / "a.zarr", model=model, max_new_tokens=float("inf"))
+    with pytest.raises(KvscopeError, match=r"--sinks must be an integer"):
+        kvscope.trace(PROMPT, tmp_path / "a.zarr", model=model, max_new_tokens=2, n_sink=2.5)
+    # a tiny temperature is (nearly) greedy: it used to overflow to inf − inf and crash the sampler
+    greedy = kvscope.trace(PROMPT, tmp_path / "g.zarr", model=model, max_new_tokens=6, stop_at_eos=False)
+    cold = kvscope.trace(
+        PROMPT, tmp_path / "c.zarr", model=model, max_new_tokens=6, stop_at_eos=False, temperature=1e-40
+    )
+    assert cold.texts == greedy.texts
+    assert not (tmp_path / "a.zarr").exists()

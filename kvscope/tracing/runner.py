@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from .. import __version__, defaults
 from ..errors import KvscopeError, StoreError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
+from ..params import ParamSpec, check_value
 from ..prompts import Prompt, as_prompts, check_context, encode, eos_ids
 from ..rope import Rope
 from ..store import SCHEMA_VERSION, Layout, consolidate, create, read_attrs, validate
@@ -62,6 +63,7 @@ class TraceSettings:
     trust_remote_code: bool = False
 
     def check(self) -> None:
+        self._check_kinds()
         if self.max_new_tokens < 1:
             raise KvscopeError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
         if self.heads not in HEAD_MODES:
@@ -100,6 +102,18 @@ class TraceSettings:
 
             if not self.device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None:
                 raise KvscopeError("--attn flash_attention_2 needs a CUDA device and the flash-attn package")
+
+    def _check_kinds(self) -> None:
+        """Integer settings hold integers, float settings finite numbers (``nan``, ``inf`` refused)."""
+        kinds = {"int": int, "float": float}
+        for f in fields(self):
+            if f.type in kinds:
+                spec = ParamSpec(flag=_FLAGS.get(f.name))
+                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], False, by_flag=True)
+                setattr(self, f.name, value)
+
+
+_FLAGS = {"n_sink": "--sinks"}  # the trace options whose flag is not the field's name
 
 
 def check_cache(settings: TraceSettings, cache) -> None:
