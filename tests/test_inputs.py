@@ -138,3 +138,45 @@ def test_numbers_of_the_python_api(tmp_path, tiny_models):
     )
     assert cold.texts == greedy.texts
     assert not (tmp_path / "a.zarr").exists()
+
+
+# -- prompts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"prompt": "caf\xe9 au lait"}\n'.encode("latin-1"), "is not UTF-8 text: byte 0xe9 at byte offset 15"),
+        (b'{"prompt": "fine"}\n\x80\xff\x00\x13', "is not UTF-8 text: byte 0x80 at byte offset 19"),
+    ],
+    ids=["latin-1", "random-bytes"],
+)
+def test_prompts_file_that_is_not_utf8(tmp_path, tiny_models, content, needle):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(content)
+    out = tmp_path / "never.zarr"
+    proc = run_cli(*trace_args(tiny_models["llama"], out, "--prompts", prompts))
+    one_line_error(proc, f"prompts file {prompts} {needle}")
+    assert not out.exists()
+
+
+def test_prompt_argument_with_undecodable_bytes(tmp_path, tiny_models):
+    out = tmp_path / "never.zarr"
+    argument = os.fsdecode(b"caf\xe9 au lait")  # the child's argv holds the raw byte 0xe9
+    proc = run_cli(*trace_args(tiny_models["llama"], out, "--prompt", argument))
+    one_line_error(proc, "prompt from cli is not UTF-8 text: byte 0xe9 at byte offset 3")
+    assert not out.exists()
+    with pytest.raises(KvscopeError, match="lone surrogate U\\+D800 at byte offset 2"):
+        kvscope.trace("a \ud800", tmp_path / "api.zarr", model=str(tiny_models["llama"]), max_new_tokens=2)
+
+
+@pytest.mark.slow
+def test_one_token_prompt_on_smollm2(tmp_path, smollm2_dir):
+    from .test_capture import check_against_eager
+
+    out = tmp_path / "hi.zarr"
+    run_cli("trace", "--prompt", "hi", "--max-new-tokens", "4", "--dtype", "float32", "--ignore-eos", "--out", out,
+            "--quiet", check=True)  # fmt: skip
+    ds = kvscope.open_trace(out)
+    assert int(ds.prompt_len[0]) == 1 and ds.attrs["status"] == "complete"
+    check_against_eager(ds, smollm2_dir, "kv")
