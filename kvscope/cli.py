@@ -30,9 +30,11 @@ class _Parser(argparse.ArgumentParser):
 @contextlib.contextmanager
 def quiet_libraries():
     """What the command line keeps out of its output while it runs: transformers' info logs
-    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings."""
+    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings. The hub
+    client's telemetry is off unless set (its extra request would wait on an unreachable hub)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         from transformers.utils import logging as hf_logging
 

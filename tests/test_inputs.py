@@ -180,3 +180,116 @@ def test_one_token_prompt_on_smollm2(tmp_path, smollm2_dir):
     ds = kvscope.open_trace(out)
     assert int(ds.prompt_len[0]) == 1 and ds.attrs["status"] == "complete"
     check_against_eager(ds, smollm2_dir, "kv")
+
+
+# -- models ---------------------------------------------------------------------------
+
+
+class SilentHub:
+    """A local 'hub' that accepts connections and never answers: counts the requests a run makes."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.connections = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+
+    def env(self, offline: bool = False) -> dict:
+        port = self.sock.getsockname()[1]
+        return {
+            "HF_ENDPOINT": f"http://127.0.0.1:{port}",
+            "HF_HUB_OFFLINE": "1" if offline else "",
+            "HF_HUB_ETAG_TIMEOUT": "1",
+        }
+
+    def close(self):
+        self.sock.close()
+        for conn in self.connections:
+            conn.close()
+
+
+@pytest.fixture
+def hub():
+    server = SilentHub()
+    yield server
+    server.close()
+
+
+def test_gguf_of_random_bytes_and_a_damaged_gguf(tmp_path, smollm2_dir):
+    cache = {"KVSCOPE_CACHE": str(tmp_path / "cache")}
+    noise = tmp_path / "noise.gguf"
+    noise.write_bytes(bytes(range(256)) * 16)
+    out = tmp_path / "never.zarr"
+    one_line_error(run_cli(*trace_args(noise, out, "--prompt", PROMPT), env=cache), "is not a GGUF file")
+    from kvscope.models import SHORT_NAMES, short_name_gguf
+
+    damaged = tmp_path / "damaged.gguf"  # the real file's first 64 KiB: magic and header, cut short
+    with open(short_name_gguf(SHORT_NAMES["smollm2-135m"]), "rb") as f:
+        damaged.write_bytes(f.read(1 << 16))
+    one_line_error(run_cli(*trace_args(damaged, out, "--prompt", PROMPT), env=cache), "cannot read GGUF file")
+    assert not out.exists()
+
+
+def _folder_with_config(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    text = edit(config)
+    (dst / "config.json").write_text(text if isinstance(text, str) else json.dumps(config))
+    return dst
+
+
+AUTO_MAP = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: c.update(model_type="frobnicator", auto_map=AUTO_MAP), "needs custom code"),
+        (lambda c: c.update(model_type="frobnicator"), "'frobnicator', which transformers"),
+        (lambda c: '{"model_type": "llama", "hidden_', "config.json is not readable JSON"),
+    ],
+    ids=["auto_map", "unknown-type", "garbled"],
+)
+def test_model_folder_configs(tmp_path, tiny_models, edit, needle):
+    folder = _folder_with_config(tiny_models["llama"], tmp_path / "model", edit)
+    out = tmp_path / "never.zarr"
+    proc = run_cli(*trace_args(folder, out, "--prompt", PROMPT))
+    one_line_error(proc, needle)
+    if needle == "needs custom code":
+        assert "pass --trust-remote-code" in proc.stderr
+    assert not out.exists()
+
+
+def test_config_that_is_not_an_object(tmp_path, tiny_models):
+    from kvscope.models import resolve
+
+    folder = _folder_with_config(tiny_models["llama"], tmp_path / "model", lambda c: "[1, 2]")
+    with pytest.raises(KvscopeError, match="config.json is not a JSON object"):
+        resolve(str(folder))
+
+
+def test_hub_id_offline_is_refused_without_a_request(tmp_path, hub):
+    out = tmp_path / "never.zarr"
+    proc = run_cli(*trace_args("org/no-such-model", out, "--prompt", PROMPT), env=hub.env(offline=True))
+    one_line_error(proc, "HF_HUB_OFFLINE is set")
+    assert hub.connections == [] and not out.exists()
+
+
+@pytest.mark.parametrize("model", ["org/no-such-model", "modls/tiny"])  # a hub id, a mistyped local path
+def test_unreachable_hub_is_one_request_and_one_line(tmp_path, hub, model):
+    out = tmp_path / "never.zarr"
+    started = time.monotonic()
+    proc = run_cli(*trace_args(model, out, "--prompt", PROMPT), env=hub.env())
+    one_line_error(proc, "cannot be reached: timed out")
+    assert f"model {model!r} is not a local folder" in proc.stderr
+    assert len(hub.connections) == 1  # no retries (they took ~50 s and 23 lines)
+    assert time.monotonic() - started < 60 and not out.exists()
