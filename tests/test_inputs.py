@@ -293,3 +293,73 @@ def test_unreachable_hub_is_one_request_and_one_line(tmp_path, hub, model):
     assert f"model {model!r} is not a local folder" in proc.stderr
     assert len(hub.connections) == 1  # no retries (they took ~50 s and 23 lines)
     assert time.monotonic() - started < 60 and not out.exists()
+
+
+# -- validate: the model a store names, --live-out -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qkv_store(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("inputs") / "full.zarr"
+    kvscope.trace(
+        PROMPT,
+        out,
+        model=str(tiny_models["llama"]),
+        max_new_tokens=8,
+        record_qkv=True,
+        block_steps=4,
+        stop_at_eos=False,
+    )
+    return out
+
+
+def _with_model_name(src: Path, dst: Path, name: str) -> Path:
+    """A copy of ``src`` whose attributes name another model (a crafted store)."""
+    shutil.copytree(src, dst)
+    doc = json.loads((dst / "zarr.json").read_text())
+    doc["attributes"]["model"]["name"] = name
+    (dst / "zarr.json").write_text(json.dumps(doc))
+    return dst
+
+
+def test_validate_never_fetches_the_model_a_store_names(tmp_path, qkv_store, hub):
+    crafted = _with_model_name(qkv_store, tmp_path / "crafted.zarr", "org/exfiltrate")
+    before = tree_digest(crafted)
+    proc = run_cli("validate", crafted, "--policy", "h2o", "--budget", "0.5", env=hub.env())
+    one_line_error(proc, "a store's model is looked up locally only; pass --model")
+    assert hub.connections == [] and tree_digest(crafted) == before
+
+
+def test_validate_model_override_is_checked_against_the_recorded_weights(tmp_path, qkv_store, tiny_models, hub):
+    crafted = _with_model_name(qkv_store, tmp_path / "crafted.zarr", "org/exfiltrate")
+    other = run_cli("validate", crafted, "--policy", "h2o", "--budget", "0.5", "--model", tiny_models["qwen2"])
+    one_line_error(other, "pass --model with the same weights")
+    assert "was traced with" in other.stderr
+    same = run_cli(
+        "validate", crafted, "--policy", "h2o", "--budget", "0.5", "--model", tiny_models["llama"], "--json",
+        env=hub.env(),
+    )  # fmt: skip
+    assert same.returncode in (0, 1), same.stderr
+    assert json.loads(same.stdout)["decisions_compared"] > 0 and hub.connections == []
+
+
+def test_live_out_never_overwrites_the_input_or_an_existing_store(tmp_path, qkv_store, tiny_models):
+    # the store names a model that is nowhere: each refusal comes before any model is looked up
+    crafted = _with_model_name(qkv_store, tmp_path / "crafted.zarr", "org/nowhere")
+    existing = tmp_path / "existing.zarr"
+    shutil.copytree(qkv_store, existing)
+    digests = {p: tree_digest(p) for p in (crafted, existing)}
+    args = ("validate", crafted, "--policy", "h2o", "--budget", "0.5", "--live-out")
+    one_line_error(run_cli(*args, crafted, "--force"), "overlaps the input store")
+    for live_out in (crafted / "inner.zarr", tmp_path, tmp_path / "alias.zarr"):  # inside it, around it, a link to it
+        if live_out.name == "alias.zarr":
+            live_out.symlink_to(crafted)
+        with pytest.raises(KvscopeError, match="overlaps the input store"):
+            validate(crafted, "h2o", 0.5, live_out=live_out, force=True)
+    one_line_error(run_cli(*args, existing), "exists; pass --force to overwrite it")
+    assert {p: tree_digest(p) for p in digests} == digests
+    proc = run_cli(
+        "validate", qkv_store, "--policy", "h2o", "--budget", "0.5", "--live-out", existing, "--force", "--json"
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "policy" in kvscope.open_trace(existing).attrs  # replaced by the live trace

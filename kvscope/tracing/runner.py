@@ -187,10 +187,16 @@ def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache)
     }
 
 
-def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> dict | None:
+def check_out(out: str | Path, force: bool, flag: str = "--out") -> None:
+    """Refuse now, before a model is loaded, an ``out`` where a new trace may not be written
+    (``flag`` names the option in messages)."""
+    _prepare_out(Path(out), {}, resume=False, force=force, flag=flag)
+
+
+def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool, flag: str = "--out") -> dict | None:
     """Decide what to do with ``out``; returns the existing attrs when resuming."""
     if out.is_symlink():
-        raise KvscopeError(f"--out {out} is a symbolic link; kvscope writes a store only at its real path")
+        raise KvscopeError(f"{flag} {out} is a symbolic link; kvscope writes a store only at its real path")
     if not out.exists():
         if resume:
             raise KvscopeError(f"--resume: no store at {out}")
@@ -200,7 +206,7 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> di
     if not (out / "zarr.json").is_file():
         if out.is_dir() and not any(out.iterdir()):
             return None
-        raise KvscopeError(f"--out {out} exists and is not a kvscope store; refusing to overwrite it")
+        raise KvscopeError(f"{flag} {out} exists and is not a kvscope store; refusing to overwrite it")
     attrs = read_attrs(out)
     status = attrs.get("status")
     if force:
@@ -215,8 +221,8 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> di
             raise KvscopeError(f"--resume: {out} was traced with different {', '.join(diff)}")
         return attrs
     if status == "complete":
-        raise KvscopeError(f"--out {out} holds a complete trace; pass --force to overwrite it or choose another path")
-    raise KvscopeError(f"--out {out} holds a partial trace; pass --resume to continue it or --force to start over")
+        raise KvscopeError(f"{flag} {out} holds a complete trace; pass --force to overwrite it or choose another path")
+    raise KvscopeError(f"{flag} {out} holds a partial trace; pass --resume to continue it or --force to start over")
 
 
 def trace_loaded(
