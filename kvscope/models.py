@@ -26,6 +26,8 @@ from pathlib import Path
 from .errors import KvscopeError
 
 DEFAULT_MODEL = "smollm2-135m"
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+HUB_TIMEOUT_S = 5.0  # the one hub request's timeout unless HF_HUB_ETAG_TIMEOUT is set
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ def _fetch_config(spec: str, not_local: str) -> Path:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
-    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_TIMEOUT_S)
+    timeout = constants.HF_HUB_ETAG_TIMEOUT if "HF_HUB_ETAG_TIMEOUT" in os.environ else HUB_TIMEOUT_S
     try:
         get_hf_file_metadata(hf_hub_url(spec, "config.json"), timeout=timeout)  # raises at once, no retries
         return Path(hf_hub_download(spec, "config.json", etag_timeout=timeout))
@@ -236,9 +238,6 @@ def _fetch_config(spec: str, not_local: str) -> Path:
     except Exception as exc:  # noqa: BLE001 - the hub client's transport errors (httpx's, by version)
         reason = _first_line(exc) or type(exc).__name__
         raise KvscopeError(f"{not_local}, and the hub ({constants.ENDPOINT}) cannot be reached: {reason}") from None
-
-
-HUB_TIMEOUT_S = 5.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -252,19 +251,20 @@ def check_code(source: ModelSource, trust_remote_code: bool) -> None:
     import transformers
     from transformers import CONFIG_MAPPING
 
-    config = source.config or {}
-    model_type = config.get("model_type")
-    if model_type in CONFIG_MAPPING:
+    config = source.config
+    if config is None or config.get("model_type") in CONFIG_MAPPING:  # None: made by hand, transformers decides
         return
-    named = f"model_type {model_type!r}" if model_type else "no model_type"
+    model_type = config.get("model_type")
+    what = (
+        f"transformers {transformers.__version__} does not know its model_type {model_type!r}"
+        if model_type
+        else "its config.json has no model_type"
+    )
     if "auto_map" not in config:
-        raise KvscopeError(
-            f"model {source.spec!r} has {named}, which transformers {transformers.__version__} does not know, "
-            "and its config.json names no custom code"
-        )
+        raise KvscopeError(f"model {source.spec!r}: {what}, and its config.json names no custom code (auto_map)")
     if not trust_remote_code:
         raise KvscopeError(
-            f"model {source.spec!r} needs custom code (its config.json has {named} and an auto_map): "
+            f"model {source.spec!r} needs custom code ({what}; its config.json has an auto_map): "
             "pass --trust-remote-code if you trust that code"
         )
 
@@ -297,10 +297,8 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-GGUF_MAGIC = b"GGUF"
-
-
 def _gguf_to_folder(gguf: Path, tmp: Path) -> None:
+    """Load ``gguf`` with transformers (dequantized fp32) and save it as a safetensors folder ``tmp``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -254,7 +254,7 @@ AUTO_MAP = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "mo
     "edit,needle",
     [
         (lambda c: c.update(model_type="frobnicator", auto_map=AUTO_MAP), "needs custom code"),
-        (lambda c: c.update(model_type="frobnicator"), "'frobnicator', which transformers"),
+        (lambda c: c.update(model_type="frobnicator"), "does not know its model_type 'frobnicator'"),
         (lambda c: '{"model_type": "llama", "hidden_', "config.json is not readable JSON"),
     ],
     ids=["auto_map", "unknown-type", "garbled"],
