@@ -28,10 +28,11 @@ LOCK_NAME = ".kvscope-lock"
 
 
 def _open_lock(folder: Path, create: bool) -> int:
-    """A descriptor of ``folder/.kvscope-lock``, never opened through a symbolic link (a crafted
-    store must not make kvscope truncate or write the file a link points to)."""
+    """A descriptor of ``folder/.kvscope-lock`` (read-write and created when ``create``, else
+    read-only), never opened through a symbolic link (a crafted store must not make kvscope
+    truncate or write the file a link points to)."""
     path = folder / LOCK_NAME
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
     try:
         return os.open(path, flags, 0o644)
     except OSError as exc:
