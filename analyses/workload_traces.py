@@ -74,7 +74,8 @@ def task_scores(path: Path) -> list[float | None]:
     name = prompts[0]["meta"]["workload"]
     if workloads.get(name).scorer is None:
         return [None] * len(prompts)
-    tokenizer = load_tokenizer(resolve(ds.attrs["settings"]["model"]))
+    model = resolve(ds.attrs["settings"]["model"], allow_hub=False)  # a store's model is never fetched
+    tokenizer = load_tokenizer(model)
     scores = []
     for s, prompt in enumerate(prompts):
         p, n = int(ds["prompt_len"].values[s]), int(ds["n_steps"].values[s])

@@ -31,9 +31,11 @@ class _Parser(argparse.ArgumentParser):
 @contextlib.contextmanager
 def quiet_libraries():
     """What the command line keeps out of its output while it runs: transformers' info logs
-    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings."""
+    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings. The hub
+    client's telemetry is off unless set (its extra request would wait on an unreachable hub)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # a refused chunk ends zarr's concurrent reads early; their pending tasks are dropped at exit
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
@@ -291,6 +293,8 @@ def _add_validate(sub) -> None:
     p.add_argument("--budget", required=True, help="β in (0, 1]")
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
     p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --live-out")
+    p.add_argument("--model", default=None, help="re-decode with this model instead of the one the store names")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_validate)
@@ -304,7 +308,9 @@ def _cmd_validate(args) -> int:
 
     policy, budget = _live_inputs(args)
     read_attrs(args.store)
-    report = validate(args.store, policy, budget, live_out=args.live_out, kv_dtype=args.kv_dtype)
+    report = validate(
+        args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model, kv_dtype=args.kv_dtype
+    )
     if args.json:
         print(json.dumps(report, indent=1))
         return 0 if report["decisions_identical"] else 1

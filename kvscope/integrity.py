@@ -33,6 +33,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from .errors import StoreError
+from .schema import Layout, schema
 
 CRC_BYTES = 4
 
@@ -160,8 +161,6 @@ def check_array(path, name: str, meta: dict, shape, dims, dtype: str, chunks=Non
 def expected_layout(path, attrs: dict, metas: dict):
     """The :class:`~kvscope.store.Layout` the attributes describe (positions from ``tokens``,
     steps from ``attn``: the schema then checks that every array agrees)."""
-    from .store import Layout
-
     for name in ("attn", "tokens"):
         if name not in metas:
             raise StoreError(f"{path} is missing arrays: {name}")
@@ -183,8 +182,6 @@ def expected_layout(path, attrs: dict, metas: dict):
 
 def check_schema(path, attrs: dict, metas: dict):
     """Every array of the schema present and as the schema says; returns the layout and specs."""
-    from .store import schema
-
     layout = expected_layout(path, attrs, metas)
     if layout.block_steps > layout.n_steps:
         raise StoreError(f"{path}: attribute block_steps {layout.block_steps} exceeds the {layout.n_steps} steps")
@@ -233,8 +230,6 @@ def check_small_arrays(path, attrs: dict, layout, arrays):
 
 
 def _coordinates(layout):
-    from .store import schema
-
     return schema(layout)[0]
 
 

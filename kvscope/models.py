@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 from .errors import KvscopeError
 
 DEFAULT_MODEL = "smollm2-135m"
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+HUB_TIMEOUT_S = 5.0  # the one hub request's timeout unless HF_HUB_ETAG_TIMEOUT is set
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class ModelSource:
     load_path: str  # folder or hub id handed to from_pretrained
     origin: str  # gguf path, folder path or hub id (for the store's attrs)
     weights_sha256: str | None = None
+    config: dict | None = None  # its config.json, read when resolved
 
 
 def cache_dir() -> Path:
@@ -180,14 +184,89 @@ def resolve(spec: str, allow_hub: bool = True) -> ModelSource:
     if path.exists():
         if not (path / "config.json").is_file():
             raise KvscopeError(f"model folder {spec} has no config.json")
+        config = read_config(path / "config.json")
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         sha = file_sha256(weights[0]) if len(weights) == 1 else None
-        return ModelSource(spec, "folder", str(path), str(path.resolve()), sha)
+        return ModelSource(spec, "folder", str(path), str(path.resolve()), sha, config)
     looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
     if looks_like_path or not allow_hub or "/" not in spec:
         known = ", ".join(SHORT_NAMES)
         raise KvscopeError(f"model not found: {spec!r} is not a folder, a .gguf file or a short name ({known})")
-    return ModelSource(spec, "hub", spec, spec)
+    return _from_hub(spec)
+
+
+def read_config(path: Path) -> dict:
+    """A model's ``config.json`` as a dict (one line when it is not a readable JSON object)."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
+        raise KvscopeError(f"model config {path} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise KvscopeError(f"model config {path} is not a JSON object")
+    return config
+
+
+def _from_hub(spec: str) -> ModelSource:
+    """A hub id: its config.json from the hub cache, else fetched with single short requests (no
+    retries: an unreachable hub is one line at once). ``HF_HUB_OFFLINE=1`` allows the cache only."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    not_local = f"model {spec!r} is not a local folder, a .gguf file or a short name"
+    try:
+        cached = try_to_load_from_cache(spec, "config.json")
+    except ValueError as exc:  # HFValidationError
+        raise KvscopeError(f"{not_local}, nor a valid hub id: {_first_line(exc)}") from None
+    if isinstance(cached, str):
+        return ModelSource(spec, "hub", spec, spec, None, read_config(Path(cached)))
+    if constants.is_offline_mode():
+        raise KvscopeError(f"{not_local}, and HF_HUB_OFFLINE is set: it is not looked up on the hub")
+    return ModelSource(spec, "hub", spec, spec, None, read_config(_fetch_config(spec, not_local)))
+
+
+def _fetch_config(spec: str, not_local: str) -> Path:
+    """``config.json`` of hub model ``spec``: first a single request (no retries) within
+    ``HF_HUB_ETAG_TIMEOUT`` seconds (default 5 here), then the download."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    timeout = constants.HF_HUB_ETAG_TIMEOUT if "HF_HUB_ETAG_TIMEOUT" in os.environ else HUB_TIMEOUT_S
+    try:
+        get_hf_file_metadata(hf_hub_url(spec, "config.json"), timeout=timeout)  # raises at once, no retries
+        return Path(hf_hub_download(spec, "config.json", etag_timeout=timeout))
+    except HfHubHTTPError as exc:
+        raise KvscopeError(f"{not_local}, and the hub answered: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the hub client's transport errors (httpx's, by version)
+        reason = _first_line(exc) or type(exc).__name__
+        raise KvscopeError(f"{not_local}, and the hub ({constants.ENDPOINT}) cannot be reached: {reason}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def check_code(source: ModelSource, trust_remote_code: bool) -> None:
+    """Refuse a model that needs code transformers does not ship (``model_type`` unknown to it)
+    unless ``--trust-remote-code``; a known ``model_type`` loads transformers' own class."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    config = source.config
+    if config is None or config.get("model_type") in CONFIG_MAPPING:  # None: made by hand, transformers decides
+        return
+    model_type = config.get("model_type")
+    what = (
+        f"transformers {transformers.__version__} does not know its model_type {model_type!r}"
+        if model_type
+        else "its config.json has no model_type"
+    )
+    if "auto_map" not in config:
+        raise KvscopeError(f"model {source.spec!r}: {what}, and its config.json names no custom code (auto_map)")
+    if not trust_remote_code:
+        raise KvscopeError(
+            f"model {source.spec!r} needs custom code ({what}; its config.json has an auto_map): "
+            "pass --trust-remote-code if you trust that code"
+        )
 
 
 def _from_gguf(spec: str, kind: str, gguf: Path) -> ModelSource:
@@ -195,14 +274,14 @@ def _from_gguf(spec: str, kind: str, gguf: Path) -> ModelSource:
     if not (folder / "config.json").is_file():
         _convert_gguf(gguf, folder)
     sha = json.loads((folder / "kvscope-source.json").read_text())["gguf_sha256"]
-    return ModelSource(spec, kind, str(folder), str(gguf), sha)
+    return ModelSource(spec, kind, str(folder), str(gguf), sha, read_config(folder / "config.json"))
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
     """GGUF → safetensors folder (dequantized fp32), once, under a file lock."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    with open(gguf, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise KvscopeError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes)")
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -210,27 +289,38 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             return
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            config = loaded.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model.load_state_dict(loaded.state_dict())
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "kvscope-source.json").write_text(
-                json.dumps({"gguf": str(gguf), "gguf_sha256": file_sha256(gguf)}, indent=1)
-            )
+            _gguf_to_folder(gguf, tmp)
             os.replace(tmp, folder)
+        except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:  # a damaged or unsupported file
+            raise KvscopeError(f"cannot read GGUF file {gguf}: {_first_line(exc) or type(exc).__name__}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_to_folder(gguf: Path, tmp: Path) -> None:
+    """Load ``gguf`` with transformers (dequantized fp32) and save it as a safetensors folder ``tmp``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvscope-source.json").write_text(
+        json.dumps({"gguf": str(gguf), "gguf_sha256": file_sha256(gguf)}, indent=1)
+    )
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The tokenizer of ``source`` alone (no weights loaded)."""
     from transformers import AutoTokenizer
 
+    check_code(source, trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(
             source.load_path, trust_remote_code=trust_remote_code, local_files_only=source.kind != "hub"
@@ -250,6 +340,7 @@ def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_re
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[dtype]
+    check_code(source, trust_remote_code)
     offline = {"local_files_only": source.kind != "hub"}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.load_path, trust_remote_code=trust_remote_code, **offline)

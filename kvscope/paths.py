@@ -31,7 +31,7 @@ def output_path(path, flag: str, inputs=()) -> Path:
         s = Path(source).absolute().resolve()
         target = here.resolve()
         if target == s or s in target.parents or target in s.parents:
-            raise KvscopeError(f"{flag} {p} is an input of this command ({source}); choose another path")
+            raise KvscopeError(f"{flag} {p} overlaps the input store {source}; choose another path")
     return p
 
 

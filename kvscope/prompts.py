@@ -23,6 +23,16 @@ class Prompt:
     expected: object = None  # a workload's answer (what its scorer grades against)
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if not isinstance(self.text, str):
+            raise KvscopeError(f"prompt from {self.source} is not text (got {type(self.text).__name__})")
+        try:
+            self.text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # argv carries undecodable bytes as surrogate escapes
+            raise KvscopeError(
+                f"prompt from {self.source} is not UTF-8 text: {_not_utf8(self.text, exc.start)}"
+            ) from None
+
     def doc(self) -> dict:
         """What the store's ``prompts`` attribute holds for this prompt."""
         out = {"text": self.text, "source": self.source}
@@ -36,6 +46,14 @@ class Prompt:
     def from_doc(cls, doc: dict) -> Prompt:
         """The inverse of :meth:`doc` (prompts read back from a store)."""
         return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {})
+
+
+def _not_utf8(text: str, start: int) -> str:
+    """Where ``text`` stops being UTF-8: the byte (a surrogate escape) or lone surrogate at ``start``."""
+    offset = len(text[:start].encode("utf-8"))
+    code = ord(text[start])
+    what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+    return f"{what} at byte offset {offset}"
 
 
 def as_prompts(prompts) -> list[Prompt]:
@@ -53,8 +71,17 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise KvscopeError(f"prompts file not found: {p}")
+    try:
+        raw = p.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as exc:
+        raise KvscopeError(f"cannot read prompts file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise KvscopeError(
+            f"prompts file {p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte offset {exc.start}"
+        ) from None
     prompts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -77,7 +77,8 @@ def write_synthetic_store(
     that stores larger than memory can be made."""
     import zarr
 
-    from .store import SCHEMA_VERSION, Layout, consolidate, create
+    from .schema import SCHEMA_VERSION, Layout
+    from .store import consolidate, create
 
     rng = np.random.default_rng(seed)
     T = prompt_len + n_steps

@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import KvscopeError, StoreError
 from .integrity import DamagedStore
+from .schema import schema
 
 MAX_PROBLEMS = 200  # lines reported; the count says how many more
 
@@ -235,8 +236,6 @@ def _chunks(report: Report, ctx: Context) -> None:
     decodes a slab's chunks concurrently: more threads of our own only compete with it), then
     each chunk's values."""
     import zarr
-
-    from .store import schema
 
     checked = ctx.checked
     group = zarr.open_group(store=checked.store, mode="r", zarr_format=3)

@@ -3,6 +3,7 @@ and a helper that runs the CLI in a subprocess exactly as a user would."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -47,6 +48,26 @@ def run_cli(*args, timeout=600, check=False, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"kvscope {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def one_line_error(proc, needle: str) -> None:
+    """A CLI run that refused its input: exit 2 and one line ``kvscope: error: …`` holding ``needle``."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvscope: error: ")
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 over the names and contents of every file under ``path`` (a store left untouched keeps it)."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")

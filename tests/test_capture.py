@@ -98,6 +98,21 @@ def test_probabilities_match_eager(tmp_path, tiny_models, kind, heads, attn):
     check_against_eager(ds, tiny_models[kind], heads)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_one_token_prompt_matches_eager(tmp_path, tiny_models, kind):
+    """A prompt of one token: the prefill is a single row (step 0), its column sums that row."""
+    out = tmp_path / "t.zarr"
+    kvscope.trace(
+        "hi", out, model=str(tiny_models[kind]), max_new_tokens=6, heads="all", dtype="float32", obs_window=4,
+        block_steps=4, record_qkv=True, stop_at_eos=False,
+    )  # fmt: skip
+    ds = kvscope.open_trace(out)
+    assert int(ds.prompt_len[0]) == 1 and ds.attrs["status"] == "complete" and int(ds.n_steps[0]) == 6
+    assert ds.prefill_tail_qpos.values[0].tolist() == [-1, -1, -1, 0]
+    np.testing.assert_array_equal(ds.prefill_colsum.values[0, :, :, 0], 1.0)
+    check_against_eager(ds, tiny_models[kind], "all")
+
+
 def test_sliding_window_rows_are_zero_outside_the_window(tmp_path, tiny_models):
     out = tmp_path / "t.zarr"
     kvscope.trace(

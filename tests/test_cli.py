@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -11,18 +10,9 @@ import pytest
 
 import kvscope
 
-from .conftest import run_cli
+from .conftest import one_line_error, run_cli, tree_digest
 
 PROMPT = "Write one sentence about the sea."
-
-
-def tree_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +70,6 @@ def test_window_resolution_and_mean_heads_via_cli(tmp_path, tiny_models):
     assert ds.sizes["head"] == 1 and ds.attrs["w"] == 4
 
 
-def _one_line_error(proc, needle: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("kvscope: error: ")
-    assert needle in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr
-
-
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -112,7 +93,7 @@ def test_trace_bad_input(tmp_path, tiny_models, args, needle):
         else:
             extra += args[i : i + 2]
     cmd = [x for kv in flags.items() for x in kv] + extra
-    _one_line_error(run_cli("trace", *cmd), needle)
+    one_line_error(run_cli("trace", *cmd), needle)
     assert not out.exists()
 
 
@@ -121,7 +102,7 @@ def test_prompt_longer_than_context(tmp_path, tiny_models):
     proc = run_cli(
         "trace", "--model", tiny_models["llama_short"], "--prompt", PROMPT * 8, "--max-new-tokens", "4", "--out", out
     )
-    _one_line_error(proc, "exceeds the model context of 48")
+    one_line_error(proc, "exceeds the model context of 48")
     assert not out.exists()
 
 
@@ -130,7 +111,7 @@ def test_existing_complete_store_is_not_overwritten(complete_store, tiny_models)
     proc = run_cli(
         "trace", "--model", tiny_models["llama"], "--prompt", "Other.", "--max-new-tokens", "4", "--out", complete_store
     )
-    _one_line_error(proc, "holds a complete trace; pass --force")
+    one_line_error(proc, "holds a complete trace; pass --force")
     assert tree_digest(complete_store) == before
 
 
@@ -186,17 +167,17 @@ def _broken_copy(src: Path, dst: Path, how: str) -> Path:
 def test_info_on_broken_stores(tmp_path, complete_store, how, needle):
     broken = _broken_copy(complete_store, tmp_path / f"{how}.zarr", how)
     before = tree_digest(broken)
-    _one_line_error(run_cli("info", broken), needle)
+    one_line_error(run_cli("info", broken), needle)
     assert tree_digest(broken) == before
 
 
 def test_info_on_missing_and_non_store(tmp_path):
-    _one_line_error(run_cli("info", tmp_path / "nope.zarr"), "no trace store at")
+    one_line_error(run_cli("info", tmp_path / "nope.zarr"), "no trace store at")
     plain = tmp_path / "plain.txt"
     plain.write_text("hello")
-    _one_line_error(run_cli("info", plain), "is not a Zarr v3 store")
+    one_line_error(run_cli("info", plain), "is not a Zarr v3 store")
 
 
 def test_unknown_command_and_missing_flag():
-    _one_line_error(run_cli("frobnicate"), "invalid choice")
-    _one_line_error(run_cli("trace", "--prompt", "x", "--out", "y.zarr"), "--max-new-tokens")
+    one_line_error(run_cli("frobnicate"), "invalid choice")
+    one_line_error(run_cli("trace", "--prompt", "x", "--out", "y.zarr"), "--max-new-tokens")

@@ -19,6 +19,7 @@ how far the trajectories themselves parted.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -26,12 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KvscopeError
-from ..models import load, resolve
+from ..models import ModelSource, load, resolve
+from ..paths import output_path
 from ..policies import check_budget
 from ..prompts import Prompt
 from ..replay import replay
 from ..store import open_trace
-from ..tracing.runner import TraceSettings, trace_loaded
+from ..tracing.runner import TraceSettings, check_out, trace_loaded
 from .cache import LivePolicy, kv_storage_dtype, live_policy
 
 
@@ -41,13 +43,19 @@ def validate(
     budget: float,
     *,
     live_out: str | Path | None = None,
+    force: bool = False,
+    model: str | None = None,
     kv_dtype: str | None = None,
     progress=None,
 ) -> dict:
     """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
-    ``predicted`` and ``live`` errors and the decision agreement."""
+    ``predicted`` and ``live`` errors and the decision agreement. ``live_out`` keeps the live
+    trace (an existing one is replaced only with ``force``); ``model`` overrides the model the
+    store names (which is looked up locally only)."""
     budget = check_budget(budget)
     policy = live_policy(policy)
+    if live_out is not None:
+        _check_live_out(store, live_out, force)
     ds = open_trace(store)
     if not all(name in ds for name in ("q", "k", "v")):
         raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")
@@ -55,7 +63,7 @@ def validate(
         raise KvscopeError(f"{store} was recorded under a policy; validate needs a full-KV trace")
     attrs = ds.attrs
     settings_doc = attrs.get("settings", {})
-    source = resolve(attrs["model"]["name"])
+    source = _model_source(store, attrs.get("model"), model)
     model, tokenizer = load(source, attrs.get("device", "cpu"), settings_doc.get("model_dtype", "auto"))
     dtype = kv_storage_dtype(model, kv_dtype)
     itemsize = dtype.itemsize
@@ -63,7 +71,7 @@ def validate(
     open_loop = replay(ds, [policy], [budget], observe="exact", kv_itemsize=itemsize)
     acc = ds.kvscope
     settings = TraceSettings(
-        model=attrs["model"]["name"],
+        model=source.spec,
         max_new_tokens=int(ds.sizes["step"]),
         heads="kv",
         window=acc.w,
@@ -86,7 +94,7 @@ def validate(
         live_out = Path(tmp.name) / "live.zarr"
     try:
         trace_loaded(
-            model, tokenizer, source, prompts, Path(live_out), settings, force=True, progress=progress, cache=cache
+            model, tokenizer, source, prompts, Path(live_out), settings, force=force, progress=progress, cache=cache
         )
         live = open_trace(live_out)
         closed = replay(live, [policy], [budget], observe="exact", kv_itemsize=itemsize, every=settings.window)
@@ -96,6 +104,41 @@ def validate(
             tmp.cleanup()
     report["live_store"] = None if tmp is not None else str(live_out)
     return report
+
+
+def _check_live_out(store, live_out, force: bool) -> None:
+    """``live_out`` is never the input store, inside it or around it (not even with ``force``),
+    and an existing path is replaced only with ``force``: checked before a model is loaded."""
+    output_path(live_out, "--live-out", inputs=[store])
+    if os.path.lexists(live_out) and not force:
+        raise KvscopeError(f"--live-out {live_out} exists; pass --force to overwrite it or choose another path")
+    check_out(live_out, force, flag="--live-out")
+
+
+def _model_source(store, recorded, override: str | None) -> ModelSource:
+    """The model to re-decode with: ``override`` (``--model``: a hub id may be fetched), else the
+    model the store names, looked up locally only — a store never makes kvscope reach the network.
+    Either must have the weights sha256 the store records, when it records one."""
+    if override is not None:
+        source = resolve(override)
+    else:
+        name = recorded.get("name") if isinstance(recorded, dict) else None
+        if not isinstance(name, str) or not name:
+            raise KvscopeError(f"{store} names no model; pass --model")
+        try:
+            source = resolve(name, allow_hub=False)
+        except KvscopeError as exc:
+            raise KvscopeError(
+                f"{exc} (named by {store}: a store's model is looked up locally only; pass --model to choose one)"
+            ) from None
+    expected = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if expected and source.weights_sha256 != expected:
+        got = source.weights_sha256 or "unknown (no single local weights file)"
+        raise KvscopeError(
+            f"model {source.spec!r} has weights sha256 {got}, but {store} was traced with {expected}: "
+            "pass --model with the same weights"
+        )
+    return source
 
 
 def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:

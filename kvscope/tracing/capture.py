@@ -219,7 +219,7 @@ class AttentionRecorder:
                 f"layer {layer}: {kv_len} keys for a sequence of {ctx.seq_len} slots; "
                 "kvscope traces with a DynamicCache only"
             )
-        if q_len == 1:
+        if q_len == 1 and ctx.seq_len > 1:  # a decode row (a one-token prompt is a prefill: its row fills every slot)
             probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import StoreError
-from ..store import Layout
+from ..schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
 from .writer import Block
@@ -77,8 +77,9 @@ class BatchDecode:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token of every sample from ``logits [B, vocab]``."""
-        if self.settings.temperature > 0:
-            probs = torch.softmax(logits.float() / self.settings.temperature, dim=-1).cpu()
+        if self.settings.temperature > 0:  # shifted first: a tiny temperature must not overflow to inf − inf
+            shifted = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+            probs = torch.softmax(shifted / self.settings.temperature, dim=-1).cpu()
             return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
         return logits.float().argmax(-1).cpu()
 

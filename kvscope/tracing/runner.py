@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +29,12 @@ from .. import __version__, defaults
 from ..errors import KvscopeError, StoreError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
+from ..params import ParamSpec, check_value
 from ..paths import output_path
 from ..prompts import Prompt, as_prompts, check_context, encode, eos_ids
 from ..rope import Rope
-from ..store import SCHEMA_VERSION, Layout, check_store, consolidate, create, read_attrs
+from ..schema import SCHEMA_VERSION, Layout
+from ..store import check_store, consolidate, create, read_attrs
 from .capture import HEAD_MODES, KERNELS, implementation_name, register
 from .decode import decode_all
 from .writer import StoreLock, StoreWriter
@@ -63,6 +65,7 @@ class TraceSettings:
     trust_remote_code: bool = False
 
     def check(self) -> None:
+        self._check_kinds()
         if self.max_new_tokens < 1:
             raise KvscopeError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
         if self.heads not in HEAD_MODES:
@@ -101,6 +104,18 @@ class TraceSettings:
 
             if not self.device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None:
                 raise KvscopeError("--attn flash_attention_2 needs a CUDA device and the flash-attn package")
+
+    def _check_kinds(self) -> None:
+        """Integer settings hold integers, float settings finite numbers (``nan``, ``inf`` refused)."""
+        kinds = {"int": int, "float": float}
+        for f in fields(self):
+            if f.type in kinds:
+                spec = ParamSpec(flag=_FLAGS.get(f.name))
+                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], False, by_flag=True)
+                setattr(self, f.name, value)
+
+
+_FLAGS = {"n_sink": "--sinks"}  # the trace options whose flag is not the field's name
 
 
 def check_cache(settings: TraceSettings, cache) -> None:
@@ -174,8 +189,16 @@ def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache)
     }
 
 
-def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> dict | None:
+def check_out(out: str | Path, force: bool, flag: str = "--out") -> None:
+    """Refuse now, before a model is loaded, an ``out`` where a new trace may not be written
+    (``flag`` names the option in messages)."""
+    _prepare_out(Path(out), {}, resume=False, force=force, flag=flag)
+
+
+def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool, flag: str = "--out") -> dict | None:
     """Decide what to do with ``out``; returns the existing attrs when resuming."""
+    if out.is_symlink():
+        raise KvscopeError(f"{flag} {out} is a symbolic link; kvscope writes a store only at its real path")
     if not out.exists():
         if resume:
             raise KvscopeError(f"--resume: no store at {out}")
@@ -185,7 +208,7 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> di
     if not (out / "zarr.json").is_file():
         if out.is_dir() and not any(out.iterdir()):
             return None
-        raise KvscopeError(f"--out {out} exists and is not a kvscope store; refusing to overwrite it")
+        raise KvscopeError(f"{flag} {out} exists and is not a kvscope store; refusing to overwrite it")
     attrs = read_attrs(out)
     status = attrs.get("status")
     if force:
@@ -200,8 +223,8 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool) -> di
             raise KvscopeError(f"--resume: {out} was traced with different {', '.join(diff)}")
         return attrs
     if status == "complete":
-        raise KvscopeError(f"--out {out} holds a complete trace; pass --force to overwrite it or choose another path")
-    raise KvscopeError(f"--out {out} holds a partial trace; pass --resume to continue it or --force to start over")
+        raise KvscopeError(f"{flag} {out} holds a complete trace; pass --force to overwrite it or choose another path")
+    raise KvscopeError(f"{flag} {out} holds a partial trace; pass --resume to continue it or --force to start over")
 
 
 def trace_loaded(
@@ -237,6 +260,7 @@ def trace_loaded(
     else:
         lock = StoreLock(out).acquire()
         committed, done = list(existing["steps_committed"]), list(existing["samples_done"])
+    writer = None
     try:
         writer = StoreWriter(out, committed, done)
         eos = set(eos_ids(model, tokenizer)) if settings.stop_at_eos else set()
@@ -250,8 +274,22 @@ def trace_loaded(
         _complete(out)
         texts, steps = _texts(out, tokenizer)
         return TraceResult(out, len(encoded), steps, time.perf_counter() - started, writer.bytes_written, texts)
+    except BaseException:
+        if existing is None:
+            _discard_uncommitted(out, writer)
+        raise
     finally:
         lock.release()
+
+
+def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
+    """A new store whose run failed before committing a step is removed, so that a re-run starts
+    afresh; once a step is committed it stays (``partial``) for ``--resume``."""
+    if writer is not None:
+        writer.abandon()  # the blocks already handed over are written first
+        if any(writer.committed):
+            return
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _dynamic_cache(model, layout: Layout):
@@ -361,18 +399,21 @@ def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | 
         old = StoreLock(out).acquire()
         shutil.rmtree(out)
         old.release()
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.creating-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    create(tmp, layout, attrs)
-    _write_static(tmp, layout, encoded, rope)
-    lock = StoreLock(tmp).acquire()
+    lock = StoreLock(tmp)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        create(tmp, layout, attrs)
+        _write_static(tmp, layout, encoded, rope)
+        lock.acquire()
         os.rename(tmp, out)
-    except OSError as exc:
+    except BaseException as exc:
         lock.release()
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StoreError(f"cannot create {out}: {exc.strerror}") from exc
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot create {out}: {exc.strerror or exc}") from exc
+        raise
     lock.path = out
     return lock
 

@@ -6,11 +6,13 @@ the block's chunks are written (each chunk and the group's ``zarr.json`` are rep
 atomically by zarr's LocalStore). A killed run therefore loses at most the block in flight
 and always leaves a store that opens. Metadata is consolidated only when the trace is
 complete. An exclusive ``flock`` on ``STORE/.kvscope-lock`` refuses a second writer; the
-kernel drops it when the writer dies, even on SIGKILL.
+kernel drops it when the writer dies, even on SIGKILL. The lock file is opened with
+``O_NOFOLLOW``: a lock that is a symbolic link is refused, never followed.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import queue
@@ -25,6 +27,20 @@ from ..errors import StoreError
 LOCK_NAME = ".kvscope-lock"
 
 
+def _open_lock(folder: Path, create: bool) -> int:
+    """A descriptor of ``folder/.kvscope-lock`` (read-write and created when ``create``, else
+    read-only), never opened through a symbolic link (a crafted store must not make kvscope
+    truncate or write the file a link points to)."""
+    path = folder / LOCK_NAME
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{path} is a symbolic link; kvscope never locks or writes through a link") from None
+        raise StoreError(f"cannot open the lock file {path}: {exc.strerror}") from None
+
+
 class StoreLock:
     """Exclusive writer lock on a store folder."""
 
@@ -34,7 +50,7 @@ class StoreLock:
 
     def acquire(self) -> StoreLock:
         self.path.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path / LOCK_NAME, "a+")
+        handle = os.fdopen(_open_lock(self.path, create=True), "r+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,10 +68,9 @@ class StoreLock:
     @staticmethod
     def held_by_other(path: Path) -> bool:
         """Another process holds the writer lock of the store at ``path``."""
-        lock = Path(path) / LOCK_NAME
-        if not lock.is_file():
+        if not os.path.lexists(Path(path) / LOCK_NAME):
             return False
-        with open(lock) as handle:
+        with os.fdopen(_open_lock(Path(path), create=False)) as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -110,9 +125,14 @@ class StoreWriter:
         self._raise_if_failed()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self.abandon()
         self._raise_if_failed()
+
+    def abandon(self) -> None:
+        """Stop once the blocks already handed over are written (or failed); raises nothing."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -1,0 +1,120 @@
+"""The trace store's schema (SPEC §3, docs/trace-format.md): every array a store holds, with its
+dims, dtype, shape, chunks and fill value, from the sizes of one store (:class:`Layout`).
+:func:`kvscope.store.create` makes exactly these arrays; :mod:`kvscope.integrity` checks a
+store against them before anything is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of every dim of one store, and how arrays are chunked."""
+
+    n_samples: int
+    n_steps: int  # max_new_tokens
+    n_layers: int
+    n_heads: int  # query heads of the model
+    n_kv_heads: int
+    head_dim: int
+    heads: str  # all | kv | mean
+    resolution: str  # token | window
+    n_pos: int  # T = max prompt length + max_new_tokens
+    obs_window: int
+    n_sink: int
+    window: int
+    block_steps: int
+    record_qkv: bool
+    dtype: str  # float16 | float32
+    rope_freqs: int = 0
+    policy_events: int = 0  # > 0: traced under a live policy cache (tier snapshots)
+
+    @property
+    def head_dim_name(self) -> str:
+        return "kv_head" if self.heads == "kv" else "head"
+
+    @property
+    def n_stored_heads(self) -> int:
+        return {"all": self.n_heads, "kv": self.n_kv_heads, "mean": 1}[self.heads]
+
+    @property
+    def n_windows(self) -> int:
+        return max(0, -(-(self.n_pos - self.n_sink) // self.window))
+
+    @property
+    def pos_block(self) -> int:
+        return 256
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of the schema: what ``create`` makes and what a reader may expect."""
+
+    name: str
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    fill: float | int
+    written: str  # which chunks exist once steps are committed (kvscope.integrity.ChunkRules)
+
+
+def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float("nan")) -> ArraySpec:
+    """An array over ``dims`` whose chunk is the whole dim except where ``chunks`` says."""
+    shape = tuple(sizes[d] for d in dims)
+    return ArraySpec(name, shape, dims, dtype, tuple(max(1, chunks.get(d, sizes[d])) for d in dims), fill, written)
+
+
+def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
+    """``(coordinates, arrays)`` of a store with layout ``L`` (SPEC §3; the module docstring).
+    Rows and prefill arrays are chunked per sample, block of steps and layer; q/k/v per
+    sample, layer and block of positions."""
+    hs, f = L.head_dim_name, L.dtype
+    sizes = {
+        "sample": L.n_samples, "step": L.n_steps, "layer": L.n_layers, "pos": L.n_pos, "obs": L.obs_window,
+        "window": L.n_windows, "sink": L.n_sink, "qpos": L.n_pos, "head": L.n_heads, "kv_head": L.n_kv_heads,
+        "dim": L.head_dim, "rope_freq": L.rope_freqs, "event": L.policy_events,
+        hs: L.n_stored_heads,  # the stored head dim (one "head" for --heads mean)
+    }  # fmt: skip
+    rows = {"sample": 1, "step": L.block_steps, "layer": 1}
+    per_layer = {"sample": 1, "layer": 1}
+    per_sample = {"sample": 1}
+    coords = ["sample", "step", "layer", hs, "pos", "obs"]
+    last = "pos" if L.resolution == "token" else "window"
+    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, rows, "steps")]
+    if L.resolution == "window":
+        coords += ["window", "sink"]
+        arrays.append(_spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, rows, "steps"))
+    arrays += [
+        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, per_layer, "sample"),
+        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, per_layer, "sample"),
+        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, "sample", -1),
+        _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, "static", -1),
+        _spec("prompt_len", ("sample",), "int32", sizes, {}, "static", 0),
+        _spec("n_steps", ("sample",), "int32", sizes, {}, "any", 0),
+        _spec("query_pos", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
+        _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
+    ]
+    if L.record_qkv:
+        coords += ["qpos"] + [d for d in ("head", "kv_head") if d != hs] + ["dim", "rope_freq"]
+        pb = L.pos_block
+        q_chunks, kv_chunks = {"sample": 1, "qpos": pb, "layer": 1}, {"sample": 1, "layer": 1, "pos": pb}
+        arrays += [
+            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, q_chunks, "positions"),
+            _spec("k", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("v", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}, "static"),
+            _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}, "static"),
+        ]
+    if L.policy_events:
+        coords += ["event"] + (["kv_head"] if hs != "kv_head" and not L.record_qkv else [])
+        tiers = ("sample", "event", "layer", "kv_head", "pos")
+        arrays += [
+            _spec("policy_tiers", tiers, "int8", sizes, {"sample": 1, "event": 1}, "events", -1),
+            _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample, "sample"),
+            _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, "sample", -1),
+        ]
+    return [(name, sizes[name]) for name in coords], arrays
