@@ -3,10 +3,13 @@ and a helper that runs the CLI in a subprocess exactly as a user would."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,30 @@ def run_cli(*args, timeout=600, check=False, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"kvscope {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+@dataclass
+class Ran:
+    """What :func:`run_main` saw: the shape of a CompletedProcess."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(*args) -> Ran:
+    """``kvscope ARGS`` through the CLI's own ``main`` in this process: the same code a subprocess
+    runs, without starting Python and torch again (tests that run many commands use it; each of
+    them also runs a few as real subprocesses)."""
+    from kvscope.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own exits
+            code = exc.code if isinstance(exc.code, int) else 1
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc, needle: str) -> None:

@@ -3,10 +3,8 @@ values a trace cannot hold end in one line naming what and where, never in numbe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import zarr
 import kvscope
 from kvscope.errors import StoreError
 
-from .conftest import run_cli
+from .conftest import run_cli, run_main, tree_digest
 from .test_capture import PROMPT
 
 
@@ -31,37 +29,9 @@ def clean(tmp_path_factory, tiny_models) -> Path:
     return out
 
 
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(str(f.relative_to(path)).encode() + f.read_bytes())
-    return h.hexdigest()
-
-
 def copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def cli(*args) -> Ran:
-    """``kvscope ARGS`` in this process (the CLI's own ``main``: quicker than a subprocess for the
-    many commands of the damage matrix; the corpus runs every bad input as a real subprocess)."""
-    import contextlib
-    import io
-
-    from kvscope.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def one_line(proc, *needles):
@@ -109,7 +79,9 @@ ALL = {"fmm", "peaks", "replay"}
         ("fifty", ["attn chunk (0, 0, 0, 0, 0): probabilities outside [0, 1]"], ALL),
     ],
 )
-def test_damage_is_named_by_verify_and_refused_by_every_reader(tmp_path, clean, clean_outputs, damage, needles, readers):
+def test_damage_is_named_by_verify_and_refused_by_every_reader(
+    tmp_path, clean, clean_outputs, damage, needles, readers
+):
     """verify names the chunk; every other command either refuses in one line or, when it never
     reads the damaged chunk, prints exactly the numbers of the undamaged store."""
     store = copy(clean, tmp_path / f"{damage}.zarr")
@@ -132,17 +104,17 @@ def test_damage_is_named_by_verify_and_refused_by_every_reader(tmp_path, clean, 
         rewrite(store, "attn", (1, 0, 1, 0, 0), lambda x: x.__setitem__((0, 2, 0, 1, 0), -0.25))
     else:
         rewrite(store, "attn", (0, 0, 0, 0, 0), lambda x: np.multiply(x, 50, out=x))
-    before = digest(store)
-    report = cli("verify", store)
+    before = tree_digest(store)
+    report = run_main("verify", store)
     assert report.returncode == 2 and all(n in report.stdout for n in needles), report.stdout
-    one_line(cli("info", store))
+    one_line(run_main("info", store))
     for args, clean_doc in clean_outputs.items():
-        proc = cli(*[store if a == "STORE" else a for a in args])
+        proc = run_main(*[store if a == "STORE" else a for a in args])
         if {args[0], args[1]} & readers:  # the command reads the damaged chunk: one line
             one_line(proc)
         else:  # it never reads it: the very same numbers as the undamaged store
             assert proc.returncode == 0 and comparable(json.loads(proc.stdout)) == clean_doc, args
-    assert digest(store) == before  # nothing a command does changes its input
+    assert tree_digest(store) == before  # nothing a command does changes its input
 
 
 COMMANDS = (
@@ -159,7 +131,10 @@ def comparable(doc: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def clean_outputs(clean) -> dict:
-    return {args: comparable(json.loads(cli(*[clean if a == "STORE" else a for a in args]).stdout)) for args in COMMANDS}
+    return {
+        args: comparable(json.loads(run_main(*[clean if a == "STORE" else a for a in args]).stdout))
+        for args in COMMANDS
+    }
 
 
 @pytest.mark.parametrize(
@@ -181,7 +156,7 @@ def test_metadata_a_trace_cannot_have_is_refused_on_open(tmp_path, clean, edit, 
     with pytest.raises(StoreError) as err:
         kvscope.open_trace(store)
     assert needle in str(err.value)
-    one_line(cli("analyze", "churn", store), needle)
+    one_line(run_main("analyze", "churn", store), needle)
 
 
 @pytest.mark.parametrize(
@@ -202,8 +177,8 @@ def test_attributes_a_trace_cannot_have_are_refused_on_open(tmp_path, clean, edi
     doc = json.loads((store / "zarr.json").read_text())
     edit(doc["attributes"])
     (store / "zarr.json").write_text(json.dumps(doc))
-    one_line(cli("analyze", "fmm", store), needle)
-    report = cli("verify", store)
+    one_line(run_main("analyze", "fmm", store), needle)
+    report = run_main("verify", store)
     assert report.returncode == 2 and needle in report.stdout
 
 
@@ -247,4 +222,3 @@ def test_readers_see_only_committed_steps(tmp_path, clean):
     one_line(run_cli("analyze", "peaks", store), "no committed decode steps")
     one_line(run_cli("replay", store, "--policies", "h2o", "--budgets", "0.5"), "no committed decode steps")
     assert run_cli("info", store, "--quick", "--json", check=True).returncode == 0  # it still describes it
-
