@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from . import defaults
-from .errors import KvscopeError
+from .errors import KvscopeError, first_line
 from .models import DEFAULT_MODEL
 from .report import print_table
 
@@ -775,19 +775,19 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
         if _in_codec(exc):  # CRC-valid bytes that still do not decode: a damaged chunk
-            return _one_line(KvscopeError(f"a chunk could not be decoded ({_first_line(exc)}); run kvscope verify"))
-        print(f"kvscope: internal error: {_first_line(exc)} (KVSCOPE_DEBUG=1 shows the traceback)", file=sys.stderr)
+            return _one_line(
+                KvscopeError(f"a chunk could not be decoded ({first_line(exc, named=True)}); run kvscope verify")
+            )
+        print(
+            f"kvscope: internal error: {first_line(exc, named=True)} (KVSCOPE_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 
 def _one_line(exc: Exception) -> int:
     print(f"kvscope: error: {' '.join(str(exc).split())}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def _in_codec(exc: BaseException) -> bool:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from .errors import StoreError
+from .errors import StoreError, first_line
 from .schema import Layout, schema
 
 CRC_BYTES = 4
@@ -134,28 +134,77 @@ def _same_fill(a, b) -> bool:
     return a == b
 
 
-def check_array(path, name: str, meta: dict, shape, dims, dtype: str, chunks=None, fill=None, crc: bool = True) -> None:
-    """One array's metadata against what the schema says (one line naming the difference)."""
+def check_array(
+    path, name: str, meta: dict, shape, dims, dtype: str, chunks=None, fill=None, *, transpose=None, crc: bool = True
+) -> None:
+    """One array's metadata against what the schema says (one line naming the difference):
+    its dims, shape, dtype, chunks and fill value, then how its chunks are encoded."""
 
     def differs(what: str, got, want) -> StoreError:
         return StoreError(f"{path}: array {name} has {what} {got}, the schema says {want}")
 
-    if list(meta.get("dimension_names") or []) != list(dims):
+    if meta.get("dimension_names") != list(dims):
         raise differs("dims", meta.get("dimension_names"), list(dims))
-    if list(meta.get("shape") or []) != list(shape):
+    if meta.get("shape") != list(shape):
         raise differs("shape", meta.get("shape"), list(shape))
     if meta.get("data_type") != dtype:
         raise differs("dtype", meta.get("data_type"), dtype)
-    grid = (meta.get("chunk_grid") or {}).get("configuration", {}).get("chunk_shape")
-    if chunks is not None and list(grid or []) != list(chunks):
-        raise differs("chunks", grid, list(chunks))
+    grid = meta.get("chunk_grid")
+    grid_shape = _config(grid).get("chunk_shape")
+    regular = isinstance(grid, dict) and grid.get("name") == "regular"
+    if not (regular and isinstance(grid_shape, list) and len(grid_shape) == len(shape)
+            and all(_is_int(n, 1) for n in grid_shape)):  # fmt: skip
+        raise differs("chunk grid", grid, "regular")
+    if chunks is not None and grid_shape != list(chunks):
+        raise differs("chunks", grid_shape, list(chunks))
     if fill is not None and not _same_fill(meta.get("fill_value"), fill):
         raise differs("fill value", meta.get("fill_value"), fill)
-    codecs = [c.get("name") for c in meta.get("codecs") or [] if isinstance(c, dict)]
-    if crc and (not codecs or codecs[-1] != "crc32c"):
-        raise StoreError(f"{path}: array {name} carries no CRC32C checksum (codecs {codecs})")
-    if meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") != "/":
-        raise StoreError(f"{path}: array {name} uses a chunk key separator other than /")
+    check_encoding(path, name, meta, transpose, crc)
+
+
+CODECS = ["bytes", "blosc", "crc32c"]  # kvscope.store.compressors() after the bytes serializer
+
+
+def check_encoding(path, name: str, meta: dict, transpose, crc: bool) -> None:
+    """How the chunks of one array decode: the codec pipeline kvscope writes (an optional
+    transpose, little-endian bytes, blosc, CRC32C last) and nothing else that changes what a
+    chunk decodes to — then zarr's own parse of the whole document. Blosc's settings are not
+    compared: a blosc frame carries its own."""
+    codecs = meta.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
+        raise StoreError(f"{path}: array {name} has codecs {codecs!r}, not a list of codecs")
+    names = [c.get("name") for c in codecs]
+    want = (["transpose"] if transpose else []) + (CODECS if crc else ["bytes"])
+    if crc and names[-1:] != ["crc32c"]:
+        raise StoreError(f"{path}: array {name} carries no CRC32C checksum (codecs {names})")
+    if names != want:
+        raise StoreError(f"{path}: array {name} has codecs {names}, the schema says {want}")
+    if transpose and _config(codecs[0]).get("order") != list(transpose):
+        raise StoreError(f"{path}: array {name} has a transpose codec other than the schema's {list(transpose)}")
+    endian = _config(codecs[names.index("bytes")]).get("endian", "little")
+    if endian != "little":
+        raise StoreError(f"{path}: array {name} has codec bytes with endian {endian!r}, the schema says 'little'")
+    encoding = meta.get("chunk_key_encoding")
+    if encoding != {"name": "default", "configuration": {"separator": "/"}}:
+        raise StoreError(f"{path}: array {name} has chunk key encoding {encoding}, the schema says default with /")
+    if meta.get("storage_transformers") not in (None, []) or meta.get("attributes") not in (None, {}):
+        raise StoreError(f"{path}: array {name} has storage transformers or attributes a trace never holds")
+    _zarr_parses(path, name, meta)
+
+
+def _config(part) -> dict:
+    """The ``configuration`` object of a metadata part (a codec, the chunk grid), or {}."""
+    config = part.get("configuration") if isinstance(part, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def _zarr_parses(path, name: str, meta: dict) -> None:
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+
+    try:
+        ArrayV3Metadata.from_dict(dict(meta))
+    except Exception as exc:  # noqa: BLE001 - whatever zarr refuses, one line
+        raise StoreError(f"{path}: array {name} has metadata zarr cannot read ({first_line(exc)})") from None
 
 
 def expected_layout(path, attrs: dict, metas: dict):
@@ -164,11 +213,12 @@ def expected_layout(path, attrs: dict, metas: dict):
     for name in ("attn", "tokens"):
         if name not in metas:
             raise StoreError(f"{path} is missing arrays: {name}")
-    attn, tokens = metas["attn"].get("shape") or [], metas["tokens"].get("shape") or []
-    if len(attn) != 5 or len(tokens) != 2 or not all(_is_int(n, 1) for n in (*attn, *tokens)):
-        raise StoreError(f"{path}: arrays attn {attn} and tokens {tokens} do not have the shape of a trace")
+    attn, tokens = _shape(metas["attn"]), _shape(metas["tokens"])
+    if len(attn) != 5 or len(tokens) != 2:
+        shapes = metas["attn"].get("shape"), metas["tokens"].get("shape")
+        raise StoreError(f"{path}: arrays attn {shapes[0]} and tokens {shapes[1]} do not have the shape of a trace")
     config = attrs["model"]["config"]
-    rope = metas.get("rope_inv_freq", {}).get("shape") or [0, 0]
+    rope = _shape(metas.get("rope_inv_freq", {})) or [0, 0]
     policy = attrs.get("policy")
     return Layout(
         n_samples=len(attrs["steps_committed"]), n_steps=attn[1], n_layers=config["n_layers"],
@@ -178,6 +228,12 @@ def expected_layout(path, attrs: dict, metas: dict):
         dtype=attrs["dtype"], rope_freqs=int(rope[1]) if attrs["record_qkv"] and len(rope) == 2 else 0,
         policy_events=len(range(0, attn[1], policy["every"])) if policy else 0,
     )  # fmt: skip
+
+
+def _shape(meta: dict) -> list[int]:
+    """An array's shape if it is a list of positive integers, else []."""
+    shape = meta.get("shape")
+    return shape if isinstance(shape, list) and all(_is_int(n, 1) for n in shape) else []
 
 
 def check_schema(path, attrs: dict, metas: dict):
@@ -194,7 +250,7 @@ def check_schema(path, attrs: dict, metas: dict):
     for name, n in coords:
         check_array(path, name, metas[name], (n,), (name,), "int32", crc=False)
     for a in arrays:
-        check_array(path, a.name, metas[a.name], a.shape, a.dims, a.dtype, a.chunks, a.fill)
+        check_array(path, a.name, metas[a.name], a.shape, a.dims, a.dtype, a.chunks, a.fill, transpose=a.transpose)
     return layout, arrays
 
 
@@ -211,7 +267,7 @@ def check_small_arrays(path, attrs: dict, layout, arrays):
     committed = np.asarray(attrs["steps_committed"], dtype=np.int64)  # [sample]
     rules = ChunkRules.of(arrays, committed, attrs)
     store = TraceStore(path, rules=rules)
-    group = zarr.open_group(store=store, mode="r", zarr_format=3)
+    group = zarr.open_group(store=store, mode="r", zarr_format=3, use_consolidated=False)
     for name, n in _coordinates(layout):
         if not np.array_equal(group[name][...], np.arange(n)):
             raise StoreError(f"{path}: coordinate array {name} does not hold 0..{n - 1}")
@@ -281,7 +337,7 @@ class ChunkRules:
     crc: frozenset  # arrays whose chunks end with a CRC32C
 
     @classmethod
-    def of(cls, arrays, committed, attrs: dict) -> "ChunkRules":
+    def of(cls, arrays, committed, attrs: dict) -> ChunkRules:
         """The rules of the schema's ``arrays`` (every one of them carries a CRC32C)."""
         return cls(
             {a.name: a.written for a in arrays},
@@ -293,7 +349,7 @@ class ChunkRules:
             frozenset(a.name for a in arrays),
         )
 
-    def with_prompt_len(self, prompt_len) -> "ChunkRules":
+    def with_prompt_len(self, prompt_len) -> ChunkRules:
         from dataclasses import replace
 
         return replace(self, prompt_len=tuple(int(p) for p in prompt_len))

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KvscopeError
+from .errors import KvscopeError, first_line
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
@@ -215,7 +215,7 @@ def _from_hub(spec: str) -> ModelSource:
     try:
         cached = try_to_load_from_cache(spec, "config.json")
     except ValueError as exc:  # HFValidationError
-        raise KvscopeError(f"{not_local}, nor a valid hub id: {_first_line(exc)}") from None
+        raise KvscopeError(f"{not_local}, nor a valid hub id: {first_line(exc)}") from None
     if isinstance(cached, str):
         return ModelSource(spec, "hub", spec, spec, None, read_config(Path(cached)))
     if constants.is_offline_mode():
@@ -234,15 +234,10 @@ def _fetch_config(spec: str, not_local: str) -> Path:
         get_hf_file_metadata(hf_hub_url(spec, "config.json"), timeout=timeout)  # raises at once, no retries
         return Path(hf_hub_download(spec, "config.json", etag_timeout=timeout))
     except HfHubHTTPError as exc:
-        raise KvscopeError(f"{not_local}, and the hub answered: {_first_line(exc)}") from None
+        raise KvscopeError(f"{not_local}, and the hub answered: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - the hub client's transport errors (httpx's, by version)
-        reason = _first_line(exc) or type(exc).__name__
+        reason = first_line(exc)
         raise KvscopeError(f"{not_local}, and the hub ({constants.ENDPOINT}) cannot be reached: {reason}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def check_code(source: ModelSource, trust_remote_code: bool) -> None:
@@ -292,7 +287,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             _gguf_to_folder(gguf, tmp)
             os.replace(tmp, folder)
         except (ValueError, KeyError, IndexError, EOFError, struct.error) as exc:  # a damaged or unsupported file
-            raise KvscopeError(f"cannot read GGUF file {gguf}: {_first_line(exc) or type(exc).__name__}") from None
+            raise KvscopeError(f"cannot read GGUF file {gguf}: {first_line(exc) or type(exc).__name__}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -61,6 +61,15 @@ class ArraySpec:
     fill: float | int
     written: str  # which chunks exist once steps are committed (kvscope.integrity.ChunkRules)
 
+    @property
+    def transpose(self) -> tuple[int, ...] | None:
+        """The order of the transpose codec that lays each chunk out with ``step`` fastest
+        (arrays of rows: the same key's value at consecutive steps side by side, which
+        bit-shuffle compresses better); None for arrays stored as they are."""
+        if "step" not in self.dims or len(self.dims) <= 2:
+            return None
+        return (*(i for i, d in enumerate(self.dims) if d != "step"), self.dims.index("step"))
+
 
 def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float("nan")) -> ArraySpec:
     """An array over ``dims`` whose chunk is the whole dim except where ``chunks`` says."""

@@ -193,11 +193,31 @@ def verify(path, deep: bool = False, deep_rows: int = 64) -> Report:
         report.add("store", "-", str(exc))
         return report
     ctx = Context(checked, attrs["n_sink"], attrs["w"])
+    _consolidated(report, Path(path))
     _chunks(report, ctx)
     if deep and report.ok:
         _deep(report, checked, deep_rows)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _consolidated(report: Report, path: Path) -> None:
+    """The consolidated copy of the metadata (a complete store's ``zarr.json``) equals each
+    array's own: kvscope reads the arrays' own, other readers (xarray's default) the copy."""
+    import json
+
+    from .integrity import read_metas
+
+    copy = json.loads((path / "zarr.json").read_text()).get("consolidated_metadata")
+    if copy is None:
+        return
+    entries = copy.get("metadata") if isinstance(copy, dict) else None
+    if not isinstance(entries, dict):
+        report.add("zarr.json", "-", "consolidated metadata is not an object of array metadata")
+        return
+    for name, meta in read_metas(path).items():
+        if entries.get(name) != meta:
+            report.add("zarr.json", "-", f"consolidated metadata of {name} differs from {name}/zarr.json")
 
 
 def _required_blocks(rules, spec):
@@ -238,7 +258,7 @@ def _chunks(report: Report, ctx: Context) -> None:
     import zarr
 
     checked = ctx.checked
-    group = zarr.open_group(store=checked.store, mode="r", zarr_format=3)
+    group = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
     for spec in schema(checked.layout)[1]:
         if spec.name in ON_OPEN or spec.name == "attn_sink":  # attn_sink: with attn
             continue
@@ -356,7 +376,7 @@ def verify_result(path) -> Report:
     started = time.perf_counter()
     report = Report(str(path), "replay result")
     try:
-        group = zarr.open_group(str(path), mode="r", zarr_format=3)
+        group = zarr.open_group(str(path), mode="r", zarr_format=3, use_consolidated=False)
         names = {name for name, _ in group.arrays()}
     except Exception as exc:  # noqa: BLE001 - unreadable metadata
         report.add("store", "-", f"{path} cannot be opened as a replay result ({type(exc).__name__})")
