@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope import analysis as A
-from kvscope.analysis.churn import ChurnStream, churn_kernel
+from kvscope.analysis.churn import churn_kernel
 from kvscope.analysis.concentration import concentration_kernel
 from kvscope.analysis.fmm import fmm_kernel, tier_fractions
 from kvscope.analysis.lir import LirStream, lir_kernel, transition_counts
@@ -184,41 +184,6 @@ def test_lir_reactivated_never_exceeds_eligible(n_events, n_units, m, seed):
     for h in (None, 1, 3):
         e, r = lir_kernel(sel, np.array(n_events), m=m, h_lir=h)
         assert 0 <= r <= e
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    n_events=st.integers(1, 14),
-    n_units=st.integers(1, 6),
-    m=st.integers(1, 4),
-    h_lir=st.one_of(st.none(), st.integers(1, 5)),
-    delta=st.integers(1, 3),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_streaming_lir_transitions_and_churn_equal_the_kernels(n_events, n_units, m, h_lir, delta, seed):
-    """Replay's one-event-at-a-time forms against the kernels on the whole matrix, with events
-    past ``n_valid`` (censoring and ignored events) on random selections."""
-    rng = np.random.default_rng(seed)
-    sel = rng.choice(np.array([-1, 0, 1], dtype=np.int8), p=[0.15, 0.45, 0.4], size=(3, 2, n_events, n_units))
-    n_valid = rng.integers(0, n_events + 1, size=(3, 2))  # [a, b]
-    lir, churn = LirStream((3, 2, n_units), n_valid, m, h_lir, delta), ChurnStream(n_valid, earlier_only=True)
-    churned = [churn.push(sel[..., 0, :])]
-    for e in range(n_events):
-        lir.push(sel[..., e, :])
-        if e:
-            churned.append(churn.push(sel[..., e, :]))
-    eligible, reactivated, transitions = lir.counts()
-    want_e, want_r = lir_kernel(sel, n_valid, m, h_lir)
-    np.testing.assert_array_equal(eligible, want_e)
-    np.testing.assert_array_equal(reactivated, want_r)
-    if n_events > delta:
-        np.testing.assert_array_equal(transitions, transition_counts(sel, n_valid, delta))
-    else:
-        assert not transitions.any()
-    assert churned[0] is None
-    got = np.stack(churned[1:], -1) if n_events > 1 else np.zeros((3, 2, 0))  # [a, b, event−1]
-    np.testing.assert_array_equal(got, churn_kernel(sel, n_valid, earlier_only=True))
-    assert lir.counts()[0].tolist() == eligible.tolist()  # counts() closes open episodes without consuming them
 
 
 def test_streaming_lir_hand_sequence():
