@@ -7,3 +7,9 @@ class KvscopeError(Exception):
 
 class StoreError(KvscopeError):
     """A trace store that cannot be opened or written as asked."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for one-line errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
