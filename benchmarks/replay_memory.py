@@ -62,7 +62,7 @@ def measure(tiny: Path, store: Path, policies: list[str], budgets: str) -> dict:
     """One configuration in a fresh process (its own high-water mark)."""
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(tiny), str(store), ",".join(policies), budgets],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True, text=True, cwd=ROOT, check=False,
     )  # fmt: skip
     if proc.returncode:
         raise SystemExit(f"replay of {store.name} with {policies} failed:\n{proc.stderr}")
@@ -81,7 +81,7 @@ def main() -> None:
     from kvscope.synthetic import write_synthetic_store
 
     P, S = args.prompt_tokens, args.steps
-    shape = dict(n_samples=1, n_layers=args.layers, n_kv=args.kv_heads)
+    shape = {"n_samples": 1, "n_layers": args.layers, "n_kv": args.kv_heads}
     configs = {"one state": ([ONE_STATE[0]], ONE_STATE[1]), "grid 8 × 3": (POLICIES, BUDGETS)}
     workdir = Path(tempfile.mkdtemp(prefix="kvscope-replay-memory-"))
     rows = []
@@ -105,13 +105,16 @@ def main() -> None:
 def table(report: dict) -> str:
     S, S8 = report["steps"]
     mib = 1024
-    lines = [
+    title = (
         f"replay memory · synthetic trace, P = {report['prompt_tokens']} + S decode steps, {report['layers']} layers × "
         f"{report['kv_heads']} kv heads, no q/k/v · CPU, {report['cores']} cores · final length ×"
-        f"{report['final_length_ratio']:.2f} from S = {S} to {S8}",
+        f"{report['final_length_ratio']:.2f} from S = {S} to {S8}"
+    )
+    head = (
         f"{'configuration':<12} {'peak S':>9} {'peak 8S':>9} {'ratio':>6}   {'added S':>9} {'added 8S':>9} {'ratio':>6}"
-        f"   {'time S':>7} {'time 8S':>7}",
-    ]
+        f"   {'time S':>7} {'time 8S':>7}"
+    )
+    lines = [title, head]
     for r in report["rows"]:
         a, b = r["short"], r["long"]
         added_a, added_b = a["peak_kib"] - a["base_kib"], b["peak_kib"] - b["base_kib"]
