@@ -225,6 +225,7 @@ def test_cli_bad_input(tmp_path, qkv_trace):
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     out = tmp_path / "exists.zarr"
     out.mkdir()
+    (tmp_path / "a-file").write_text("not a folder")
     cases = [
         (("replay", qkv_trace, "--policies", "nope", "--budgets", "0.3"), "unknown policy"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0"), "(0, 1]"),
@@ -234,6 +235,10 @@ def test_cli_bad_input(tmp_path, qkv_trace):
         (("replay", plain, "--policies", "h2o", "--budgets", "0.3", "--observe", "exact"), "q/k/v"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--observe", "sideways"), "observe"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--out", out), "exists"),
+        (
+            ("replay", plain, "--policies", "h2o", "--budgets", "0.3", "--out", tmp_path / "a-file" / "r.zarr"),
+            "cannot write",
+        ),
         (("replay", tmp_path / "missing.zarr", "--policies", "h2o", "--budgets", "0.3"), "missing.zarr"),
         (("compare", plain), "not a kvscope replay result"),
         (("analyze", "fmm", qkv_trace, "--policy", "h2o"), "go together"),
@@ -323,7 +328,6 @@ def _finish_while_another_writer_takes(target, theirs: str) -> None:
     """Write a partial store while another writer puts ``theirs`` at ``target`` first."""
     with written_in_place(target) as partial:
         assert partial.parent == target.parent and partial.name.startswith(f".{target.name}.partial-")
-        partial.mkdir()
         (partial / "x").write_text("mine")
         if theirs == "file":
             target.write_text("theirs")

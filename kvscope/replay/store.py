@@ -53,8 +53,11 @@ def written_in_place(path):
     non-empty directory by itself; only an empty directory made in between could be replaced)."""
     path = Path(path)
     refuse_existing(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        raise KvscopeError(f"cannot write {path}: {exc.strerror}") from exc
     try:
         yield partial
         refuse_existing(path)
