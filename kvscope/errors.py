@@ -9,7 +9,10 @@ class StoreError(KvscopeError):
     """A trace store that cannot be opened or written as asked."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type when it has none), for one-line errors."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def first_line(exc: BaseException, *, named: bool = False) -> str:
+    """The first line of an exception's message (at most 200 characters), for a one-line error;
+    ``named`` puts the exception's type before it. An empty message gives the type's name."""
+    text = str(exc).strip().splitlines()
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text[0][:200]}" if named else text[0][:200]
