@@ -639,8 +639,8 @@ def _cmd_replay(args) -> int:
     from .paths import figure_path, output_path
     from .plots import plot_compare
     from .policies import parse
-    from .replay import replay, save_result
-    from .store import open_trace
+    from .replay import replay
+    from .replay.store import refuse_existing
 
     policies = [parse(x) for x in args.policies.split(",") if x.strip()]
     if not policies:
@@ -648,21 +648,16 @@ def _cmd_replay(args) -> int:
     budgets = _budgets(args.budgets)
     if args.out:
         output_path(args.out, "--out", inputs=[args.store])
-        if os.path.lexists(args.out):
-            raise KvscopeError(f"{args.out} exists; choose another --out (results are never overwritten)")
+        refuse_existing(args.out)  # before the trace is read; replay checks again when it renames
     if args.plot:
         figure_path(args.plot)
-    ds = open_trace(args.store)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
     bar, task = _progress(f"replay {len(policies)}×{len(budgets)}", quiet, "steps")
     with bar:
         result = replay(
-            ds, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            args.store, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
+            progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
-    result.attrs["trace"] = str(args.store)
-    if args.out:
-        save_result(result, args.out)
     if args.plot:
         _save_figure(plot_compare(result), args.plot)
     return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}")

@@ -321,7 +321,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
             source.load_path, trust_remote_code=trust_remote_code, local_files_only=source.kind != "hub"
         )
     except OSError as exc:
-        raise KvscopeError(f"cannot load the tokenizer of {source.load_path}: {str(exc).splitlines()[0]}") from exc
+        raise KvscopeError(f"cannot load the tokenizer of {source.load_path}: {first_line(exc)}") from exc
 
 
 def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False):
@@ -347,6 +347,5 @@ def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_re
             **offline,
         )
     except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvscopeError(f"cannot load model {source.spec!r}: {first}") from exc
+        raise KvscopeError(f"cannot load model {source.spec!r}: {first_line(exc)}") from exc
     return model.to(device).eval(), tokenizer

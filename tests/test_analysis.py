@@ -15,7 +15,7 @@ from kvscope import analysis as A
 from kvscope.analysis.churn import churn_kernel
 from kvscope.analysis.concentration import concentration_kernel
 from kvscope.analysis.fmm import fmm_kernel, tier_fractions
-from kvscope.analysis.lir import lir_kernel, transition_counts
+from kvscope.analysis.lir import LirStream, lir_kernel, transition_counts
 from kvscope.analysis.peaks import fit
 from kvscope.errors import KvscopeError
 from kvscope.synthetic import dataset_from_rows
@@ -184,6 +184,17 @@ def test_lir_reactivated_never_exceeds_eligible(n_events, n_units, m, seed):
     for h in (None, 1, 3):
         e, r = lir_kernel(sel, np.array(n_events), m=m, h_lir=h)
         assert 0 <= r <= e
+
+
+def test_streaming_lir_hand_sequence():
+    seq = np.array([1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0], dtype=np.int8)
+    for h, want in ((3, (1, 1)), (1, (2, 1)), (None, (2, 1))):  # the hand matrix above, one event at a time
+        stream = LirStream((1,), len(seq), 4, h, 1)
+        for v in seq:
+            stream.push(np.array([v], dtype=np.int8))
+        eligible, reactivated, transitions = stream.counts()
+        assert (int(eligible), int(reactivated)) == want
+        assert transitions.tolist() == [9, 1, 2, 2]  # lag-1 pairs: 0→0 ×8, 0→1 ×1, 1→0 ×2
 
 
 def test_lir_end_to_end_on_dataset():

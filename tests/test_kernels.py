@@ -1,6 +1,7 @@
 """The compiled kernels against plain-Python references written here, on hand cases and
 random inputs: one-pass row statistics (windows, peaks, coverage), the top-ρ selection,
-LIR episodes and cumulative sums."""
+LIR episodes and cumulative sums; the streaming forms of LIR, transitions and churn against
+the kernels."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvscope.analysis.churn import ChurnStream, churn_kernel
 from kvscope.analysis.common import top_fraction_selection
 from kvscope.analysis.fmm import fmm_kernel
 from kvscope.analysis.kernels import block_stats, cumulative, fmm_curve, peak_width
-from kvscope.analysis.lir import lir_kernel
+from kvscope.analysis.lir import LirStream, lir_kernel, transition_counts
 from kvscope.analysis.mass import window_masses
 from kvscope.windows import window_sums
 
@@ -174,14 +176,17 @@ def test_top_fraction_selection_equals_its_definition(n_heads, n_events, n_units
             np.testing.assert_array_equal(got[h, e], want)
 
 
+LIR_CASES = {  # selection matrices [event, unit] and the LIR parameters
+    "n_events": st.integers(1, 14),
+    "n_units": st.integers(1, 5),
+    "m": st.integers(1, 4),
+    "h_lir": st.one_of(st.none(), st.integers(1, 5)),
+    "seed": st.integers(0, 10_000),
+}
+
+
 @settings(max_examples=80, deadline=None)
-@given(
-    n_events=st.integers(1, 14),
-    n_units=st.integers(1, 5),
-    m=st.integers(1, 4),
-    h_lir=st.one_of(st.none(), st.integers(1, 5)),
-    seed=st.integers(0, 10_000),
-)
+@given(**LIR_CASES)
 def test_lir_kernel_equals_the_episode_walk(n_events, n_units, m, h_lir, seed):
     rng = np.random.default_rng(seed)
     sel = rng.choice(np.array([-1, 0, 1], dtype=np.int8), p=[0.1, 0.5, 0.4], size=(2, n_events, n_units))
@@ -190,6 +195,34 @@ def test_lir_kernel_equals_the_episode_walk(n_events, n_units, m, h_lir, seed):
     for a in range(2):
         ref = [reference_lir(list(sel[a, :, u]), int(n_valid[a]), m, h_lir) for u in range(n_units)]
         assert (elig[a], react[a]) == tuple(map(sum, zip(*ref)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(**LIR_CASES, delta=st.integers(1, 3))
+def test_streaming_lir_transitions_and_churn_equal_the_kernels(n_events, n_units, m, h_lir, delta, seed):
+    """Replay's one-event-at-a-time forms against the kernels on the whole matrix, with events
+    past ``n_valid`` (censoring and ignored events) on random selections."""
+    rng = np.random.default_rng(seed)
+    sel = rng.choice(np.array([-1, 0, 1], dtype=np.int8), p=[0.15, 0.45, 0.4], size=(3, 2, n_events, n_units))
+    n_valid = rng.integers(0, n_events + 1, size=(3, 2))  # [a, b]
+    lir, churn = LirStream((3, 2, n_units), n_valid, m, h_lir, delta), ChurnStream(n_valid, earlier_only=True)
+    churned = [churn.push(sel[..., 0, :])]
+    for e in range(n_events):
+        lir.push(sel[..., e, :])
+        if e:
+            churned.append(churn.push(sel[..., e, :]))
+    eligible, reactivated, transitions = lir.counts()
+    want_e, want_r = lir_kernel(sel, n_valid, m, h_lir)
+    np.testing.assert_array_equal(eligible, want_e)
+    np.testing.assert_array_equal(reactivated, want_r)
+    if n_events > delta:
+        np.testing.assert_array_equal(transitions, transition_counts(sel, n_valid, delta))
+    else:
+        assert not transitions.any()
+    assert churned[0] is None
+    got = np.stack(churned[1:], -1) if n_events > 1 else np.zeros((3, 2, 0))  # [a, b, event−1]
+    np.testing.assert_array_equal(got, churn_kernel(sel, n_valid, earlier_only=True))
+    assert lir.counts()[0].tolist() == eligible.tolist()  # counts() closes open episodes without consuming them
 
 
 def test_cumulative_has_the_bits_of_numpy_cumsum():

@@ -4,18 +4,30 @@ direction), the analyses take replayed tiers, and the CLI works end to end."""
 
 from __future__ import annotations
 
+import gc
 import json
+import subprocess
+import sys
+import tempfile
 
+import dask.array as da
 import numpy as np
 import pytest
+import xarray as xr
 
 import kvscope
 from kvscope import analysis
+from kvscope.analysis.churn import churn_kernel, valid_events
+from kvscope.analysis.common import selection_codes
+from kvscope.analysis.lir import lir_kernel, transition_counts
+from kvscope.errors import KvscopeError
 from kvscope.policies import CacheState, Ledger, make
-from kvscope.replay import effective_kv, tiers_for
+from kvscope.replay import effective_kv, open_result, tiers_for
 from kvscope.replay.output_error import against_full, reference
+from kvscope.replay.store import rename_into_place, written_in_place
+from kvscope.synthetic import write_synthetic_store
 
-from .conftest import run_cli
+from .conftest import ROOT, run_cli
 
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 BUDGETS = [0.3, 0.6]
@@ -153,6 +165,24 @@ def test_analyses_take_replayed_tiers(qkv_trace, result):
     assert 0 <= float(churn["mean"]) <= 1
 
 
+def test_streamed_churn_and_lir_equal_the_kernels_on_the_stored_tiers(qkv_trace, result):
+    """Replay keeps churn and LIR incrementally; on the whole tiers it streamed out, the kernels agree."""
+    ds = kvscope.open_trace(qkv_trace)
+    for policy, budget in (("h2o", 0.3), ("qevict", 0.6), ("oracle", 0.3)):
+        mine = result.sel(policy=policy, budget=budget)
+        fp = selection_codes(mine["tiers"].values, accessible=False, n_sink=ds.kvscope.n_sink)
+        sel = np.moveaxis(fp, 1, -2)  # [sample, layer, kv_head, event, pos]
+        n_valid = valid_events(result["event_step"].values, ds["n_steps"].values)[:, None, None]  # [sample, 1, 1]
+        churn = np.moveaxis(churn_kernel(sel, n_valid, earlier_only=True), -1, 1)  # [sample, event−1, layer, kv_head]
+        np.testing.assert_array_equal(churn, mine["churn"].values)
+        eligible, reactivated = lir_kernel(sel, n_valid, 4, 8)
+        np.testing.assert_array_equal(eligible, mine["lir_eligible"].values)
+        np.testing.assert_array_equal(reactivated, mine["lir_reactivated"].values)
+        t = transition_counts(sel, n_valid, 1).sum((0, 1, 2))  # (n0, n01, n1, n10)
+        assert float(mine["p01"]) == t[1] / t[0] and float(mine["p10"]) == t[3] / t[2]
+        assert 0 < float(mine["churn_mean"]) < 1
+
+
 def test_effective_kv_of_an_evicting_policy_drops_keys(qkv_trace, result):
     ds = kvscope.open_trace(qkv_trace)
     P, S = int(ds["prompt_len"].values[0]), int(ds["n_steps"].values[0])
@@ -195,6 +225,7 @@ def test_cli_bad_input(tmp_path, qkv_trace):
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     out = tmp_path / "exists.zarr"
     out.mkdir()
+    (tmp_path / "a-file").write_text("not a folder")
     cases = [
         (("replay", qkv_trace, "--policies", "nope", "--budgets", "0.3"), "unknown policy"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0"), "(0, 1]"),
@@ -204,6 +235,10 @@ def test_cli_bad_input(tmp_path, qkv_trace):
         (("replay", plain, "--policies", "h2o", "--budgets", "0.3", "--observe", "exact"), "q/k/v"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--observe", "sideways"), "observe"),
         (("replay", qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--out", out), "exists"),
+        (
+            ("replay", plain, "--policies", "h2o", "--budgets", "0.3", "--out", tmp_path / "a-file" / "r.zarr"),
+            "not a folder",
+        ),
         (("replay", tmp_path / "missing.zarr", "--policies", "h2o", "--budgets", "0.3"), "missing.zarr"),
         (("compare", plain), "not a kvscope replay result"),
         (("analyze", "fmm", qkv_trace, "--policy", "h2o"), "go together"),
@@ -216,3 +251,166 @@ def test_cli_bad_input(tmp_path, qkv_trace):
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not any(out.iterdir())  # an existing --out is never touched
     kvscope.open_trace(qkv_trace)  # and the trace still opens
+
+
+# -- the result store: streamed tiers, temporary stores, written in place, checksummed -----
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    return write_synthetic_store(folder / "s.zarr", n_samples=2, n_steps=40, n_layers=2, n_kv=2, prompt_len=24)
+
+
+def _temporary_stores(folder) -> list:
+    return sorted(p.name for p in folder.glob("kvscope-replay-*"))
+
+
+def test_out_writes_the_store_and_equals_the_in_memory_result(qkv_trace, result, tmp_path):
+    policies = ["h2o", "qevict", "oracle"]
+    out = tmp_path / "r.zarr"
+    written = kvscope.replay(qkv_trace, policies, [0.3], validate=True, out=out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.zarr"]  # renamed into place, nothing partial left
+    assert isinstance(written["tiers"].data, da.Array)
+    assert all(isinstance(written[k].data, np.ndarray) for k in written.data_vars if k != "tiers")
+    same = result.sel(policy=policies, budget=[0.3])
+    assert set(written.variables) == set(same.variables)
+    for name in same.variables:
+        np.testing.assert_array_equal(written[name].values, same[name].values, err_msg=name)
+    assert written.attrs["trace"] == str(qkv_trace) and written.attrs["kind"] == "kvscope replay"
+    # every chunk of every array carries a CRC32C checksum after the compressor
+    meta = json.loads((out / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
+    assert len(meta) == len(written.variables)
+    for name, doc in meta.items():
+        assert [c["name"] for c in doc["codecs"]][-2:] == ["blosc", "crc32c"], name
+    assert meta["tiers"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 1, 1, 1, 30, 3, result.sizes["pos"]]
+
+
+def test_temporary_tiers_live_as_long_as_anything_reads_them(small_trace, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = kvscope.replay(small_trace, ["h2o", "streaming"], [0.3, 0.6], n_boot=20)
+    assert len(_temporary_stores(tmp_path)) == 1
+    view = tiers_for(r, "h2o", 0.3)  # lazy: reads the temporary store
+    want = r["tiers"].values  # [policy, budget, sample, event, layer, kv_head, pos]
+    assert want.shape == (2, 2, 2, 5, 2, 2, 64)
+    for e in range(5):  # positions 0 .. P − 1 + t exist at the event of step t = 8e
+        assert (want[:, :, :, e, ..., : 24 + 8 * e] >= 0).all() and (want[:, :, :, e, ..., 24 + 8 * e :] == -1).all()
+    del r
+    gc.collect()
+    assert len(_temporary_stores(tmp_path)) == 1  # the view still needs it
+    np.testing.assert_array_equal(view.values, want[0, 0])
+    del view
+    gc.collect()
+    assert _temporary_stores(tmp_path) == []
+    r = kvscope.replay(small_trace, ["h2o"], [0.3], n_boot=20)
+    computed, loaded = r.compute(), r.load()  # both independent of the store
+    del r
+    gc.collect()
+    assert _temporary_stores(tmp_path) == []
+    np.testing.assert_array_equal(computed["tiers"].values, want[:1, :1])
+    np.testing.assert_array_equal(loaded["tiers"].values, want[:1, :1])
+
+
+def test_a_failed_replay_leaves_no_store(small_trace, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(done, total):
+        if done == 30:
+            raise KeyboardInterrupt
+
+    for out in (tmp_path / "r.zarr", None):
+        with pytest.raises(KeyboardInterrupt):
+            kvscope.replay(small_trace, ["h2o", "qevict"], [0.3], progress=interrupted, out=out)
+        assert list(tmp_path.iterdir()) == []
+
+
+def _finish_while_another_writer_takes(target, theirs: str) -> None:
+    """Write a partial store while another writer puts ``theirs`` at ``target`` first."""
+    with written_in_place(target) as partial:
+        assert partial.parent == target.parent and partial.name.startswith(f".{target.name}.partial-")
+        (partial / "x").write_text("mine")
+        if theirs == "file":
+            target.write_text("theirs")
+        else:
+            target.mkdir()
+            if theirs == "store":
+                (target / "x").write_text("theirs")
+
+
+@pytest.mark.parametrize("theirs", ["store", "empty folder", "file"])
+def test_written_in_place_never_replaces_what_another_writer_put_there(tmp_path, theirs):
+    target = tmp_path / "r.zarr"
+    with pytest.raises(KvscopeError, match=f"^{target} exists; choose another --out"):
+        _finish_while_another_writer_takes(target, theirs)
+    assert [p.name for p in tmp_path.iterdir()] == ["r.zarr"]  # the partial folder is gone
+    if theirs == "store":
+        assert [p.read_text() for p in target.iterdir()] == ["theirs"]
+
+
+def test_the_rename_itself_refuses_a_store_or_a_file(tmp_path):
+    """When both writers pass the last check together, os.rename decides (Linux)."""
+    mine = tmp_path / ".r.zarr.partial-1-ab"
+    mine.mkdir()
+    (mine / "x").write_text("mine")
+    target = tmp_path / "r.zarr"
+    target.mkdir()
+    (target / "x").write_text("theirs")
+    with pytest.raises(KvscopeError, match=f"^{target} exists; choose another --out"):
+        rename_into_place(mine, target)
+    target_file = tmp_path / "f.zarr"
+    target_file.write_text("theirs")
+    with pytest.raises(KvscopeError, match=f"^{target_file} exists"):
+        rename_into_place(mine, target_file)
+    assert (target / "x").read_text() == "theirs" and target_file.read_text() == "theirs"
+    rename_into_place(mine, tmp_path / "new.zarr")
+    assert (tmp_path / "new.zarr" / "x").read_text() == "mine"
+
+
+def test_concurrent_writers_to_one_out(tmp_path):
+    """Two real processes race for the same --out, three times: one wins with a complete
+    store whose numbers equal an uncontended run, the other exits 2 with one line. The
+    replay (~3 s) outlasts the skew of the two starts, so both usually reach the rename."""
+    trace = write_synthetic_store(tmp_path / "t.zarr", n_samples=1, n_steps=400, n_layers=4, n_kv=2, prompt_len=64)
+    args = ["replay", str(trace), "--policies", "h2o,qevict,oracle", "--budgets", "0.3,0.6", "--json"]
+    alone = json.loads(run_cli(*args, "--out", tmp_path / "alone.zarr", check=True).stdout)
+    for round_ in range(3):
+        out = tmp_path / f"same{round_}.zarr"
+        cmd = [sys.executable, str(ROOT / "cli.py"), *args, "--out", str(out)]
+        procs = [
+            subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"
+        ]
+        done = sorted((p.wait(timeout=600), *p.communicate()) for p in procs)
+        (won, won_out, _), (lost, _, lost_err) = done
+        assert (won, lost) == (0, 2), done
+        assert lost_err.splitlines() == [
+            f"kvscope: error: {out} exists; choose another --out (results are never overwritten)"
+        ]
+        assert json.loads(won_out)["rows"] == alone["rows"]
+        again = json.loads(run_cli("compare", out, "--json", check=True).stdout)
+        assert again["rows"] == alone["rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "alone.zarr",
+        "same0.zarr",
+        "same1.zarr",
+        "same2.zarr",
+        "t.zarr",
+    ]
+
+
+def test_a_damaged_result_chunk_is_refused(small_trace, tmp_path):
+    out = tmp_path / "r.zarr"
+    kvscope.replay(small_trace, ["h2o"], [0.3], n_boot=20, out=out)
+    chunk = out / "fmm_mean" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    proc = run_cli("compare", out)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvscope: error: {out} is damaged (") and "checksum" in lines[0]
+    tiers = out.joinpath("tiers", "c", *"0000000")  # policy 0, budget 0, sample 0, event 0
+    tiers.write_bytes(tiers.read_bytes()[:-1] + b"x")
+    with pytest.raises(ValueError, match="checksum"):
+        xr.open_zarr(out)["tiers"].load()
+    with pytest.raises(KvscopeError, match="not a kvscope replay result"):
+        open_result(small_trace)

@@ -8,6 +8,7 @@ protected local tail are not candidates)::
 with ``A_e = {j : sel[e, j] = 1}``. ``earlier_only`` restricts both sets to the units that
 were candidates at the earlier event (replay's churn of FP sets: a position that appears
 between two events is new, not churn). Shapes: ``sel [..., event, unit]`` → ``[..., event−1]``.
+:class:`ChurnStream` is the same while events arrive one at a time (replay), tested equal.
 """
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ def churn_kernel(sel: np.ndarray, n_valid_events: np.ndarray | None = None, earl
         pair = np.arange(out.shape[-1])
         out = np.where(pair + 1 < np.asarray(n_valid_events)[..., None], out, np.nan)
     return out
+
+
+class ChurnStream:
+    """:func:`churn_kernel` while a selection arrives one event at a time (replay), tested
+    equal to it: ``push(sel_e)`` with ``sel_e [..., unit]`` of event e = 0, 1, … returns the
+    churn ``[...]`` of the pair (e − 1, e), NaN once ``e ≥ n_valid [...]`` (None at e = 0).
+    Keeps the previous event's codes only."""
+
+    def __init__(self, n_valid_events, earlier_only: bool = False):
+        self.n_valid, self.earlier_only = np.asarray(n_valid_events), earlier_only
+        self.prev: np.ndarray | None = None  # [..., unit] codes of the previous event
+        self.e = 0
+
+    def push(self, sel: np.ndarray) -> np.ndarray | None:
+        out = None
+        if self.prev is not None:
+            pair = np.stack([self.prev, sel], -2)  # [..., 2, unit]
+            out = churn_kernel(pair, np.where(self.e < self.n_valid, 2, 0), self.earlier_only)[..., 0]
+        self.prev, self.e = sel, self.e + 1
+        return out
 
 
 def valid_events(steps: np.ndarray, n_steps: np.ndarray) -> np.ndarray:

@@ -11,6 +11,9 @@ eligible and not reactivated)::
     LIR = Σ reactivated / Σ eligible                                    (ratio of sums)
     P01(δ) = #(sel[e]=0 ∧ sel[e+δ]=1) / #(sel[e]=0 ∧ sel[e+δ]≠−1)       (cold → hot)
     P10(δ) = #(sel[e]=1 ∧ sel[e+δ]=0) / #(sel[e]=1 ∧ sel[e+δ]≠−1)       (hot → cold)
+
+Two forms of the same counts: :func:`lir_kernel` and :func:`transition_counts` over a whole
+selection matrix, and :class:`LirStream` while events arrive one at a time (replay), tested equal.
 """
 
 from __future__ import annotations
@@ -56,6 +59,67 @@ def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int) -> np.nd
     n1 = (both & (a == 1)).sum((-1, -2))
     n10 = (both & (a == 1) & (b == 0)).sum((-1, -2))
     return np.stack([n0, n01, n1, n10], -1)
+
+
+class LirStream:
+    """:func:`lir_kernel` and :func:`transition_counts` while a selection arrives one event at
+    a time (replay), tested equal to them::
+
+        stream.push(sel_e)     sel_e [..., unit] of event e = 0, 1, …  (events e ≥ n_valid are ignored)
+        stream.counts()        → eligible [...], reactivated [...], transitions [..., 4]
+
+    ``n_valid [...]`` (broadcast to the leading dims) is the number of events inside the
+    trace, known up front and at most the number of events pushed. A state machine per unit:
+    the code of the previous event, the start ``s`` of the inactive episode that is open
+    (−1: none) and the codes of the last δ events. An episode that ends at event ``e`` (a
+    non-zero code, or the end ``n_valid``) after ``e − s ≥ m`` zeros became eligible at
+    ``a = s + m − 1``; it counts when ``H_lir = None`` or ``a + H_lir ≤ n_valid − 1``
+    (otherwise censored), and is reactivated when it ends with a 1 and ``e − a ≤ H_lir``."""
+
+    def __init__(self, shape: tuple[int, ...], n_valid, m: int, h_lir: int | None, delta: int):
+        lead = tuple(shape[:-1])
+        self.end = np.broadcast_to(np.asarray(n_valid, dtype=np.int64), lead)[..., None]  # [..., 1]
+        self.m, self.h_lir, self.delta, self.e = m, h_lir, delta, 0
+        self.prev = np.full(shape, -1, dtype=np.int8)  # [..., unit] code at the previous valid event
+        self.start = np.full(shape, -1, dtype=np.int32)  # [..., unit] first event of the open episode
+        self.lagged = np.full((delta,) + tuple(shape), -1, dtype=np.int8)  # [δ, ..., unit] ring of codes
+        self.eligible = np.zeros(lead, dtype=np.int64)  # [...]
+        self.reactivated = np.zeros(lead, dtype=np.int64)  # [...]
+        self.transitions = np.zeros(lead + (4,), dtype=np.int64)  # [..., (n0, n01, n1, n10)]
+
+    def push(self, sel: np.ndarray) -> None:
+        """Advance every unit by event ``e`` with codes ``sel [..., unit]``."""
+        e, active = self.e, self.e < self.end  # [..., 1]
+        ending = active & (self.start >= 0) & (sel != 0)
+        eligible, reactivated = self._episodes(ending, e, sel == 1)
+        self.eligible += eligible
+        self.reactivated += reactivated
+        self.start[ending] = -1
+        self.start[active & (sel == 0) & (self.prev == 1)] = e
+        np.copyto(self.prev, sel, where=active)
+        if e >= self.delta:  # the pair (e − δ, e), counted while e is inside the trace
+            pair = np.stack([self.lagged[e % self.delta], sel], -2)  # [..., 2, unit]
+            self.transitions += transition_counts(pair, np.where(active[..., 0], 2, 0), 1)
+        self.lagged[e % self.delta] = sel
+        self.e += 1
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(eligible, reactivated, transitions)`` with the episodes still open closed by the
+        end of the trace (eligible if long enough and not censored, never reactivated)."""
+        open_ = self.start >= 0
+        eligible, _ = self._episodes(open_, self.end, np.zeros(open_.shape, dtype=bool))
+        return self.eligible + eligible, self.reactivated.copy(), self.transitions.copy()
+
+    def _episodes(self, ending: np.ndarray, e, ends_with_one: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(eligible, reactivated) [...]`` of the episodes that end at ``e`` where ``ending [..., unit]``."""
+        long = ending & (e - self.start >= self.m)
+        at = self.start + (self.m - 1)  # [..., unit] event at which the episode became eligible
+        if self.h_lir is None:
+            counted, back = long, long & ends_with_one
+        else:
+            counted = long & (at + self.h_lir <= self.end - 1)
+            back = counted & ends_with_one & (e - at <= self.h_lir)
+        return counted.sum(-1), back.sum(-1)
 
 
 @dataclass(kw_only=True)

@@ -42,11 +42,12 @@ import xarray as xr
 from .. import defaults
 from ..analysis.fmm import FMM
 from ..analysis.lir import LIR
-from ..errors import KvscopeError
+from ..errors import KvscopeError, first_line
 from ..policies import Policy, check_budget, parse
 from . import result as _result
 from .output_error import effective_kv
 from .sample import SampleReplay
+from .store import result_folder, write_variables, written_in_place
 
 OBSERVE_MODES = ("renorm", "exact")
 
@@ -192,6 +193,7 @@ def replay(
     resample: str = "samples",
     kv_itemsize: int = 2,
     progress=None,
+    out=None,
 ) -> xr.Dataset:
     """Replay ``policies`` × ``budgets`` against a trace; returns the Dataset described in
     the module docstring, dims ``(policy, budget, sample, event|step, layer, kv_head, pos)``.
@@ -204,6 +206,14 @@ def replay(
     ``resample``: what the confidence intervals resample, ``samples`` (prompts) or ``units``.
     ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
     compares with a live cache of an fp32 model). ``progress(done, total)`` is called per step.
+
+    The tiers are streamed to a Zarr store as they are taken (memory never holds them all),
+    and the result's ``tiers`` is a dask array reading that store, every other variable in
+    memory (:mod:`kvscope.replay.store`). ``out``: the result store is written there (under a
+    temporary name, renamed into place when complete; an existing path is refused) and
+    returned as :func:`open_result` opens it. Without ``out`` the tiers go to a temporary
+    store, removed once nothing can read it lazily any more (``.load()`` to keep them). A
+    failed replay leaves no store behind.
     """
     from ..store import open_trace
 
@@ -214,8 +224,20 @@ def replay(
         m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
         resample=resample,
     )  # fmt: skip
-    outputs = _result.Outputs.allocate(setup)
-    done, total = [0], int(ds.kvscope.n_steps.sum())
+    with result_folder(out) as root:
+        outputs = _result.Outputs.allocate(setup, root)
+        _run_samples(setup, outputs, threads, progress)
+        tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
+        result = _result.build(setup, outputs, tiers)
+        result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
+        if out is not None:
+            write_variables(result, root, mode="a")
+    return open_result(out) if out is not None else result
+
+
+def _run_samples(setup: ReplaySetup, outputs, threads: int | None, progress) -> None:
+    """Every sample with steps through :class:`SampleReplay`, runs advanced by ``threads``."""
+    done, total = [0], int(setup.ds.kvscope.n_steps.sum())
 
     def step_done() -> None:
         done[0] += 1
@@ -230,14 +252,11 @@ def replay(
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
     try:
         for s in range(setup.n_samples):
-            if ds.kvscope.n_steps[s] > 0:
+            if setup.ds.kvscope.n_steps[s] > 0:
                 SampleReplay(setup, s, outputs).run(pool, step_done)
     finally:
         if pool is not None:
             pool.shutdown()
-    result = _result.build(setup, outputs)
-    result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
-    return result
 
 
 def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
@@ -275,20 +294,27 @@ def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:
 
 
 def open_result(path) -> xr.Dataset:
-    """A replay result written with ``--out`` (refused with one line when it is not one)."""
+    """A replay result written with ``--out`` (refused with one line when it is not one):
+    ``tiers`` lazy (dask, read chunk by chunk), every other variable read now, so a damaged
+    chunk of theirs is refused here (CRC32C) with one line; a damaged tiers chunk fails when read."""
     if not os.path.exists(path):
         raise KvscopeError(f"no replay result at {path}")
     try:
         result = xr.open_zarr(str(path), consolidated=None)
     except Exception as exc:  # noqa: BLE001
-        raise KvscopeError(f"cannot open {path} as a replay result: {str(exc).splitlines()[0]}") from exc
-    if result.attrs.get("kind") != "kvscope replay":
+        raise KvscopeError(f"cannot open {path} as a replay result: {first_line(exc)}") from exc
+    if result.attrs.get("kind") != "kvscope replay" or "tiers" not in result:
         raise KvscopeError(f"{path} is not a kvscope replay result")
-    return result
+    try:
+        loaded = result.drop_vars("tiers").load()
+    except Exception as exc:  # noqa: BLE001 - any codec error (a checksum first) means a damaged chunk
+        raise KvscopeError(f"{path} is damaged ({first_line(exc)})") from exc
+    loaded["tiers"] = result["tiers"].variable
+    return loaded
 
 
 def save_result(result: xr.Dataset, path) -> None:
-    """Write a replay result as a Zarr v3 store; an existing path is refused, never overwritten."""
-    if os.path.exists(path):
-        raise KvscopeError(f"{path} exists; choose another --out (results are never overwritten)")
-    result.to_zarr(str(path), mode="w-", zarr_format=3, consolidated=True)
+    """Write a replay result as a Zarr v3 store (checksummed chunks), under a temporary name
+    renamed into place when complete; an existing path is refused, never overwritten."""
+    with written_in_place(path) as partial:
+        write_variables(result, partial, mode="w-")

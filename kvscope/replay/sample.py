@@ -6,7 +6,8 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
     t ≥ 1    driver.append(P − 1 + t)                the new key at full precision
              seen = renormalized row | exact row     what the cache serves (observe=renorm | exact)
              driver.decide(seen)                     observe, compress, budget checked
-    events   tiers snapshot; tier shares of the future mass resolved as each horizon ends
+    events   tiers snapshot, streamed to the result store; churn and LIR advanced; tier shares
+             of the future mass resolved as each horizon ends (then the snapshot is dropped)
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from .result import Outputs, RunRecord
 
 
 class Run:
-    """One (policy, budget) on one sample: its driver and its record."""
+    """One (policy, budget) on one sample: its driver, its record, and the snapshots of the
+    events whose FMM horizons have not all ended yet (the only tiers a run keeps)."""
 
-    def __init__(self, driver: PolicyDriver, record: RunRecord):
-        self.driver, self.record = driver, record
-        self.present: dict[int, tuple[bool, bool, bool]] = {}  # event → (any FP, any Q, any EVICTED)
+    def __init__(self, driver: PolicyDriver, record: RunRecord, last_horizon: int):
+        self.driver, self.record, self.last_horizon = driver, record, last_horizon
+        self.pending: dict[int, tuple[np.ndarray, tuple[bool, bool, bool]]] = {}  # event → (tiers, present)
 
     @property
     def state(self):
@@ -37,21 +39,28 @@ class Run:
 
     def snapshot(self, event: int) -> None:
         st = self.state
-        self.record.tiers[event, ..., : st.tiers.shape[-1]] = st.tiers
-        now = st.tiers[..., : st.length]
-        self.present[event] = tuple(bool((now == tier).any()) for tier in (TIER_FP, TIER_Q, TIER_EVICTED))
+        tiers = st.tiers.copy()  # [layer, kv_head, pos]
+        now = tiers[..., : st.length]
+        present = tuple(bool((now == tier).any()) for tier in (TIER_FP, TIER_Q, TIER_EVICTED))  # any FP, Q, EVICTED
+        self.pending[event] = tiers, present
+        self.record.snapshot(event, tiers)
 
     def resolve(self, resolved, horizon: int) -> None:
-        """Tier shares of events whose horizon just ended (FMM: the EVICTED share)."""
+        """Tier shares of events whose horizon just ended (FMM: the EVICTED share); an event's
+        snapshot is dropped once its last horizon has ended (censored ones when the run ends)."""
         for r in resolved:
-            fp, q, ev = tier_shares(r.future, r.den, self.record.tiers[r.event], r.exists, self.present[r.event])
+            tiers, present = self.pending[r.event]
+            fp, q, ev = tier_shares(r.future, r.den, tiers, r.exists, present)
             self.record.curve[0, r.index, r.event] = ev
             self.record.curve[1, r.index, r.event] = q + ev
             if r.horizon == horizon:
                 self.record.mass[r.event] = np.stack([fp, q, ev], -1)
+            if r.horizon == self.last_horizon:
+                del self.pending[r.event]
 
     def finish(self) -> None:
         self.record.finish(self.state)
+        self.pending.clear()
 
 
 def _step(advance, t, run: Run, exact_row, ahead: dict, event: int | None, resolved: list, horizon: int) -> None:
@@ -95,7 +104,8 @@ class SampleReplay:
         k, v = self.kv if values_needed else (None, None)
         state = policy.start(self.spec(budget), k, v, st.rope)
         pi, bi = divmod(gi, len(st.budgets))
-        return Run(PolicyDriver(state, where=f" of sample {self.s}"), self.outputs.record(pi, bi, self.s))
+        record = self.outputs.record(pi, bi, self.s, state.tiers.shape)
+        return Run(PolicyDriver(state, where=f" of sample {self.s}"), record, st.horizons[-1])
 
     def run(self, pool: ThreadPoolExecutor | None, progress) -> None:
         setup, r = self.setup, self.reader

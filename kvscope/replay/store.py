@@ -1,0 +1,150 @@
+"""Where a replay result goes: the tiers stream into a Zarr v3 store one snapshot at a time,
+and a result store appears at its path only once it is complete.
+
+    out given    DIR/.NAME.partial-<pid>-<random>   (tiers streamed, then every other variable)
+                 → os.rename → DIR/NAME              refused when DIR/NAME exists; removed on failure
+    no out       TMPDIR/kvscope-replay-*             (the tiers only), removed once nothing can read
+                                                     them lazily any more (weakref.finalize)
+
+Two writers racing for the same path each write their own partial folder; the first rename
+wins, the second fails (Linux refuses to rename onto a non-empty directory) and its partial
+folder is removed, so a result store is always one writer's complete result. Every chunk
+carries a CRC32C checksum after the compressor (:func:`kvscope.store.compressors`), so a
+damaged chunk is refused when read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from ..errors import KvscopeError
+from ..store import compressors
+
+TIER_DIMS = ("policy", "budget", "sample", "event", "layer", "kv_head", "pos")
+RENAME_REFUSED = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
+
+
+def refuse_existing(path) -> None:
+    """Results are never overwritten: one line naming ``path`` when anything is there."""
+    if os.path.lexists(path):
+        raise _exists(path)
+
+
+def _exists(path) -> KvscopeError:
+    return KvscopeError(f"{path} exists; choose another --out (results are never overwritten)")
+
+
+@contextlib.contextmanager
+def written_in_place(path):
+    """Yields a fresh folder ``DIR/.NAME.partial-<pid>-<random>`` beside ``path = DIR/NAME``,
+    renamed to ``path`` when the block completes and removed when it fails (Ctrl-C included).
+    ``path`` is checked before and again just before the rename (which refuses a file or a
+    non-empty directory by itself; only an empty directory made in between could be replaced)."""
+    path = Path(path)
+    refuse_existing(path)
+    partial = path.parent / f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        raise KvscopeError(f"cannot write {path}: {exc.strerror}") from exc
+    try:
+        yield partial
+        refuse_existing(path)
+        rename_into_place(partial, path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def rename_into_place(partial: Path, path: Path) -> None:
+    """``os.rename``; on Linux it refuses a file or a non-empty directory at ``path``, which
+    is what makes two writers of one path safe: the second is told with one line."""
+    try:
+        os.rename(partial, path)
+    except OSError as exc:
+        if exc.errno in RENAME_REFUSED and os.path.lexists(path):
+            raise _exists(path) from exc
+        raise KvscopeError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+@contextlib.contextmanager
+def result_folder(out):
+    """The folder a replay streams into: ``out``'s partial folder, or a temporary one (removed
+    here if the replay fails; afterwards :func:`lazy_tiers` owns it)."""
+    if out is not None:
+        with written_in_place(out) as partial:
+            yield partial
+        return
+    root = Path(tempfile.mkdtemp(prefix="kvscope-replay-"))
+    try:
+        yield root
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def tier_chunks(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One chunk per snapshot: ``[1, 1, 1, 1, layer, kv_head, pos]``."""
+    return (1, 1, 1, 1) + tuple(shape[4:])
+
+
+class TierStore:
+    """``tiers [policy, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
+    ``root``, each snapshot written as it is taken; a chunk never written (an event past a
+    sample's steps) reads as −1 (none)."""
+
+    def __init__(self, root: Path, shape: tuple[int, ...]):
+        import zarr
+
+        group = zarr.open_group(str(root), mode="w-", zarr_format=3)
+        self.root = Path(root)
+        self.array = group.create_array(
+            "tiers", shape=shape, chunks=tier_chunks(shape), dtype="int8", fill_value=-1,
+            dimension_names=TIER_DIMS, compressors=compressors(),
+        )  # fmt: skip
+
+    def write(self, index: tuple[int, int, int, int], tiers: np.ndarray) -> None:
+        """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` at ``(policy, budget, sample, event)``."""
+        n_pos = self.array.shape[-1]
+        if tiers.shape[-1] < n_pos:  # a sample shorter than the longest: the rest is none
+            tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
+        self.array[index] = tiers
+
+    def lazy(self, temporary: bool):
+        """The tiers as a dask array reading this store; a temporary store is removed when the
+        zarr array that every lazy view of it refers to is collected (or at exit)."""
+        import dask.array as da
+        import zarr
+
+        array = zarr.open_array(str(self.root / "tiers"), mode="r")
+        if temporary:
+            weakref.finalize(array, shutil.rmtree, str(self.root), True)
+        return da.from_zarr(array)
+
+
+def write_variables(ds: xr.Dataset, path, mode: str) -> None:
+    """``ds`` into the Zarr v3 store at ``path`` (``mode`` "w-": a new store, "a": beside the
+    streamed tiers), every array with blosc-zstd and a CRC32C checksum, metadata consolidated.
+    The labels keep zarr's fixed-length string type, which it flags as unstable: not said."""
+    from zarr.errors import UnstableSpecificationWarning
+
+    ds = ds.drop_encoding()
+    encoding = {name: {"compressors": compressors()} for name in ds.variables}
+    if "tiers" in ds:
+        ds["tiers"] = ds["tiers"].chunk(dict(zip(TIER_DIMS, tier_chunks(ds["tiers"].shape))))
+        encoding["tiers"]["fill_value"] = -1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UnstableSpecificationWarning)
+        warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
+        ds.to_zarr(str(path), mode=mode, zarr_format=3, consolidated=True, encoding=encoding)
