@@ -3,12 +3,12 @@
 Record per-step attention during real decoding into Zarr stores (:func:`trace`), open them
 as xarray Datasets (:func:`open_trace`, with the ``ds.kvscope`` accessor), measure importance
 drift (``kvscope.analysis``), replay KV-cache policies offline (:func:`replay`,
-``kvscope.policies``) and run them live (``kvscope.live``).
+``kvscope.policies``; a saved result with :func:`open_result`) and run them live (``kvscope.live``).
 """
 
 __version__ = "0.2.0"
 
-from .store import open_trace  # noqa: E402
+from .store import open_trace
 
 
 def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: str = "model", **kwargs):
@@ -27,6 +27,6 @@ def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: st
     return _trace(prompts, out, settings, **kwargs)
 
 
-from .replay import replay  # noqa: E402  (the function; the package stays importable as kvscope.replay)
+from .replay import open_result, replay
 
-__all__ = ["__version__", "open_trace", "replay", "trace"]
+__all__ = ["__version__", "open_result", "open_trace", "replay", "trace"]

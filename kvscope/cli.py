@@ -397,9 +397,10 @@ def _add_verify(sub) -> None:
 
 
 def _cmd_verify(args) -> int:
+    from .replay.check import is_result, verify_result
     from .verify import verify
 
-    report = verify(args.store, deep=args.deep)
+    report = verify_result(args.store) if is_result(args.store) else verify(args.store, deep=args.deep)
     if args.json:
         print(json.dumps(report.doc(), indent=1))
     else:

@@ -99,6 +99,27 @@ def check_attrs(path, attrs) -> None:
         need(ok and len(prompts) == len(committed), "prompts", "one {text: …} per sample", prompts)
 
 
+def group_attributes(path, noun: str) -> dict:
+    """The attributes of the Zarr v3 group at ``path`` (a ``noun``, e.g. "trace store"), or
+    one line saying why there is none."""
+    p = Path(path)
+    if not p.exists():
+        raise StoreError(f"no {noun} at {p}")
+    meta = p / "zarr.json"
+    if not p.is_dir() or not meta.is_file():
+        raise StoreError(f"{p} is not a Zarr v3 store (no zarr.json)")
+    try:
+        doc = json.loads(meta.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise StoreError(f"{p}/zarr.json is unreadable or truncated ({exc.__class__.__name__})") from exc
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise StoreError(f"{p} is not a Zarr v3 group")
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict):
+        raise StoreError(f"{p}: the group's attributes are not a JSON object")
+    return attrs
+
+
 # -- 2. the schema --------------------------------------------------------------------------
 
 
@@ -149,12 +170,7 @@ def check_array(
         raise differs("shape", meta.get("shape"), list(shape))
     if meta.get("data_type") != dtype:
         raise differs("dtype", meta.get("data_type"), dtype)
-    grid = meta.get("chunk_grid")
-    grid_shape = _config(grid).get("chunk_shape")
-    regular = isinstance(grid, dict) and grid.get("name") == "regular"
-    if not (regular and isinstance(grid_shape, list) and len(grid_shape) == len(shape)
-            and all(_is_int(n, 1) for n in grid_shape)):  # fmt: skip
-        raise differs("chunk grid", grid, "regular")
+    grid_shape = chunk_shape(path, name, meta, len(shape))
     if chunks is not None and grid_shape != list(chunks):
         raise differs("chunks", grid_shape, list(chunks))
     if fill is not None and not _same_fill(meta.get("fill_value"), fill):
@@ -162,14 +178,25 @@ def check_array(
     check_encoding(path, name, meta, transpose, crc)
 
 
+def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
+    """The chunk shape of a regular chunk grid of ``rank`` positive integers (else one line)."""
+    grid = meta.get("chunk_grid")
+    shape = _config(grid).get("chunk_shape")
+    regular = isinstance(grid, dict) and grid.get("name") == "regular"
+    if not (regular and isinstance(shape, list) and len(shape) == rank and all(_is_int(n, 1) for n in shape)):
+        raise StoreError(f"{path}: array {name} has chunk grid {grid}, not a regular grid of {rank} chunk sizes")
+    return shape
+
+
 CODECS = ["bytes", "blosc", "crc32c"]  # kvscope.store.compressors() after the bytes serializer
 
 
-def check_encoding(path, name: str, meta: dict, transpose, crc: bool) -> None:
+def check_encoding(path, name: str, meta: dict, transpose, crc: bool, attributes: frozenset = frozenset()) -> None:
     """How the chunks of one array decode: the codec pipeline kvscope writes (an optional
     transpose, little-endian bytes, blosc, CRC32C last) and nothing else that changes what a
     chunk decodes to — then zarr's own parse of the whole document. Blosc's settings are not
-    compared: a blosc frame carries its own."""
+    compared: a blosc frame carries its own. ``attributes``: the array attributes allowed
+    (their keys; xarray's ``coordinates`` and ``_FillValue`` in a replay result)."""
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
         raise StoreError(f"{path}: array {name} has codecs {codecs!r}, not a list of codecs")
@@ -187,8 +214,15 @@ def check_encoding(path, name: str, meta: dict, transpose, crc: bool) -> None:
     encoding = meta.get("chunk_key_encoding")
     if encoding != {"name": "default", "configuration": {"separator": "/"}}:
         raise StoreError(f"{path}: array {name} has chunk key encoding {encoding}, the schema says default with /")
-    if meta.get("storage_transformers") not in (None, []) or meta.get("attributes") not in (None, {}):
-        raise StoreError(f"{path}: array {name} has storage transformers or attributes a trace never holds")
+    attrs = meta.get("attributes", {})
+    if (
+        not isinstance(attrs, dict)
+        or not set(attrs) <= attributes
+        or not all(isinstance(v, str) for v in attrs.values())
+    ):
+        raise StoreError(f"{path}: array {name} has attributes kvscope never writes ({attrs!r})")
+    if meta.get("storage_transformers") not in (None, []):
+        raise StoreError(f"{path}: array {name} has storage transformers kvscope never writes")
     _zarr_parses(path, name, meta)
 
 
@@ -335,6 +369,7 @@ class ChunkRules:
     prompt_len: tuple[int, ...] | None  # [sample], known after the first read
     every: int  # steps between policy events
     crc: frozenset  # arrays whose chunks end with a CRC32C
+    missing: str = "is missing inside the committed steps"  # the problem a missing required chunk is
 
     @classmethod
     def of(cls, arrays, committed, attrs: dict) -> ChunkRules:
@@ -348,6 +383,11 @@ class ChunkRules:
             int((attrs.get("policy") or {}).get("every", 1)),
             frozenset(a.name for a in arrays),
         )
+
+    @classmethod
+    def every_chunk(cls, arrays) -> ChunkRules:
+        """Every chunk of ``arrays`` required and checksummed (a replay result: written whole)."""
+        return cls({a: "static" for a in arrays}, {}, {}, (), None, 1, frozenset(arrays), "is missing")
 
     def with_prompt_len(self, prompt_len) -> ChunkRules:
         from dataclasses import replace
@@ -393,7 +433,7 @@ class TraceStore(LocalStore):
         array, index = chunk
         if buf is None:
             if self.rules.required(array, index):
-                raise DamagedStore(self.root, key, array, "is missing inside the committed steps")
+                raise DamagedStore(self.root, key, array, self.rules.missing)
             return None
         if byte_range is None and array in self.rules.crc and not crc_matches(buf.as_numpy_array()):
             raise DamagedStore(self.root, key, array, "fails its CRC32C checksum (damaged or truncated)")

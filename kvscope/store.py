@@ -31,7 +31,6 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -104,20 +103,11 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
 
 def read_attrs(path: str | os.PathLike) -> dict:
     """Group attributes, with a clear error for anything that is not a kvscope store."""
+    from .integrity import group_attributes
+
     p = Path(path)
-    if not p.exists():
-        raise StoreError(f"no trace store at {p}")
-    meta = p / "zarr.json"
-    if not p.is_dir() or not meta.is_file():
-        raise StoreError(f"{p} is not a Zarr v3 store (no zarr.json)")
-    try:
-        doc = json.loads(meta.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise StoreError(f"{p}/zarr.json is unreadable or truncated ({exc.__class__.__name__})") from exc
-    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
-        raise StoreError(f"{p} is not a Zarr v3 group")
-    attrs = doc.get("attributes")
-    if not isinstance(attrs, dict) or "schema_version" not in attrs:
+    attrs = group_attributes(p, "trace store")
+    if "schema_version" not in attrs:
         raise StoreError(f"{p} is not a kvscope trace (no schema_version attribute)")
     version = attrs["schema_version"]
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:

@@ -15,7 +15,7 @@
        attention rule (:mod:`kvscope.attention`) and compared with the stored rows.
 
 Each problem is one line naming the array and the chunk (its block index along every dim).
-A replay result (``kvscope replay --out``) is checked by :func:`verify_result`.
+A replay result (``kvscope replay --out``) is checked by :func:`kvscope.replay.check.verify_result`.
 
 Row-sum tolerance of ``n`` stored values: ``2^-10 + n·2^-24`` for fp16 (each value rounded to
 11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32.
@@ -176,24 +176,20 @@ def check_policy(report: Report, ctx: Context, array: str, index, origin, data: 
 
 
 def verify(path, deep: bool = False, deep_rows: int = 64) -> Report:
-    """The report of a trace store (module docstring); a replay result goes to :func:`verify_result`."""
+    """The report of a trace store (module docstring); a replay result's is
+    :func:`kvscope.replay.check.verify_result`."""
     from .store import check_store, read_attrs
 
     started = time.perf_counter()
     report = Report(str(path), "trace")
-    try:
-        attrs = read_attrs(path)
-    except StoreError:
-        if _is_result(path):
-            return verify_result(path)
-        raise
+    attrs = read_attrs(path)
     try:
         checked = check_store(path)
     except StoreError as exc:
         report.add("store", "-", str(exc))
         return report
     ctx = Context(checked, attrs["n_sink"], attrs["w"])
-    _consolidated(report, Path(path))
+    check_consolidated(report, Path(path))
     _chunks(report, ctx)
     if deep and report.ok:
         _deep(report, checked, deep_rows)
@@ -201,7 +197,7 @@ def verify(path, deep: bool = False, deep_rows: int = 64) -> Report:
     return report
 
 
-def _consolidated(report: Report, path: Path) -> None:
+def check_consolidated(report: Report, path: Path) -> None:
     """The consolidated copy of the metadata (a complete store's ``zarr.json``) equals each
     array's own: kvscope reads the arrays' own, other readers (xarray's default) the copy."""
     import json
@@ -277,7 +273,7 @@ def _read_slab(report: Report, array, spec, first: tuple, dim: int, count: int):
         slab = array.get_block_selection(selection)
     except Exception:  # noqa: BLE001 - located below, chunk by chunk
         for index in blocks:
-            data = _read(report, array, spec.name, index)
+            data = read_block(report, array, spec.name, index)
             if data is not None:
                 yield index, data
         return
@@ -286,7 +282,7 @@ def _read_slab(report: Report, array, spec, first: tuple, dim: int, count: int):
         yield index, slab[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]
 
 
-def _read(report: Report, array, name: str, index):
+def read_block(report: Report, array, name: str, index):
     try:
         return array.get_block_selection(index)
     except DamagedStore as exc:
@@ -300,7 +296,7 @@ def _values(report: Report, ctx: Context, group, spec, index, data: np.ndarray) 
     name = spec.name
     origin = tuple(i * c for i, c in zip(index, spec.chunks, strict=True))
     if name == "attn" and ctx.checked.attrs["resolution"] == "window":
-        sinks = _read(report, group["attn_sink"], "attn_sink", index)
+        sinks = read_block(report, group["attn_sink"], "attn_sink", index)
         if sinks is not None:
             check_windows(report, ctx, index, origin, data, sinks)
     elif name == "attn":
@@ -345,66 +341,6 @@ def _deep(report: Report, checked, n_rows: int) -> None:
             report.deep_rows += again.shape[0] * again.shape[1]
             if worst > tolerance:
                 report.add("attn", (s, layer), f"rows differ from q/k by up to {worst:.3g} (tolerance {tolerance})")
-
-
-# -- replay results ---------------------------------------------------------------------------
-
-
-def _is_result(path) -> bool:
-    import json
-
-    meta = Path(path) / "zarr.json"
-    try:
-        return json.loads(meta.read_text()).get("attributes", {}).get("kind") == "kvscope replay"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-RESULT_VARIABLES = {
-    "tiers": ("policy", "budget", "sample", "event", "layer", "kv_head", "pos"),
-    "tier_mass": ("policy", "budget", "sample", "event", "layer", "kv_head", "tier"),
-    "bytes_used": ("policy", "budget", "sample", "step"),
-    "fmm_mean": ("policy", "budget"),
-    "byte_ratio_used": ("policy", "budget"),
-}
-
-
-def verify_result(path) -> Report:
-    """A replay result: its variables and dims, every chunk decodable, values in range."""
-    import zarr
-
-    started = time.perf_counter()
-    report = Report(str(path), "replay result")
-    try:
-        group = zarr.open_group(str(path), mode="r", zarr_format=3, use_consolidated=False)
-        names = {name for name, _ in group.arrays()}
-    except Exception as exc:  # noqa: BLE001 - unreadable metadata
-        report.add("store", "-", f"{path} cannot be opened as a replay result ({type(exc).__name__})")
-        return report
-    for name, dims in RESULT_VARIABLES.items():
-        meta_dims = tuple(group[name].metadata.dimension_names or ()) if name in names else None
-        if meta_dims != dims:
-            report.add(name, "-", f"{name}: missing or with dims {meta_dims}, expected {dims}")
-    for name in sorted(names):
-        array = group[name]
-        for index in itertools.product(*(range(math.ceil(n / c)) for n, c in zip(array.shape, array.chunks))):
-            data = _read(report, array, name, index)
-            if data is not None:
-                report.chunks += 1
-                _result_values(report, name, index, data)
-    report.seconds = round(time.perf_counter() - started, 3)
-    return report
-
-
-def _result_values(report: Report, name: str, index, data: np.ndarray) -> None:
-    if name == "tiers" and not np.isin(data, (-1, 0, 1, 2)).all():
-        report.add(name, index, "tier codes outside −1, 0, 1, 2")
-    elif (
-        name in ("tier_mass", "fmm", "fmm_fp", "fmm_mean", "fmm_fp_mean") and ((data < -1e-9) | (data > 1 + 1e-9)).any()
-    ):
-        report.add(name, index, "shares outside [0, 1]")
-    elif name in ("bytes_used", "budget_bytes", "full_bytes", "byte_ratio") and (data < 0).any():
-        report.add(name, index, "negative bytes")
 
 
 def refuse_if_damaged(report: Report) -> None:

@@ -1,5 +1,6 @@
-"""Damage drawn by hypothesis on a small real trace: bytes flipped, chunks truncated, extended or
-deleted, metadata values replaced by other JSON or removed. Whatever the damage:
+"""Damage drawn by hypothesis on a small real trace (complete and partial) and on a replay
+result of it: bytes flipped, chunks truncated, extended or deleted, metadata values replaced
+by other JSON or removed. Whatever the damage:
 
 * every command ends with exit 0 or 2 — never an internal error, never a traceback;
 * a command that refuses says one line; one that answers prints the numbers of the
@@ -8,11 +9,13 @@ deleted, metadata values replaced by other JSON or removed. Whatever the damage:
   and a store verify passes gives every command the undamaged numbers;
 * no command changes the store.
 
-Runs through the CLI's ``main`` in this process (tests/test_verify.py's commands). More
-examples: ``KVSCOPE_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py``."""
+Runs through the CLI's ``main`` in this process (tests/test_verify.py's commands on a trace;
+``compare`` and :func:`kvscope.open_result` with every tier read on a result). More examples:
+``KVSCOPE_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,7 +25,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import run_main, tree_digest
+import kvscope
+from kvscope.errors import KvscopeError
+
+from .conftest import Ran, run_main, tree_digest
 from .test_verify import COMMANDS, clean, comparable  # noqa: F401 - a fixture
 
 EXAMPLES = int(os.environ.get("KVSCOPE_FUZZ_EXAMPLES", "30"))  # per store
@@ -95,7 +101,18 @@ def damages(draw, store: Path):
     return f"{kind} {name} @{offset}", apply
 
 
+RESULT_COMMANDS = (("compare", "STORE", "--json"), ("open_result", "STORE"))
+
+
 def run(args: tuple, store: Path):
+    if args[0] == "open_result":  # the API: every variable, the lazy tiers read whole
+        try:
+            result = kvscope.open_result(store)
+            tiers = result["tiers"].values
+        except KvscopeError as exc:
+            return Ran(2, "", f"kvscope: error: {exc}\n")
+        doc = {"tiers": hashlib.sha256(tiers.tobytes()).hexdigest(), "shape": list(tiers.shape)}
+        return Ran(0, json.dumps(doc | {"vars": sorted(result.data_vars)}), "")
     return run_main(*[store if a == "STORE" else a for a in args])
 
 
@@ -104,11 +121,15 @@ def scratch(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-@pytest.fixture(scope="module", params=["complete", "partial"])
+@pytest.fixture(scope="module", params=["complete", "partial", "result"])
 def subject(request, clean, scratch) -> tuple[Path, dict]:  # noqa: F811
-    """A store and each command's JSON on it: the complete two-sample trace, and the same
-    store as a writer killed after 8 and 4 steps leaves it (no consolidated metadata)."""
-    store = clean
+    """A store and each command's JSON on it: the complete two-sample trace, the same store as
+    a writer killed after 8 and 4 steps leaves it (no consolidated metadata), and a replay
+    result of two policies (with the output errors) on the complete one."""
+    store, commands = clean, COMMANDS
+    if request.param == "result":
+        store, commands = scratch / "result.zarr", RESULT_COMMANDS
+        kvscope.replay(clean, ["h2o", "kivi"], [0.5], n_boot=20, out=store)
     if request.param == "partial":
         store = scratch / "partial.zarr"
         shutil.copytree(clean, store)
@@ -117,7 +138,7 @@ def subject(request, clean, scratch) -> tuple[Path, dict]:  # noqa: F811
         doc["attributes"].update(status="partial", steps_committed=[8, 4], samples_done=[False, False])
         (store / "zarr.json").write_text(json.dumps(doc))
     outputs = {}
-    for args in COMMANDS:
+    for args in commands:
         ran = run(args, store)
         assert ran.returncode == 0, ran.stderr
         outputs[args] = comparable(json.loads(ran.stdout))

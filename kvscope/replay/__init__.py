@@ -42,9 +42,10 @@ import xarray as xr
 from .. import defaults
 from ..analysis.fmm import FMM
 from ..analysis.lir import LIR
-from ..errors import KvscopeError, first_line
+from ..errors import KvscopeError
 from ..policies import Policy, check_budget, parse
 from . import result as _result
+from .check import open_result
 from .output_error import effective_kv
 from .sample import SampleReplay
 from .store import result_folder, write_variables, written_in_place
@@ -227,6 +228,7 @@ def replay(
     with result_folder(out) as root:
         outputs = _result.Outputs.allocate(setup, root)
         _run_samples(setup, outputs, threads, progress)
+        outputs.tiers.complete()
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
@@ -291,26 +293,6 @@ def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:
     )
     tiers.attrs = {"policy": f"{policy}@{budget}"}
     return tiers
-
-
-def open_result(path) -> xr.Dataset:
-    """A replay result written with ``--out`` (refused with one line when it is not one):
-    ``tiers`` lazy (dask, read chunk by chunk), every other variable read now, so a damaged
-    chunk of theirs is refused here (CRC32C) with one line; a damaged tiers chunk fails when read."""
-    if not os.path.exists(path):
-        raise KvscopeError(f"no replay result at {path}")
-    try:
-        result = xr.open_zarr(str(path), consolidated=None)
-    except Exception as exc:  # noqa: BLE001
-        raise KvscopeError(f"cannot open {path} as a replay result: {first_line(exc)}") from exc
-    if result.attrs.get("kind") != "kvscope replay" or "tiers" not in result:
-        raise KvscopeError(f"{path} is not a kvscope replay result")
-    try:
-        loaded = result.drop_vars("tiers").load()
-    except Exception as exc:  # noqa: BLE001 - any codec error (a checksum first) means a damaged chunk
-        raise KvscopeError(f"{path} is damaged ({first_line(exc)})") from exc
-    loaded["tiers"] = result["tiers"].variable
-    return loaded
 
 
 def save_result(result: xr.Dataset, path) -> None:

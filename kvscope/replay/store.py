@@ -6,6 +6,10 @@ and a result store appears at its path only once it is complete.
     no out       TMPDIR/kvscope-replay-*             (the tiers only), removed once nothing can read
                                                      them lazily any more (weakref.finalize)
 
+Every chunk of every array is written (``write_empty_chunks``: also those equal to the fill
+value), so a chunk missing from a result store is damage, never an all-NaN block; the group's
+attributes carry their own CRC32C (:func:`attributes_checksum`), since a result is written once.
+
 Two writers racing for the same path each write their own partial folder; the first rename
 wins, the second fails (Linux refuses to rename onto a non-empty directory) and its partial
 folder is removed, so a result store is always one writer's complete result. Every chunk
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import shutil
@@ -32,6 +37,7 @@ from ..errors import KvscopeError
 from ..store import compressors
 
 TIER_DIMS = ("policy", "budget", "sample", "event", "layer", "kv_head", "pos")
+CHECKSUM_ATTR = "attributes_crc32c"
 RENAME_REFUSED = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
 
@@ -101,8 +107,8 @@ def tier_chunks(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 class TierStore:
     """``tiers [policy, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
-    ``root``, each snapshot written as it is taken; a chunk never written (an event past a
-    sample's steps) reads as −1 (none)."""
+    ``root``, each snapshot written as it is taken; :meth:`complete` then writes −1 (none)
+    into the snapshots never taken (events past a sample's steps)."""
 
     def __init__(self, root: Path, shape: tuple[int, ...]):
         import zarr
@@ -111,8 +117,9 @@ class TierStore:
         self.root = Path(root)
         self.array = group.create_array(
             "tiers", shape=shape, chunks=tier_chunks(shape), dtype="int8", fill_value=-1,
-            dimension_names=TIER_DIMS, compressors=compressors(),
+            dimension_names=TIER_DIMS, compressors=compressors(), config={"write_empty_chunks": True},
         )  # fmt: skip
+        self.taken = np.zeros(shape[:4], dtype=bool)  # [policy, budget, sample, event]
 
     def write(self, index: tuple[int, int, int, int], tiers: np.ndarray) -> None:
         """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` at ``(policy, budget, sample, event)``."""
@@ -120,6 +127,14 @@ class TierStore:
         if tiers.shape[-1] < n_pos:  # a sample shorter than the longest: the rest is none
             tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
         self.array[index] = tiers
+        self.taken[index] = True
+
+    def complete(self) -> None:
+        """Every snapshot not taken written as −1, so that every chunk of the store exists."""
+        none = np.full(self.array.shape[4:], -1, dtype=np.int8)  # [layer, kv_head, pos]
+        for index in np.argwhere(~self.taken):
+            self.array[tuple(int(i) for i in index)] = none
+        self.taken[...] = True
 
     def lazy(self, temporary: bool):
         """The tiers as a dask array reading this store; a temporary store is removed when the
@@ -133,13 +148,23 @@ class TierStore:
         return da.from_zarr(array)
 
 
+def attributes_checksum(attrs: dict) -> str:
+    """CRC32C (8 hex digits) of the attributes other than itself, as JSON with sorted keys."""
+    import google_crc32c
+
+    doc = json.dumps({k: v for k, v in attrs.items() if k != CHECKSUM_ATTR}, sort_keys=True, allow_nan=False)
+    return f"{google_crc32c.value(doc.encode()):08x}"
+
+
 def write_variables(ds: xr.Dataset, path, mode: str) -> None:
     """``ds`` into the Zarr v3 store at ``path`` (``mode`` "w-": a new store, "a": beside the
-    streamed tiers), every array with blosc-zstd and a CRC32C checksum, metadata consolidated.
-    The labels keep zarr's fixed-length string type, which it flags as unstable: not said."""
+    streamed tiers), every chunk written, each with blosc-zstd and a CRC32C checksum, the
+    attributes with theirs, metadata consolidated. The labels keep zarr's fixed-length string
+    type, which it flags as unstable: not said."""
     from zarr.errors import UnstableSpecificationWarning
 
     ds = ds.drop_encoding()
+    ds.attrs = {**ds.attrs, CHECKSUM_ATTR: attributes_checksum(ds.attrs)}
     encoding = {name: {"compressors": compressors()} for name in ds.variables}
     if "tiers" in ds:
         ds["tiers"] = ds["tiers"].chunk(dict(zip(TIER_DIMS, tier_chunks(ds["tiers"].shape))))
@@ -147,4 +172,4 @@ def write_variables(ds: xr.Dataset, path, mode: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UnstableSpecificationWarning)
         warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
-        ds.to_zarr(str(path), mode=mode, zarr_format=3, consolidated=True, encoding=encoding)
+        ds.to_zarr(str(path), mode=mode, zarr_format=3, consolidated=True, encoding=encoding, write_empty_chunks=True)
