@@ -66,6 +66,8 @@ def main() -> None:
         def ci(value, bounds):
             if not np.isfinite(value):
                 return "— (censored)"
+            if not np.isfinite(bounds).all():
+                return f"{value:.3f} (one prompt: no CI)"
             return f"{value:.3f} [{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
         rows.append(
@@ -98,7 +100,8 @@ def main() -> None:
     markdown = [
         f"Default model ({args.model}), {args.context}-token prompts per workload, windows of 8 after 4 sinks, "
         "events every 8 steps, history oracle = top 20% of candidate windows by cumulative score with the newest "
-        "64 tokens protected; 95% bootstrap CIs over (sample, layer, kv head). Global LIR with H_lir = 8 needs "
+        "64 tokens protected; 95% percentile-bootstrap CIs over the prompts (whole samples drawn with every layer "
+        "and head; none where only one prompt has uncensored data). Global LIR with H_lir = 8 needs "
         "m + H_lir = 12 events after an episode starts; the question-answering workloads stop at their answer (EOS) "
         "after 6–12 events, so only H_lir = none (reactivation at any later event) is defined there.",
         "",
