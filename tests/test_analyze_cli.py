@@ -10,7 +10,7 @@ import pytest
 
 import kvscope
 
-from .conftest import run_cli
+from .conftest import run_cli, run_main
 
 ANALYSES = ["fmm", "lir", "churn", "peaks", "concentration", "drift"]
 
@@ -78,13 +78,13 @@ def _one_line(proc, needle):
 
 def test_analyze_bad_input(tmp_path, prose_trace):
     _one_line(run_cli("analyze", "fmm", tmp_path / "missing.zarr"), "no trace store at")
-    _one_line(run_cli("analyze", "entropy", prose_trace), "invalid choice: 'entropy'")
-    _one_line(run_cli("analyze", "fmm", prose_trace, "--horizon", "0"), "--horizon must be ≥ 1")
-    _one_line(run_cli("analyze", "fmm", prose_trace, "--top-frac", "1.5"), "--top-frac must lie in (0, 1)")
-    _one_line(run_cli("analyze", "churn", prose_trace, "--top-frac", "0"), "--top-frac must lie in (0, 1)")
-    _one_line(run_cli("analyze", "lir", prose_trace, "--layers", "99"), "--layers outside 0..29")
-    _one_line(run_cli("analyze", "fmm", prose_trace, "--dask", "nowhere"), "--dask takes local:N or tcp://")
-    _one_line(run_cli("analyze", "fmm", prose_trace, "--window", "6"), "--window must be a positive multiple of 4")
+    _one_line(run_main("analyze", "entropy", prose_trace), "invalid choice: 'entropy'")
+    _one_line(run_main("analyze", "fmm", prose_trace, "--horizon", "0"), "--horizon must be ≥ 1")
+    _one_line(run_main("analyze", "fmm", prose_trace, "--top-frac", "1.5"), "--top-frac must lie in (0, 1)")
+    _one_line(run_main("analyze", "churn", prose_trace, "--top-frac", "0"), "--top-frac must lie in (0, 1)")
+    _one_line(run_main("analyze", "lir", prose_trace, "--layers", "99"), "--layers outside 0..29")
+    _one_line(run_main("analyze", "fmm", prose_trace, "--dask", "nowhere"), "--dask takes local:N or tcp://")
+    _one_line(run_main("analyze", "fmm", prose_trace, "--window", "6"), "--window must be a positive multiple of 4")
 
 
 @pytest.mark.slow

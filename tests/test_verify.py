@@ -190,8 +190,8 @@ def test_a_root_that_is_not_an_object_is_refused(tmp_path, clean):
             doc["attributes"] = ["schema_version", 1]
             text = json.dumps(doc)
         (store / "zarr.json").write_text(text)
-        one_line(run_cli("info", store), "not a")
-        one_line(run_cli("analyze", "peaks", store), "not a")
+        one_line(run_main("info", store), "not a")
+        one_line(run_main("analyze", "peaks", store), "not a")
 
 
 def test_small_arrays_must_agree_with_the_committed_steps(tmp_path, clean):
