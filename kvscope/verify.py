@@ -146,14 +146,28 @@ def check_recorded(report: Report, ctx: Context, array: str, index, origin, data
     """q/k/v ``[…, pos, …]``: finite on the recorded positions (``< P + committed − 1``), NaN beyond."""
     axis = dims.index("qpos" if "qpos" in dims else "pos")
     s = index[0]
-    start = origin[axis]
     end = int(ctx.checked.prompt_len[s] + ctx.checked.committed[s] - 1)
-    pos = start + np.arange(data.shape[axis])
-    x = np.moveaxis(data, axis, 0)
-    if not np.isfinite(x[pos < end]).all():
+    n_recorded = min(max(end - origin[axis], 0), data.shape[axis])  # positions are contiguous in a chunk
+    x = np.moveaxis(data, axis, 0)  # a view
+    if not _all_finite(x[:n_recorded]):
         report.add(array, index, "non-finite values on recorded positions")
-    elif not np.isnan(x[pos >= end]).all():
+    elif not _all_nan(x[n_recorded:]):
         report.add(array, index, "values on positions that were never recorded (must be NaN)")
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """``np.isfinite(x).all()``; for fp16 on the bits (exponent not all ones), ~10× faster."""
+    if x.dtype == np.float16:
+        return bool(((x.view(np.uint16) & 0x7C00) != 0x7C00).all())
+    return bool(np.isfinite(x).all())
+
+
+def _all_nan(x: np.ndarray) -> bool:
+    """``np.isnan(x).all()``; for fp16 on the bits (exponent all ones, mantissa not zero)."""
+    if x.dtype == np.float16:
+        bits = x.view(np.uint16)
+        return bool((((bits & 0x7C00) == 0x7C00) & ((bits & 0x03FF) != 0)).all())
+    return bool(np.isnan(x).all())
 
 
 def check_rope(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
@@ -249,47 +263,62 @@ def _slabs(rules, spec):
 
 def _chunks(report: Report, ctx: Context) -> None:
     """Every required chunk of every array read through the checked store, slab by slab (zarr
-    decodes a slab's chunks concurrently: more threads of our own only compete with it), then
-    each chunk's values."""
+    decodes a slab's chunks concurrently), then each chunk's values — checked while the next
+    slab is being read (one slab ahead: at most two in memory)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import zarr
 
     checked = ctx.checked
     group = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
-    for spec in schema(checked.layout)[1]:
-        if spec.name in ON_OPEN or spec.name == "attn_sink":  # attn_sink: with attn
-            continue
-        for first, dim, count in _slabs(checked.store.rules, spec):
-            for index, data in _read_slab(report, group[spec.name], spec, first, dim, count):
+    slabs = [
+        (group[spec.name], spec, first, dim, count)
+        for spec in schema(checked.layout)[1]
+        if spec.name not in ON_OPEN and spec.name != "attn_sink"  # attn_sink: with attn
+        for first, dim, count in _slabs(checked.store.rules, spec)
+    ]
+    with ThreadPoolExecutor(1, thread_name_prefix="kvscope-verify-read") as pool:
+        ahead = pool.submit(_read_slab, *slabs[0]) if slabs else None
+        for i, (_, spec, *_) in enumerate(slabs):
+            blocks = ahead.result()
+            ahead = pool.submit(_read_slab, *slabs[i + 1]) if i + 1 < len(slabs) else None
+            for index, data in blocks:
+                if isinstance(data, str):
+                    report.add(spec.name, index, data)
+                    continue
                 report.chunks += 1
                 _values(report, ctx, group, spec, index, data)
 
 
-def _read_slab(report: Report, array, spec, first: tuple, dim: int, count: int):
-    """``(block index, data)`` of ``count`` blocks from ``first`` along ``dim``; a slab that
-    fails is read again block by block, so that each bad chunk is named."""
+def _read_slab(array, spec, first: tuple, dim: int, count: int) -> list[tuple[tuple, np.ndarray | str]]:
+    """``(block index, data or what is wrong with it)`` of ``count`` blocks from ``first`` along
+    ``dim``; a slab that fails is read again block by block, so that each bad chunk is named."""
     blocks = [first[:dim] + (first[dim] + i,) + first[dim + 1 :] for i in range(count)]
     selection = first[:dim] + (slice(first[dim], first[dim] + count),) + first[dim + 1 :]
     try:
         slab = array.get_block_selection(selection)
     except Exception:  # noqa: BLE001 - located below, chunk by chunk
-        for index in blocks:
-            data = read_block(report, array, spec.name, index)
-            if data is not None:
-                yield index, data
-        return
+        return [(index, _block_or_problem(array, index)) for index in blocks]
     size = spec.chunks[dim]
-    for i, index in enumerate(blocks):
-        yield index, slab[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]
+    return [(index, slab[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]) for i, index in enumerate(blocks)]
 
 
-def read_block(report: Report, array, name: str, index):
+def _block_or_problem(array, index) -> np.ndarray | str:
     try:
         return array.get_block_selection(index)
     except DamagedStore as exc:
-        report.add(name, index, exc.problem)
+        return exc.problem
     except Exception as exc:  # noqa: BLE001 - a codec that cannot decode the chunk
-        report.add(name, index, f"cannot be decoded ({type(exc).__name__}: {str(exc)[:80]})")
-    return None
+        return f"cannot be decoded ({type(exc).__name__}: {str(exc)[:80]})"
+
+
+def read_block(report: Report, array, name: str, index):
+    """One block of ``array``, or None with its problem reported."""
+    data = _block_or_problem(array, index)
+    if isinstance(data, str):
+        report.add(name, index, data)
+        return None
+    return data
 
 
 def _values(report: Report, ctx: Context, group, spec, index, data: np.ndarray) -> None:

@@ -108,11 +108,33 @@ def _lowest(top_v, top_p, n, by_position):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def half_to_single(bits, out):  # pragma: no cover - compiled
+    """fp16 bit patterns ``bits`` (uint16) → float32 ``out``, exactly (every one of the 65,536
+    patterns: tests/test_kernels.py), in integer steps the compiler vectorizes: sign moved to
+    bit 31, exponent rebased by 127 − 15 (all ones: Inf/NaN), mantissa shifted by 13; zeros
+    and subnormals are ``± m · 2^-24``."""
+    raw = out.view(np.uint32)
+    for p in range(bits.shape[0]):
+        b = np.uint32(bits[p])
+        e, m = b & np.uint32(0x7C00), b & np.uint32(0x03FF)
+        if e == np.uint32(0x7C00):
+            body = np.uint32(0x7F800000) | (m << np.uint32(13))
+        else:
+            body = ((e + np.uint32(0x1C000)) << np.uint32(13)) | (m << np.uint32(13))
+        raw[p] = ((b & np.uint32(0x8000)) << np.uint32(16)) | body
+    for p in range(bits.shape[0]):
+        b = bits[p]
+        if (b & 0x7C00) == 0:
+            v = np.float32(b & 0x03FF) * np.float32(2.0**-24)
+            out[p] = -v if b & 0x8000 else v
+
+
+@njit(nogil=True, cache=True)
 def row_block_stats(
-    half, table, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks
+    half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks
 ):  # pragma: no cover
     """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
-    (uint16, decoded through ``table``) or as float32 ``full`` (the other one empty). NaN
+    (uint16, decoded by :func:`half_to_single`) or as float32 ``full`` (the other one empty). NaN
     (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
     that stays in cache for every statistic, and checked on the way:
 
@@ -149,19 +171,19 @@ def row_block_stats(
             if fp[t, i] >= n_sink:
                 fp_size += 1
         for h in range(n_heads):
-            nans = 0
             if is_half:
-                for p in range(n_pos):
-                    v = table[half[t, h, p]]
-                    nans += v != v
-                    buf[p] = v if v == v else zero
+                half_to_single(half[t, h], buf)
             else:
-                for p in range(n_pos):
-                    v = full[t, h, p]
-                    nans += v != v
-                    buf[p] = v if v == v else zero
+                buf[:] = full[t, h]
+            nans = 0
+            for p in range(n_pos):
+                v = buf[p]
+                nans += v != v
+                buf[p] = v if v == v else zero
             if qt >= 0:
                 _check_row(buf, qt, nans, n_pos, is_half, checks)
+            if n_units == 0 and k == 0:  # the checks only
+                continue
             for j in range(n_win):  # position order within each window, windows side by side
                 win[j] = buf[n_sink + j * w]
             for i in range(1, w):
@@ -257,7 +279,6 @@ def rows_problem(checks: np.ndarray) -> str | None:
     return None
 
 
-HALF_TABLE = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] every fp16 value
 _NO_HALF = np.empty((0, 0, 0), dtype=np.uint16)
 _NO_FULL = np.empty((0, 0, 0), dtype=np.float32)
 
@@ -276,7 +297,7 @@ def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int
     else:
         half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
     checks = new_checks() if checks is None else checks
-    row_block_stats(half, HALF_TABLE, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks)
+    row_block_stats(half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks)
 
 
 @njit(nogil=True, cache=True)
