@@ -85,7 +85,7 @@ def main() -> None:
     markdown = [
         f"Default model ({args.model}), {args.context}-token prompts; top-8 peaks per row (sinks and the query's own "
         "position excluded), exposure-normalized log2 histogram, discrete truncated power-law MLE with a bootstrap "
-        "95% CI over trace units; AIC against exponential decay and uniform; coverage: mean share of a row's "
+        "95% CI over the prompts (whole samples, every layer and head; with 2–3 prompts a rough one); AIC against exponential decay and uniform; coverage: mean share of a row's "
         "non-sink mass on LogQuant's FP set (W = 32) and on the same number of most recent positions. "
         "LogQuant's claim corresponds to α ≈ 1.",
         "",

@@ -13,7 +13,7 @@ Fit ``density ∝ d^(−α)`` by maximum likelihood of a discrete power law trun
     log L(α) = −α Σ_d n_d log d − Σ_D N_D log Z_α(D),   Z_α(D) = Σ_{d=1}^{D} d^(−α)
 
 (``n_d`` peaks at distance ``d``, ``N_D`` peaks from rows with ``D``), with a bootstrap CI
-over trace units, compared by AIC with a truncated exponential ``∝ e^(−λd)`` and the
+over prompts (``resample="units"``: over trace units), compared by AIC with a truncated exponential ``∝ e^(−λd)`` and the
 uniform ``1/D``. LogQuant's claim corresponds to ``α ≈ 1`` (equal mass per log2 bin).
 
 Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (§5.1, window
