@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from .attention import AttentionRule, LayerRules
+if TYPE_CHECKING:  # the rule needs torch; opening a trace does not
+    from .attention import AttentionRule, LayerRules
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,11 @@ class ModelSpec:
         return float(value) if value is not None else self.head_dim**-0.5
 
     def rule(self, layer: int) -> AttentionRule:
+        from .attention import AttentionRule
+
         return AttentionRule(self.scaling(layer), self.attn_logit_softcapping, self.window(layer))
 
     def rules(self) -> LayerRules:
+        from .attention import LayerRules
+
         return LayerRules(tuple(self.rule(layer) for layer in range(self.n_layers)))

@@ -13,20 +13,27 @@ of one (sample, layer), so the analyses accept them wherever they accept stored 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dask
 import dask.array as dsa
 import numpy as np
-import torch
 import xarray as xr
 
-from ..attention import AttentionRule, grouped
 from ..errors import KvscopeError
+
+if TYPE_CHECKING:  # torch is imported by the recomputation only: reading a trace never needs it
+    from ..attention import AttentionRule
 
 STEP_BLOCK = 64  # steps whose logits are computed together: [steps, head, pos] float32 at a time
 
 
 def _layer_rows(q, k, qpos, rule: AttentionRule, heads: str) -> np.ndarray:
     """q [qpos, head, D], k [kv_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos] float32."""
+    import torch
+
+    from ..attention import grouped
+
     n_heads, n_kv, n_pos = q.shape[1], k.shape[0], k.shape[1]
     out = np.full((len(qpos), n_heads if heads == "all" else n_kv, n_pos), np.nan, dtype=np.float32)
     keys = torch.from_numpy(np.nan_to_num(np.asarray(k, dtype=np.float32)))  # [kv, pos, D]

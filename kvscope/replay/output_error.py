@@ -13,12 +13,16 @@ observes), per layer and query head, with the model's attention rule (:mod:`kvsc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ..attention import LayerRules, softmax
 from ..policies import CacheState
+
+if TYPE_CHECKING:  # torch only where errors are computed (q/k/v recorded): replay itself is numpy
+    import torch
+
+    from ..attention import LayerRules
 from ..tiers import TIER_FP, TIER_Q
 
 
@@ -36,6 +40,10 @@ class Reference:
 
 def reference(rules: LayerRules, query: np.ndarray, k: torch.Tensor, v: torch.Tensor, qpos: int) -> Reference:
     """``query [L, head, D]`` (numpy) against the full cache ``k``, ``v [L, Hkv, ≥ qpos+1, D]``."""
+    import torch
+
+    from ..attention import softmax
+
     n, n_kv = qpos + 1, k.shape[1]
     q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
     logits = rules.logits(q, k[:, :, :n])
@@ -61,6 +69,10 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     relative L2 error ``[L, Hkv]`` (module docstring). ``k``/``v``: torch float32 full KV;
     ``buffers``: two float32 tensors shaped like them to convert dequantized values into.
     A cache that only evicts reuses the full-KV logits; one that lost nothing is exact."""
+    import torch
+
+    from ..attention import softmax
+
     n = qpos + 1
     tiers = state.tiers[..., :n]
     if (tiers == TIER_FP).all() and (state.ledger is None or not state.ledger.done[..., :n].any()):
