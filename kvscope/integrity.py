@@ -52,7 +52,8 @@ class DamagedStore(StoreError):
 # -- 1. attributes --------------------------------------------------------------------------
 
 
-def _is_int(v, low: int = 0) -> bool:
+def is_int(v, low: int = 0) -> bool:
+    """``v`` is an integer (not a bool) ≥ ``low``."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
@@ -70,13 +71,13 @@ def check_attrs(path, attrs) -> None:
     need(attrs.get("resolution") in ("token", "window"), "resolution", "token or window", attrs.get("resolution"))
     need(attrs.get("dtype") in ("float16", "float32"), "dtype", "float16 or float32", attrs.get("dtype"))
     w = attrs.get("w")
-    need(_is_int(w, 4) and w % 4 == 0, "w", "a positive multiple of 4", w)
+    need(is_int(w, 4) and w % 4 == 0, "w", "a positive multiple of 4", w)
     for name, low in (("n_sink", 0), ("obs_window", 1), ("block_steps", 1)):
-        need(_is_int(attrs.get(name), low), name, f"an integer ≥ {low}", attrs.get(name))
+        need(is_int(attrs.get(name), low), name, f"an integer ≥ {low}", attrs.get(name))
     need(isinstance(attrs.get("record_qkv"), bool), "record_qkv", "true or false", attrs.get("record_qkv"))
     committed, done = attrs.get("steps_committed"), attrs.get("samples_done")
     need(
-        isinstance(committed, list) and len(committed) > 0 and all(_is_int(c) for c in committed),
+        isinstance(committed, list) and len(committed) > 0 and all(is_int(c) for c in committed),
         "steps_committed", "a list of counts ≥ 0, one per sample", committed,
     )  # fmt: skip
     if done is not None:
@@ -86,13 +87,13 @@ def check_attrs(path, attrs) -> None:
     config = model.get("config") if isinstance(model, dict) else None
     need(isinstance(config, dict), "model.config", "an object", config)
     for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
-        need(_is_int(config.get(name), 1), f"model.config.{name}", "an integer ≥ 1", config.get(name))
+        need(is_int(config.get(name), 1), f"model.config.{name}", "an integer ≥ 1", config.get(name))
     need(config["n_heads"] % config["n_kv_heads"] == 0, "model.config.n_heads", "a multiple of n_kv_heads", config)
     vocab = config.get("vocab_size")
-    need(vocab is None or _is_int(vocab, 1), "model.config.vocab_size", "an integer ≥ 1", vocab)
+    need(vocab is None or is_int(vocab, 1), "model.config.vocab_size", "an integer ≥ 1", vocab)
     policy = attrs.get("policy")
     if policy is not None:
-        need(isinstance(policy, dict) and _is_int(policy.get("every"), 1), "policy.every", "an integer ≥ 1", policy)
+        need(isinstance(policy, dict) and is_int(policy.get("every"), 1), "policy.every", "an integer ≥ 1", policy)
     prompts = attrs.get("prompts")
     if prompts is not None:
         ok = isinstance(prompts, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in prompts)
@@ -183,7 +184,7 @@ def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
     grid = meta.get("chunk_grid")
     shape = _config(grid).get("chunk_shape")
     regular = isinstance(grid, dict) and grid.get("name") == "regular"
-    if not (regular and isinstance(shape, list) and len(shape) == rank and all(_is_int(n, 1) for n in shape)):
+    if not (regular and isinstance(shape, list) and len(shape) == rank and all(is_int(n, 1) for n in shape)):
         raise StoreError(f"{path}: array {name} has chunk grid {grid}, not a regular grid of {rank} chunk sizes")
     return shape
 
@@ -267,7 +268,7 @@ def expected_layout(path, attrs: dict, metas: dict):
 def _shape(meta: dict) -> list[int]:
     """An array's shape if it is a list of positive integers, else []."""
     shape = meta.get("shape")
-    return shape if isinstance(shape, list) and all(_is_int(n, 1) for n in shape) else []
+    return shape if isinstance(shape, list) and all(is_int(n, 1) for n in shape) else []
 
 
 def check_schema(path, attrs: dict, metas: dict):

@@ -271,10 +271,12 @@ def _chunks(report: Report, ctx: Context) -> None:
 
     checked = ctx.checked
     group = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
+    specs = [s for s in schema(checked.layout)[1] if s.name not in ON_OPEN and s.name != "attn_sink"]  # sink: with attn
+    names = [spec.name for spec in specs] + (["attn_sink"] if "attn_sink" in group else [])
+    arrays = {name: group[name] for name in names}  # each opened once
     slabs = [
-        (group[spec.name], spec, first, dim, count)
-        for spec in schema(checked.layout)[1]
-        if spec.name not in ON_OPEN and spec.name != "attn_sink"  # attn_sink: with attn
+        (arrays[spec.name], spec, first, dim, count)
+        for spec in specs
         for first, dim, count in _slabs(checked.store.rules, spec)
     ]
     with ThreadPoolExecutor(1, thread_name_prefix="kvscope-verify-read") as pool:
@@ -287,7 +289,7 @@ def _chunks(report: Report, ctx: Context) -> None:
                     report.add(spec.name, index, data)
                     continue
                 report.chunks += 1
-                _values(report, ctx, group, spec, index, data)
+                _values(report, ctx, arrays, spec, index, data)
 
 
 def _read_slab(array, spec, first: tuple, dim: int, count: int) -> list[tuple[tuple, np.ndarray | str]]:
@@ -321,11 +323,11 @@ def read_block(report: Report, array, name: str, index):
     return data
 
 
-def _values(report: Report, ctx: Context, group, spec, index, data: np.ndarray) -> None:
+def _values(report: Report, ctx: Context, arrays: dict, spec, index, data: np.ndarray) -> None:
     name = spec.name
     origin = tuple(i * c for i, c in zip(index, spec.chunks, strict=True))
     if name == "attn" and ctx.checked.attrs["resolution"] == "window":
-        sinks = read_block(report, group["attn_sink"], "attn_sink", index)
+        sinks = read_block(report, arrays["attn_sink"], "attn_sink", index)
         if sinks is not None:
             check_windows(report, ctx, index, origin, data, sinks)
     elif name == "attn":

@@ -31,7 +31,16 @@ import numpy as np
 import xarray as xr
 
 from ..errors import StoreError, first_line
-from ..integrity import ChunkRules, DamagedStore, TraceStore, check_encoding, chunk_shape, group_attributes, read_metas
+from ..integrity import (
+    ChunkRules,
+    DamagedStore,
+    TraceStore,
+    check_encoding,
+    chunk_shape,
+    group_attributes,
+    is_int,
+    read_metas,
+)
 from .store import CHECKSUM_ATTR, TIER_DIMS, attributes_checksum
 
 KIND = "kvscope replay"
@@ -133,7 +142,7 @@ def value_problem(name: str, data: np.ndarray) -> str | None:
 
 
 def _int(low: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer ≥ {low}"
+    return lambda v: is_int(v, low), f"an integer ≥ {low}"
 
 
 def _one_of(*values):
@@ -148,7 +157,7 @@ ATTRIBUTES = {
     "n_sink": _int(0),
     "w": _int(1),
     "lir_m": _int(1),
-    "lir_h": (lambda v: v == "none" or _int(1)[0](v), "an integer ≥ 1 or none"),
+    "lir_h": (lambda v: v == "none" or is_int(v, 1), "an integer ≥ 1 or none"),
     "delta": _int(1),
     "resample": _one_of("samples", "units"),
     "ci": _TEXT,
@@ -217,9 +226,7 @@ def check_arrays(path, metas: dict) -> dict[str, int]:
         if meta.get("dimension_names") != list(spec.dims):
             raise StoreError(f"{path}: array {name} has dims {meta.get('dimension_names')}, expected {list(spec.dims)}")
         shape = meta.get("shape")
-        if not (
-            isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-        ):
+        if not (isinstance(shape, list) and all(is_int(n) for n in shape)):
             raise StoreError(f"{path}: array {name} has shape {shape!r}, not a list of sizes")
         chunks = chunk_shape(path, name, meta, len(shape))
         if any(c > max(n, 1) for c, n in zip(chunks, shape, strict=True)):
@@ -267,7 +274,6 @@ class CheckedResult:
     path: Path
     group: object  # zarr.Group over a TraceStore
     attrs: dict
-    policies: dict
     sizes: dict[str, int]
     coords: dict[str, np.ndarray]
 
@@ -280,10 +286,10 @@ class CheckedResult:
         return read_array(self.path, self.group[name], name)
 
 
-def read_array(path, array, name: str, selection=Ellipsis) -> np.ndarray:
-    """``array[selection]`` through the checked store; a chunk that does not decode → one line."""
+def read_array(path, array, name: str) -> np.ndarray:
+    """The whole ``array`` through the checked store; a chunk that does not decode → one line."""
     try:
-        return np.asarray(array[selection])
+        return np.asarray(array[...])
     except DamagedStore:
         raise
     except Exception as exc:  # noqa: BLE001 - a chunk whose bytes are right but metadata is not
@@ -317,7 +323,7 @@ def check_result(path) -> CheckedResult:
         for p, n, k in zip(labels, coords["policy_name"], coords["policy_kind"], strict=True)
     ):
         raise StoreError(f"{path}: attribute policies does not describe the policies {labels}")
-    return CheckedResult(path, group, attrs, policies, sizes, coords)
+    return CheckedResult(path, group, attrs, sizes, coords)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -374,7 +380,7 @@ def verify_result(path):
         report.add("store", "-", str(exc))
         return report
     check_consolidated(report, Path(path))
-    report.chunks += len(COORDINATES)
+    report.chunks += sum(checked.group[name].nchunks for name in COORDINATES)  # read and checked on open
     for name in checked.variables:
         array = checked.group[name]
         grid = (range(math.ceil(n / c)) for n, c in zip(array.shape, array.chunks, strict=True))

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..policies import CacheState
+from ..tiers import TIER_FP, TIER_Q
 
 if TYPE_CHECKING:  # torch only where errors are computed (q/k/v recorded): replay itself is numpy
     import torch
 
     from ..attention import LayerRules
-from ..tiers import TIER_FP, TIER_Q
 
 
 @dataclass
