@@ -91,6 +91,24 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
         "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "
         f"CI: {result.attrs.get('ci', 'bootstrap')}."
     )
+    for line in press_settings(result):
+        print(line)
+
+
+def press_settings(result: xr.Dataset) -> list[str]:
+    """One line per kvpress press and budget: the setting that makes it hold β's bytes
+    (mean over samples, and the range where samples differ)."""
+    lines = []
+    for label, budgets in json.loads(result.attrs.get("press_settings", "{}")).items():
+        for budget, settings in budgets.items():
+            parts = []
+            for key, values in settings.items():
+                values = [v for v in values if v is not None]
+                lo, hi, mean = min(values), max(values), sum(values) / len(values)
+                spread = "" if lo == hi else f" ({lo:.4g}–{hi:.4g} by sample)"
+                parts.append(f"{key} {mean:.4g}{spread}")
+            lines.append(f"{label} at β = {budget}: kvpress {', '.join(parts)}")
+    return lines
 
 
 def print_rows(rows: list[tuple[str, str]], title: str) -> None:

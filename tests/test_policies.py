@@ -18,7 +18,7 @@ BUDGETS = (0.4, 0.7)
 
 # one entry per registered policy (defaults) plus the variants the issue names
 CASES = [
-    *[name for name in available() if name != "qevict"],
+    *[name for name, cls in available().items() if name != "qevict" and not cls.reads_queries],  # presses: test_presses
     "qevict:local=16",
     "qevict:local=16:q_frac=0",
     "qevict:local=16:key_prerope=false",
@@ -131,7 +131,7 @@ def test_deterministic(case):
 
 
 def test_registry_and_parsing():
-    assert list(available()) == ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
+    assert list(available()) == ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle", "press"]
     p = make("qevict", q_frac=0.5)
     assert p.q_frac == 0.5 and p.label() == "qevict:q_frac=0.5"
     assert parse("qevict:q_frac=0.5:key_prerope=false").key_prerope is False
@@ -176,9 +176,11 @@ def test_h2o_keeps_the_recent_half_and_heavy_hitters():
 
 
 def test_snapkv_scores_the_prompt_with_pooled_observation_rows():
-    from kvscope.policies.snapkv import max_pool
+    from kvscope.policies.snapkv import pool
 
-    assert max_pool(np.array([0.0, 5.0, 0.0, 0.0, 0.0, 1.0]), 3).tolist() == [5, 5, 5, 0, 1, 1]
+    assert pool(np.array([0.0, 5.0, 0.0, 0.0, 0.0, 1.0]), 3).tolist() == [5, 5, 5, 0, 1, 1]
+    # avg: zeros past the ends, divided by the kernel (torch's avg_pool1d default)
+    assert pool(np.array([3.0, 0.0, 0.0, 6.0]), 3, "avg").tolist() == [1, 1, 2, 2]
     state, tiers, _ = drive("snapkv", 0.7)
     first = tiers[0]
     n_prompt = state.spec.fp_capacity_tokens - (S)  # ⌊0.7·224⌋ − 64 = 92

@@ -63,6 +63,10 @@ def live_policy(policy: Policy | str) -> Policy:
     policy = parse(policy) if isinstance(policy, str) else policy
     if policy.clairvoyant:
         raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
+    if policy.reads_queries:
+        raise KvscopeError(
+            f"{policy.label()} replays offline only; run it live with kvpress's own pipeline (kvscope has no live press cache yet)"
+        )
     return policy
 
 

@@ -3,6 +3,7 @@
     make("qevict", q_frac=0.5)          a policy object; its fields are its parameters
     available()                         {name: class} of every registered policy
     parse("qevict:q_frac=0.5:bits=4")   the CLI's spelling of the same
+    parse("press:SnapKVPress:window_size=64")   a press of NVIDIA kvpress (optional extra)
 
 Each policy's ``start(spec, k, v, rope)`` returns the per-sequence :class:`CacheState` that
 the one :class:`PolicyDriver` runs — offline in :func:`kvscope.replay`, online in
@@ -23,12 +24,13 @@ from .h2o import H2O
 from .kivi import KIVI
 from .logquant import LogQuant, LogQuantIndex
 from .oracle import Oracle
+from .press import Press
 from .qevict import QEvict
 from .snapkv import SnapKV
 from .streaming import Streaming
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, Streaming, H2O, SnapKV, KIVI, LogQuant, QEvict, Oracle)
+    cls.name: cls for cls in (Full, Streaming, H2O, SnapKV, KIVI, LogQuant, QEvict, Oracle, Press)
 }
 
 
@@ -63,6 +65,8 @@ def parse(spec: str) -> Policy:
     """``"name"`` or ``"name:key=value:key=value"`` → a policy."""
     name, *pairs = spec.strip().split(":")
     cls = _policy_class(name)
+    if cls is Press:
+        return Press.from_text(pairs)
     params = {}
     for pair in pairs:
         if "=" not in pair:
@@ -88,6 +92,7 @@ __all__ = [
     "Oracle",
     "Policy",
     "PolicyDriver",
+    "Press",
     "QEvict",
     "SnapKV",
     "Streaming",

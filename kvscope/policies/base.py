@@ -270,6 +270,7 @@ class CacheState:
         self.reached = True
         self.ledger = ledger
         self.evicted_ever = np.zeros(self.tiers.shape, dtype=bool)
+        self.pooled = False  # the budget holds for all layers and heads together, not per unit
 
     # -- driven by the replay or a live cache ---------------------------------------------
     def prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
@@ -340,6 +341,7 @@ class Policy:
     quantizes: ClassVar[bool] = False
     observes: ClassVar[bool] = False  # decisions use the rows served at each step
     observes_prefill: ClassVar[bool] = False  # decisions use the prompt's attention (colsum, tail)
+    reads_queries: ClassVar[bool] = False  # start() also takes the recorded q and the model spec
 
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
         raise NotImplementedError

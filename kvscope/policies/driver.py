@@ -60,7 +60,12 @@ class PolicyDriver:
         self.step += 1
         st = self.state
         self.used = st.bytes_used()
-        if st.reached and st.spec.exceeded(self.used):
+        if st.reached and st.pooled and st.spec.exceeded_total(self.used.sum()):
+            raise BudgetExceeded(
+                f"{self.policy.label()} used {self.used.sum():.0f} bytes in all at step "
+                f"{self.step}{self.where}, over its budget {st.spec.total_capacity:.0f} (β = {st.spec.budget})"
+            )
+        if st.reached and not st.pooled and st.spec.exceeded(self.used):
             raise BudgetExceeded(
                 f"{self.policy.label()} used {self.used.max():.0f} bytes per (layer, kv_head) at step "
                 f"{self.step}{self.where}, over its budget {st.spec.capacity:.0f} (β = {st.spec.budget})"

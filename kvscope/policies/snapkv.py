@@ -2,10 +2,15 @@
 attend; decode tokens all stay.
 
 Scores of prompt position ``p < P − obs`` per (layer, kv_head): ``Σ_o tail[o, p]`` over
-the last ``obs_window`` prefill rows, max-pooled over positions with kernel ``kernel``
-(stride 1, same padding). Keep the top ``n_prompt − obs`` of them plus the observation
-window itself, with ``n_prompt = ⌊B / FP_bytes⌋ − S`` so that the decode tokens still fit
-at the final length. Evictions are permanent."""
+the last ``obs_window`` prefill rows, pooled over positions with kernel ``kernel`` (stride 1,
+same padding): ``avg`` is ``F.avg_pool1d`` (zeros past the ends, divided by ``kernel``),
+``max`` the maximum over the positions that exist. Keep the top ``n_prompt − obs`` of them
+plus the observation window itself, with ``n_prompt = ⌊B / FP_bytes⌋ − S`` so that the
+decode tokens still fit at the final length. Evictions are permanent.
+
+Defaults are the official implementation's (FasterDecoding/SnapKV, ``init_snapkv``: window
+32, kernel 5, average pooling); its LongBench ablations use ``kernel=7:pooling=max``, and
+kvpress's ``SnapKVPress`` window 64, kernel 5, average (docs/replay.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +25,14 @@ from .base import CacheSpec, CacheState, Policy, top_k_mask
 
 @dataclass
 class SnapKV(Policy):
-    obs_window: int | None = param(None, low=1, help="observation rows scored", none="the rows the trace stored")
-    kernel: int = param(7, low=1, help="max-pool kernel (odd)")
+    obs_window: int | None = param(
+        None,
+        low=1,
+        help="observation rows scored",
+        none="the rows the trace stored (32 by default, the official window)",
+    )
+    kernel: int = param(5, low=1, help="pooling kernel (odd)")
+    pooling: str = param("avg", choices=("avg", "max"), help="how scores are pooled over positions")
 
     name = "snapkv"
     observes_prefill = True
@@ -36,12 +47,15 @@ class SnapKV(Policy):
         return _SnapKVState(self, spec)
 
 
-def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
-    """Max over ``[p − kernel//2, p + kernel//2]`` along the last axis (edges padded with −∞)."""
+def pool(x: np.ndarray, kernel: int, how: str = "max") -> np.ndarray:
+    """``max`` or ``avg`` over ``[p − kernel//2, p + kernel//2]`` along the last axis; the edges
+    are padded with −∞ for ``max`` and with 0 for ``avg`` (which divides by ``kernel``, as
+    ``torch.nn.functional.avg_pool1d`` does by default)."""
     half = kernel // 2
-    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=-np.inf)
+    fill = -np.inf if how == "max" else 0.0
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=fill)
     windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)
-    return windows.max(-1)
+    return windows.max(-1) if how == "max" else windows.sum(-1) / kernel
 
 
 class _SnapKVState(CacheState):
@@ -62,7 +76,7 @@ class _SnapKVState(CacheState):
             return
         prefix = p - obs
         window_rows = np.nan_to_num(tail[..., tail.shape[-2] - obs :, :prefix].astype(np.float64))
-        scores = max_pool(window_rows.sum(-2), self.policy.kernel)  # [layer, kv_head, prefix]
+        scores = pool(window_rows.sum(-2), self.policy.kernel, self.policy.pooling)  # [layer, kv_head, prefix]
         candidates = np.ones(scores.shape, dtype=bool)
         keep = top_k_mask(scores, candidates, n_prompt - obs)
         self.evict(~keep)

@@ -111,8 +111,12 @@ class ReplaySetup:
         if observe == "exact" and not acc.has_qkv:
             raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")
         steps = np.arange(0, ds.sizes["step"], every or acc.w)
+        policies = resolve_policies(policies)
+        needs_qkv = [p.label() for p in policies if p.reads_queries]
+        if needs_qkv and not acc.has_qkv:
+            raise KvscopeError(f"{needs_qkv[0]} needs recorded q/k/v (trace with --record qkv)")
         return cls(
-            ds, resolve_policies(policies), resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
+            ds, policies, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
             with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize,
         )  # fmt: skip
 
@@ -232,6 +236,8 @@ def replay(
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
+        if outputs.settings:
+            result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result
@@ -281,6 +287,17 @@ def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
         "kv_itemsize": setup.kv_itemsize,
         "replay_seconds": round(seconds, 3),
     }
+
+
+def _press_settings(setup: ReplaySetup, settings: dict) -> str:
+    """JSON ``{policy label: {β: {setting: [value per sample]}}}``: what each press was set to
+    so that it holds the budget's bytes (kvscope.policies.press)."""
+    out: dict = {}
+    for (pi, bi, s), setting in sorted(settings.items()):
+        per_budget = out.setdefault(setup.policies[pi].label(), {}).setdefault(f"{setup.budgets[bi]:g}", {})
+        for key, value in setting.items():
+            per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
+    return json.dumps(out)
 
 
 def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:

@@ -66,6 +66,10 @@ class SampleReader:
             self._kv_groups(np.nan_to_num(tail.astype(np.float32)), 1),
         )
 
+    def queries(self) -> np.ndarray:
+        """Recorded queries of every position ``[final_len, layer, head, D]`` float32 (post-RoPE)."""
+        return self.ds["q"].isel(sample=self.s, qpos=slice(0, self.final_len)).values.astype(np.float32)
+
     def kv(self) -> tuple[np.ndarray, np.ndarray]:
         """Recorded ``k, v [layer, kv_head, final_len, D]`` in the stored dtype."""
         k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values

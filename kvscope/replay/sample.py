@@ -78,7 +78,9 @@ class SampleReplay:
         self.reader = SampleReader(setup.ds, s, setup.group)
         r = self.reader
         self.colsum, self.tail = r.prefill()
-        self.kv = self.kv32 = self.buffers = None
+        self.kv = self.kv32 = self.buffers = self.queries = None
+        if any(policy.reads_queries for policy in setup.policies):
+            self.queries = r.queries()  # [pos, layer, head, D] (kvpress presses)
         if setup.has_qkv:
             import torch
 
@@ -100,9 +102,10 @@ class SampleReplay:
 
     def _start(self, gi: int, policy, budget) -> Run:
         st = self.setup
-        values_needed = policy.quantizes and (st.with_errors or st.observe == "exact")
+        values_needed = policy.reads_queries or (policy.quantizes and (st.with_errors or st.observe == "exact"))
         k, v = self.kv if values_needed else (None, None)
-        state = policy.start(self.spec(budget), k, v, st.rope)
+        recorded = {"q": self.queries, "model": st.ds.kvscope.model} if policy.reads_queries else {}
+        state = policy.start(self.spec(budget), k, v, st.rope, **recorded)
         pi, bi = divmod(gi, len(st.budgets))
         record = self.outputs.record(pi, bi, self.s, state.tiers.shape)
         return Run(PolicyDriver(state, where=f" of sample {self.s}"), record, st.horizons[-1])

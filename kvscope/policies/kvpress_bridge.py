@@ -1,0 +1,474 @@
+"""NVIDIA kvpress's own press classes, driven by recorded tensors instead of a model.
+
+A press is written against a transformers attention layer: after the layer's prefill forward,
+``press.forward_hook(module, input, kwargs, output)`` reads the layer's cache and hidden
+states and writes back the keys and values it keeps. Here every layer gets a stand-in that
+carries what presses read, built from a trace recorded with ``--record qkv``::
+
+    module          config (heads, KV heads, layers), layer_idx, head_dim, rotary_emb
+                    (cos, sin from the recorded inv_freq and attention scaling), q_proj = identity
+    hidden_states   the layer's pre-RoPE queries ``[1, n, H·D]`` (recorded q with RoPE undone):
+                    what ``q_proj(hidden_states)`` gives a press is exactly the model's queries
+    cache           ``cache.layers[l].keys/values [1, Hkv, n, D]``: the recorded post-RoPE K/V
+                    of the positions the press kept so far
+    output[1]       attention ``[1, H, P, P]`` by kvscope's attention rule, for the presses that
+                    read the layer's attention weights (ObservedAttention); None otherwise, as
+                    under sdpa
+
+Which positions a press keeps is read from the press itself: the ``gather`` it applies to
+the cache's keys (observed with a :class:`torch.overrides.TorchFunctionMode`, nothing
+patched) and the ``masked_key_indices`` AdaKV leaves on the module. Keys it returns are
+checked to be exactly that gather; a press that merges, re-rotates or quantizes what it keeps
+is refused. Anything a press reads that a trace does not hold (a projection's weights, a
+norm, extra forward passes) raises one line naming it.
+
+kvpress pins ``transformers<5.3`` and patches transformers' attention functions on import;
+:func:`load` imports it lazily and puts the attention functions back as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..errors import KvscopeError
+
+KVPRESS_VERSION = "0.5.5"
+INSTALL = (
+    f"pip install --no-deps kvpress=={KVPRESS_VERSION} peft && "
+    "pip install cachetools datasets 'fire<0.7' pandas requests (README: kvpress presses)"
+)
+NEEDS_ATTENTIONS = ("ObservedAttentionPress",)  # scorers that read the layer's attention weights
+ALIASES = {"base": "base_press"}  # press:DecodingPress:base=KnormPress
+SET_BY_BUDGET = ("compression_ratio", "target_size")
+
+
+@functools.cache
+def load():
+    """The ``kvpress`` module, imported once; transformers' attention functions unchanged."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError as error:  # pragma: no cover - transformers is a dependency
+        raise KvscopeError(f"press policies need transformers ({error})") from None
+    saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping), dict(type(ALL_ATTENTION_FUNCTIONS)._global_mapping)
+    try:
+        import kvpress
+    except ImportError as error:
+        raise KvscopeError(f"press policies need kvpress ({error}); install it: {INSTALL}") from None
+    except Exception as error:  # noqa: BLE001 - kvpress fails to import on this transformers
+        raise KvscopeError(f"kvpress cannot be imported here ({type(error).__name__}: {error})") from None
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved[0])
+        type(ALL_ATTENTION_FUNCTIONS)._global_mapping.clear()
+        type(ALL_ATTENTION_FUNCTIONS)._global_mapping.update(saved[1])
+    return kvpress
+
+
+def press_classes() -> dict[str, type]:
+    """Every press class kvpress exports, by name."""
+    kvpress = load()
+    return {
+        name: cls
+        for name in kvpress.__all__
+        if isinstance(cls := getattr(kvpress, name), type) and issubclass(cls, kvpress.BasePress)
+    }
+
+
+def press_class(name: str) -> type:
+    classes = press_classes()
+    if name not in classes:
+        raise KvscopeError(f"unknown press {name!r} (kvpress has: {', '.join(sorted(classes))})")
+    return classes[name]
+
+
+def _hints(cls) -> dict:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: take it as written
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _press_types(hint) -> tuple[type, ...]:
+    """The press classes a field accepts (empty for a plain value)."""
+    base = load().BasePress
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, type(int | None)) else (hint,)
+    return tuple(o for o in options if isinstance(o, type) and issubclass(o, base))
+
+
+def fields(cls) -> dict[str, typing.Any]:
+    """``{name: type}`` of a press's dataclass fields."""
+    hints = _hints(cls)
+    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(cls) if f.init}
+
+
+def _parse_value(owner: str, key: str, hint, text: str):
+    if _press_types(hint):
+        cls = press_class(text)
+        if not issubclass(cls, _press_types(hint)):
+            allowed = ", ".join(t.__name__ for t in _press_types(hint))
+            raise KvscopeError(f"press {owner} parameter {key} must be a press of kind {allowed} (got {text})")
+        return cls
+    kind = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
+    try:
+        if kind is bool:
+            from ..params import parse_bool
+
+            return parse_bool(text)
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+    except ValueError:
+        raise KvscopeError(
+            f"press {owner} parameter {key} must be {getattr(kind, '__name__', kind)} (got {text!r})"
+        ) from None
+    raise KvscopeError(f"press {owner} parameter {key} ({hint}) cannot be given on the command line")
+
+
+def route(name: str, options: tuple[tuple[str, str], ...]) -> dict:
+    """``press`` and ``name=value`` options → a tree ``{"class": cls, "values": {...}}``: each key
+    goes to the outermost press that has it (``base`` is kvpress's ``base_press``), a press-typed
+    value opens a nested press."""
+    cls = press_class(name)
+    tree = {"class": cls, "values": {}}
+    nested: list[dict] = []
+    for key, text in options:
+        key = ALIASES.get(key, key)
+        if key in SET_BY_BUDGET:
+            raise KvscopeError(f"press parameter {key} is set from the budget β (give --budgets instead)")
+        owner = next((node for node in [tree, *nested] if key in fields(node["class"])), None)
+        if owner is None:
+            known = sorted({k for node in [tree, *nested] for k in fields(node["class"])} - set(SET_BY_BUDGET))
+            raise KvscopeError(f"press {name} has no parameter {key!r} (has: {', '.join(known) or 'none'})")
+        value = _parse_value(owner["class"].__name__, key, fields(owner["class"])[key], text)
+        if isinstance(value, type):
+            child = {"class": value, "values": {}}
+            owner["values"][key] = child
+            nested.append(child)
+        else:
+            owner["values"][key] = value
+    return tree
+
+
+def build(tree: dict):
+    """A fresh press object from a :func:`route` tree (nested presses first); kvpress's own
+    checks (assertions in ``__post_init__``) become one line."""
+    cls = tree["class"]
+    values = {k: build(v) if isinstance(v, dict) else v for k, v in tree["values"].items()}
+    for key, hint in fields(cls).items():  # a press that needs a press and got none
+        field = next(f for f in dataclasses.fields(cls) if f.name == key)
+        if key not in values and _press_types(hint) and field.default is dataclasses.MISSING:
+            raise KvscopeError(f"press {cls.__name__} needs {key}=<press> (e.g. {key}=KnormPress)")
+    try:
+        return cls(**values)
+    except (AssertionError, ValueError, TypeError) as error:
+        raise KvscopeError(f"press {cls.__name__}: {error or type(error).__name__}") from None
+
+
+def presses_in(press) -> list:
+    """``press`` and every press nested in it."""
+    out = [press]
+    for f in dataclasses.fields(press):
+        value = getattr(press, f.name, None)
+        if isinstance(value, load().BasePress):
+            out += presses_in(value)
+    return out
+
+
+class LayerStandIn:
+    """What a press reads of one attention layer (see the module docstring); reading anything
+    else raises an ``AttributeError`` that names it."""
+
+    def __init__(self, config, layer_idx: int, head_dim: int, rotary):
+        import torch
+
+        self.config, self.layer_idx, self.head_dim = config, layer_idx, head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.q_proj = torch.nn.Identity()  # hidden states are the queries already
+        self.rotary_emb = rotary
+        self.is_sliding = False
+        self.training = False
+        self.missing: list[str] = []
+
+    def __getattr__(self, name: str):
+        if not name.startswith("__"):
+            self.__dict__.setdefault("missing", []).append(name)
+        raise AttributeError(f"the recorded layer has no {name!r}")
+
+
+def config_of(model, attentions: bool) -> SimpleNamespace:
+    """The model config a press reads (sizes only; ``_attn_implementation`` says whether the
+    layer's attention weights are given, as eager does)."""
+    return SimpleNamespace(
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        num_hidden_layers=model.n_layers,
+        head_dim=model.head_dim,
+        hidden_size=model.n_heads * model.head_dim,
+        _attn_implementation="eager" if attentions else "sdpa",
+    )
+
+
+class GatherRecorder:
+    """Records the index of the last ``gather`` along the position dim applied to ``keys``
+    inside the ``with`` block (the positions a press keeps)."""
+
+    def __init__(self, keys):
+        self.keys, self.index = keys, None
+
+    def __enter__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        recorder = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in (torch.Tensor.gather, torch.gather) and args and args[0] is recorder.keys:
+                    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                    index = args[2] if len(args) > 2 else kwargs.get("index")
+                    if dim in (2, -2):
+                        recorder.index = index
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+class Rotary:
+    """``rotary_emb(x, position_ids) → (cos, sin) [batch, n, D]`` of one layer, from the
+    recorded rotary parameters (identity where the model has none)."""
+
+    def __init__(self, rope, layer: int, head_dim: int):
+        self.rope, self.layer, self.head_dim = rope, layer, head_dim
+
+    def numpy(self, positions):
+        """``cos, sin [n, D]`` float32 of ``positions [n]``."""
+        import numpy as np
+
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.rope is None:
+            return np.ones((len(positions), self.head_dim), np.float32), np.zeros(
+                (len(positions), self.head_dim), np.float32
+            )
+        cos, sin = self.rope.tables(int(positions.max()) + 1 if positions.size else 1, self.head_dim)
+        return cos[self.layer, positions], sin[self.layer, positions]
+
+    def __call__(self, x, position_ids):
+        import torch
+
+        cos, sin = self.numpy(position_ids.reshape(-1).cpu().numpy())
+        shape = (*position_ids.shape, self.head_dim)
+        return torch.from_numpy(cos).to(x.dtype).reshape(shape), torch.from_numpy(sin).to(x.dtype).reshape(shape)
+
+
+class PressRunner:
+    """One sequence's press over every layer: the stand-in caches and which positions they hold.
+
+    ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded (post-RoPE);
+    ``rope`` the trace's rotary parameters; ``model`` its :class:`~kvscope.model_spec.ModelSpec`."""
+
+    def __init__(self, press, spec, k, v, q, rope, model):
+        import torch
+
+        kvpress = load()
+        self.press, self.spec, self.model = press, spec, model
+        self.label = type(press).__name__
+        self.attentions = any(type(p).__name__ in NEEDS_ATTENTIONS for p in presses_in(press))
+        self.decodes = isinstance(press, (kvpress.DecodingPress, kvpress.PrefillDecodingPress))
+        config = config_of(model, self.attentions)
+        rope = rope if rope is not None and rope.usable() else None
+        self.n_rot = rope.n_rot if rope is not None else 0
+        self.rope = rope
+        self.modules = [
+            LayerStandIn(config, layer, model.head_dim, Rotary(rope, layer, model.head_dim))
+            for layer in range(model.n_layers)
+        ]
+        self.k = torch.from_numpy(np.asarray(k)).float()  # [layer, kv_head, pos, D]
+        self.v = torch.from_numpy(np.asarray(v)).float()
+        self.q = q  # [qpos, layer, head, D] post-RoPE, numpy
+        self.cache = SimpleNamespace(layers=[SimpleNamespace(keys=None, values=None) for _ in self.modules])
+        self.positions: list = [None] * model.n_layers  # per layer [kv_head, n] positions in the cache
+        try:
+            press.post_init_from_model(SimpleNamespace(config=config, device=torch.device("cpu")))
+        except Exception as error:  # noqa: BLE001 - a press that needs the model itself
+            raise KvscopeError(
+                f"press {self.label} needs the model itself, which a trace does not hold ({type(error).__name__}: {error})"
+            ) from None
+
+    # -- budget ---------------------------------------------------------------------------
+    def fit_budget(self) -> tuple[bool, dict]:
+        """Set the press's compression ratio (or DecodingPress's target size) from the budget
+        (module docstring of :mod:`kvscope.policies.press`); ``(reached, {setting: value})``."""
+        kvpress = load()
+        spec, press = self.spec, self.press
+        cap, p, s = spec.fp_capacity_tokens, spec.prompt_len, spec.decode_steps
+        if isinstance(press, kvpress.DecodingPress):
+            interval = press.compression_interval
+            press.target_size = max(1, cap - interval + 1)
+            return cap - interval + 1 >= 1 and p + interval - 1 <= cap, {"target_size": press.target_size}
+        if not hasattr(press, "compression_ratio"):
+            raise KvscopeError(f"press {self.label} has no compression_ratio a budget could set")
+        n = cap - s
+        reached = n >= 1
+        n = max(n, 1)
+        ratio = 0.0 if n >= p else self._ratio_for(n, p)
+        try:
+            press.compression_ratio = ratio
+        except (AttributeError, AssertionError, ValueError) as error:
+            raise KvscopeError(f"press {self.label} takes no compression ratio a budget could set ({error})") from None
+        return reached, {"compression_ratio": ratio}
+
+    def _ratio_for(self, n: int, p: int) -> float:
+        """The ratio that keeps ``n`` of ``p`` prompt tokens per (layer, kv_head) — for PyramidKV
+        the smallest whose per-layer budgets sum to at most ``L·n`` (bisection)."""
+        from kvpress.utils import compute_n_kept
+
+        kvpress = load()
+        if not isinstance(self.press, kvpress.PyramidKVPress):
+            ratio = 1.0 - (n + 0.5) / p
+            if compute_n_kept(p, ratio) != n:  # pragma: no cover - float rounding guard
+                raise KvscopeError(f"no compression ratio keeps exactly {n} of {p} tokens")
+            return ratio
+
+        def kept(ratio: float) -> int:
+            self.press.compression_ratio = ratio
+            return sum(self.press.get_layer_budget(m, p) for m in self.modules)
+
+        low, high = 0.0, 1.0 - 0.5 / p
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if kept(mid) > n * len(self.modules) else (low, mid)
+        return high
+
+    # -- driving ----------------------------------------------------------------------------
+    def _queries(self, layer: int, positions):
+        """Pre-RoPE queries of ``positions`` in ``layer`` as hidden states ``[1, n, H·D]``."""
+        import torch
+
+        from ..rope import undo_rope
+
+        q = np.asarray(self.q[positions, layer], dtype=np.float32)  # [n, H, D]
+        if self.rope is not None:
+            cos, sin = self.modules[layer].rotary_emb.numpy(positions)
+            q = undo_rope(q, cos[:, None], sin[:, None], self.n_rot, float(self.rope.scaling[layer]))
+        return torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(1, len(positions), -1)
+
+    def _attentions(self, layer: int, p: int):
+        """``[1, H, P, P]`` prefill attention of ``layer`` by kvscope's rule."""
+        import torch
+
+        from ..attention import grouped
+
+        h, n_kv = self.model.n_heads, self.model.n_kv_heads
+        query = torch.from_numpy(np.asarray(self.q[:p, layer], dtype=np.float32)).transpose(0, 1)  # [H, P, D]
+        rows = grouped(query, n_kv)  # [Hkv, group·P, D]
+        q_pos = torch.arange(p).repeat(h // n_kv)[:, None]
+        probs = self.model.rule(layer).probs(rows, self.k[layer, :, :p], q_pos, torch.arange(p))
+        return probs.reshape(1, h, p, p)
+
+    def prefill(self, p: int) -> np.ndarray:
+        """The prompt ``0..p−1`` in every layer, compressed by the press → present ``[layer, kv_head, p]``."""
+        import torch
+
+        present = np.zeros((len(self.modules), self.spec.n_kv, p), dtype=bool)
+        for layer, module in enumerate(self.modules):
+            cache = self.cache.layers[layer]
+            cache.keys = self.k[layer, :, :p][None].clone()  # [1, Hkv, P, D]
+            cache.values = self.v[layer, :, :p][None].clone()
+            self.positions[layer] = torch.arange(p).repeat(self.spec.n_kv, 1)
+            attentions = self._attentions(layer, p) if self.attentions else None
+            self._hook(module, self._queries(layer, np.arange(p)), torch.arange(p), attentions)
+            present[layer] = self._present(layer, p)
+        return present
+
+    def append(self, position: int) -> None:
+        """Decode position ``position`` enters every layer's cache."""
+        import torch
+
+        for layer, cache in enumerate(self.cache.layers):
+            cache.keys = torch.cat([cache.keys, self.k[layer, :, position][None, :, None]], dim=2)
+            cache.values = torch.cat([cache.values, self.v[layer, :, position][None, :, None]], dim=2)
+            self.positions[layer] = torch.cat(
+                [self.positions[layer], torch.full((self.spec.n_kv, 1), position, dtype=torch.long)], dim=1
+            )
+
+    def decode(self, position: int) -> np.ndarray:
+        """The decode step of the query at ``position`` → present ``[layer, kv_head, position + 1]``."""
+        import torch
+
+        length = position + 1
+        present = np.zeros((len(self.modules), self.spec.n_kv, length), dtype=bool)
+        for layer, module in enumerate(self.modules):
+            self._hook(module, self._queries(layer, np.array([position])), torch.tensor([position]), None)
+            present[layer] = self._present(layer, length)
+        return present
+
+    def _hook(self, module, hidden, cache_position, attentions) -> None:
+        """kvpress's forward hook of one layer; the positions it keeps follow its gather."""
+        import torch
+
+        cache = self.cache.layers[module.layer_idx]
+        before = cache.keys
+        kwargs = {
+            "hidden_states": hidden,
+            "past_key_values": self.cache,
+            "cache_position": cache_position,
+            "position_embeddings": module.rotary_emb(hidden, cache_position[None]),
+            "attention_mask": None,
+        }
+        try:
+            with GatherRecorder(before) as recorder:
+                self.press.forward_hook(module, [], kwargs, (None, attentions))
+        except (
+            AttributeError,
+            AssertionError,
+            NotImplementedError,
+            ValueError,
+            RuntimeError,
+            IndexError,
+            KeyError,
+        ) as error:
+            missing = module.__dict__.get("missing")
+            if missing:
+                raise KvscopeError(
+                    f"press {self.label} reads {missing[-1]!r} of the attention layer, which a trace does not hold "
+                    "(it records the layer's q, k and v — not its weights, norms or inputs)"
+                ) from None
+            raise KvscopeError(
+                f"press {self.label} failed on layer {module.layer_idx}: {type(error).__name__}: {error}"
+            ) from None
+        after = cache.keys
+        if after is before:
+            return
+        index = recorder.index
+        if index is None or index.shape != after.shape or not torch.equal(after, before.gather(2, index)):
+            raise KvscopeError(
+                f"press {self.label} rewrites the keys it keeps (merging, re-rotating or quantizing them): "
+                "kvscope replays presses that keep or drop positions"
+            )
+        self.positions[module.layer_idx] = self.positions[module.layer_idx].gather(1, index[0, :, :, 0])
+
+    def _present(self, layer: int, length: int) -> np.ndarray:
+        """``[kv_head, length]`` positions in the layer's cache and not masked (AdaKV)."""
+        positions = self.positions[layer].numpy()  # [kv_head, n]
+        present = np.zeros((positions.shape[0], length), dtype=bool)
+        np.put_along_axis(present, positions, True, axis=1)
+        masked = getattr(self.modules[layer], "__dict__", {}).get("masked_key_indices")
+        if masked is not None:
+            _, heads, slots = (t.numpy() for t in masked)
+            present[heads, positions[heads, slots]] = False
+        return present
