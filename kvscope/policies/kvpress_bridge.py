@@ -38,10 +38,7 @@ import numpy as np
 from ..errors import KvscopeError
 
 KVPRESS_VERSION = "0.5.5"
-INSTALL = (
-    f"pip install --no-deps kvpress=={KVPRESS_VERSION} peft && "
-    "pip install cachetools datasets 'fire<0.7' pandas requests (README: kvpress presses)"
-)
+INSTALL = f"pip install 'kvscope[presses]' && pip install --no-deps kvpress=={KVPRESS_VERSION} peft (make setup does both)"
 NEEDS_ATTENTIONS = ("ObservedAttentionPress",)  # scorers that read the layer's attention weights
 ALIASES = {"base": "base_press"}  # press:DecodingPress:base=KnormPress
 SET_BY_BUDGET = ("compression_ratio", "target_size")
@@ -253,7 +250,12 @@ class Rotary:
     recorded rotary parameters (identity where the model has none)."""
 
     def __init__(self, rope, layer: int, head_dim: int):
+        import torch
+
         self.rope, self.layer, self.head_dim = rope, layer, head_dim
+        # what transformers' rotary modules carry (KeyRerotationPress reads them)
+        self.inv_freq = torch.from_numpy(rope.inv_freq[layer].astype(np.float32)) if rope is not None else None
+        self.attention_scaling = float(rope.scaling[layer]) if rope is not None else 1.0
 
     def numpy(self, positions):
         """``cos, sin [n, D]`` float32 of ``positions [n]``."""

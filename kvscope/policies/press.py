@@ -42,6 +42,7 @@ def _options(options) -> tuple[tuple[str, str], ...]:
         if len(item) != 2:
             raise KvscopeError(f"press options must be key=value pairs (got {item!r})")
         key, value = item
+        key = bridge.ALIASES.get(key, key)
         text = (
             value.__name__ if isinstance(value, type) else str(value).lower() if isinstance(value, bool) else str(value)
         )

@@ -1,0 +1,172 @@
+"""kvpress's presses replayed on a real SmolLM2 trace (fp32, q/k/v recorded): the twins make
+kvscope's decisions, every verified press keeps the shared policy invariants, budgets move
+across layers and heads where the press says so, and importing kvpress leaves transformers'
+attention functions as they were."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import kvscope
+from kvscope.policies import parse
+from kvscope.tiers import TIER_EVICTED, TIER_FP
+
+from .conftest import ROOT, one_line_error
+
+VERIFIED = [
+    "press:KnormPress",
+    "press:StreamingLLMPress",
+    "press:SnapKVPress:window_size=16",
+    "press:TOVAPress",
+    "press:ObservedAttentionPress",
+    "press:KeyDiffPress",
+    "press:ExpectedAttentionPress",
+    "press:PyramidKVPress:window_size=8:beta=2",
+    "press:AdaKVPress:press=ExpectedAttentionPress",
+    "press:DecodingPress:base_press=KnormPress:compression_interval=4",
+]
+BUDGETS = [0.3, 0.95]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory, smollm2_dir):
+    import pydoc_data.topics as topics
+
+    out = tmp_path_factory.mktemp("presses") / "fp32-qkv.zarr"
+    text = topics.topics["assignment"]
+    prompts = [text[:600], text[2000:2900]]
+    kvscope.trace(prompts, out, max_new_tokens=24, stop_at_eos=False, block_steps=8, record_qkv=True, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(trace):
+    """Every verified press at both budgets, invariants checked at every step (validate)."""
+    return kvscope.replay(trace, VERIFIED, BUDGETS, every=1, validate=True, n_boot=20).load()
+
+
+def _tiers(result, policy, budget):
+    return result["tiers"].sel(policy=policy, budget=budget).values  # [sample, event, layer, kv_head, pos]
+
+
+def test_presses_hold_their_budget_at_every_step(result):
+    budget_bytes = result["budget_bytes"].values  # [budget, sample]
+    for policy in VERIFIED:
+        for bi, budget in enumerate(BUDGETS):
+            run = result.sel(policy=policy, budget=budget)
+            reached = bool(run["budget_reached"])
+            if policy.startswith("press:DecodingPress") and budget == 0.3:
+                assert not reached  # its prompt is never compressed: P alone exceeds 30 %
+                continue
+            assert reached, (policy, budget)
+            used = run["bytes_used"].values  # [sample, step]
+            assert (np.nan_to_num(used) <= budget_bytes[bi][:, None] * (1 + 1e-6)).all(), (policy, budget)
+
+
+def test_evicted_positions_never_return(result):
+    for policy in VERIFIED:
+        for budget in BUDGETS:
+            tiers = _tiers(result, policy, budget)
+            evicted = np.logical_or.accumulate(tiers == TIER_EVICTED, axis=1)
+            assert not (evicted & (tiers == TIER_FP)).any(), policy
+
+
+def test_presses_are_deterministic(trace, result):
+    again = kvscope.replay(trace, VERIFIED[:4] + VERIFIED[-2:], [0.3], every=1, n_boot=20)
+    for policy in again["policy"].values:
+        assert (_tiers(again, policy, 0.3) == _tiers(result, policy, 0.3)).all(), policy
+
+
+def test_snapkv_press_is_kvscope_snapkv(trace):
+    """Same window (16), kernel (5) and average pooling: the same positions at every step."""
+    twin = kvscope.replay(trace, ["snapkv:obs_window=16", "press:SnapKVPress:window_size=16"], BUDGETS, every=1)
+    for budget in BUDGETS:
+        ours, theirs = (_tiers(twin, p, budget) for p in twin["policy"].values)
+        assert (ours == theirs).all(), budget
+        assert (ours == TIER_EVICTED).any()
+
+
+def test_streaming_press_is_kvscope_streaming_at_the_same_kept_tokens(trace):
+    """StreamingLLMPress keeps n = ⌊B/FP⌋ − S prompt tokens; kvscope's streaming with a capacity
+    of n tokens keeps the same sinks and newest positions after the prefill."""
+    ds = kvscope.open_trace(trace)
+    for s in range(ds.sizes["sample"]):
+        p, n_steps = int(ds.kvscope.prompt_len[s]), int(ds.kvscope.n_steps[s])
+        final = p + n_steps
+        kept = int(np.floor(0.6 * final + 1e-9)) - n_steps
+        one = ds.isel(sample=[s])
+        press = kvscope.replay(one, ["press:StreamingLLMPress"], [0.6], n_boot=20)
+        ours = kvscope.replay(one, ["streaming"], [kept / final], n_boot=20)
+        first_press = _tiers(press, "press:StreamingLLMPress", 0.6)[0, 0]  # [layer, kv_head, pos] after prefill
+        first_ours = _tiers(ours, "streaming", kept / final)[0, 0]
+        assert ((first_press == TIER_FP).sum(-1) == kept).all()
+        assert (first_press == first_ours).all(), s
+
+
+def test_pyramid_and_adakv_move_budget_across_layers_and_heads(result):
+    n_kv = result.sizes["kv_head"]
+    pyramid = _tiers(result, "press:PyramidKVPress:window_size=8:beta=2", 0.3)[0, 0]  # after prefill
+    per_layer = (pyramid == TIER_FP).sum((-1, -2))
+    assert (np.diff(per_layer) <= 0).all() and per_layer[0] > per_layer[-1]  # shrinks with depth
+    ada = _tiers(result, "press:AdaKVPress:press=ExpectedAttentionPress", 0.3)[0, 0]
+    per_head = (ada == TIER_FP).sum(-1)  # [layer, kv_head]
+    assert (per_head.max(-1) > per_head.min(-1)).any()  # heads of a layer keep different counts
+    assert len(set(per_head.sum(-1).tolist())) == 1 and per_head.sum(-1)[0] % n_kv == 0  # same total per layer
+
+
+def test_settings_state_the_compression_ratio(result):
+    import json
+
+    settings = json.loads(result.attrs["press_settings"])
+    ratios = settings["press:KnormPress"]["0.3"]["compression_ratio"]
+    ds_prompt = result["bytes_used"].sel(policy="press:KnormPress", budget=0.3)  # one per sample
+    assert len(ratios) == ds_prompt.sizes["sample"] and all(0 < r < 1 for r in ratios)
+    assert "target_size" in settings["press:DecodingPress:base_press=KnormPress:compression_interval=4"]["0.95"]
+
+
+def test_press_labels_and_parsing():
+    p = parse("press:DecodingPress:base=KnormPress:compression_interval=8")
+    assert p.label() == "press:DecodingPress:base_press=KnormPress:compression_interval=8"
+    built = p.make_press()
+    assert type(built).__name__ == "DecodingPress" and type(built.base_press).__name__ == "KnormPress"
+    assert built.compression_interval == 8
+    nested = parse("press:AdaKVPress:press=SnapKVPress:window_size=8:alpha_safeguard=0.5").make_press()
+    assert nested.press.window_size == 8 and nested.alpha_safeguard == 0.5
+
+
+def test_importing_kvpress_leaves_transformers_attention_alone():
+    code = textwrap.dedent(
+        """
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        before = {k: ALL_ATTENTION_FUNCTIONS[k] for k in ALL_ATTENTION_FUNCTIONS}
+        from kvscope.policies import kvpress_bridge
+        kvpress_bridge.load()
+        after = {k: ALL_ATTENTION_FUNCTIONS[k] for k in ALL_ATTENTION_FUNCTIONS}
+        assert before.keys() == after.keys() and all(before[k] is after[k] for k in before), "patched"
+        import kvpress  # the module is loaded: a second import changes nothing either
+        assert all(ALL_ATTENTION_FUNCTIONS[k] is before[k] for k in before)
+        print("unchanged")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.stdout.strip() == "unchanged", proc.stderr
+
+
+def test_without_kvpress_one_line_names_the_install(tmp_path, trace):
+    shadow = tmp_path / "shadow" / "kvpress"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'kvpress'\")\n")
+    env = {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscope", "replay", str(trace), "--policies", "press:KnormPress", "--budgets", "0.3"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, **env},
+    )  # fmt: skip
+    one_line_error(proc, "press policies need kvpress")
+    assert "pip install --no-deps kvpress" in proc.stderr
