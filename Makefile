@@ -44,6 +44,8 @@ study: setup
 	$(PY) analyses/observation.py
 	$(PY) analyses/logpeaks.py
 	$(PY) analyses/policies.py
+	$(PY) analyses/table2.py
+	$(PY) analyses/presses.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache

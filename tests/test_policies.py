@@ -24,6 +24,8 @@ CASES = [
     "qevict:local=16:key_prerope=false",
     "logquant:key_axis=token",
     "kivi:R=32",
+    "kivi:evict=true",
+    "logquant:evict=true",
 ]
 
 
@@ -362,3 +364,28 @@ def test_qevict_quantizes_keys_before_rope_when_parameters_are_given():
         ledger.quantize(np.array([[4, 5, 6, 7]]), np.array([0]), np.array([0]))
         errors[prerope] = np.abs(ledger.k_eff[0, 0, 4:8] - post[0, 0, 4:8]).max()
     assert errors[True] < errors[False]
+
+
+@pytest.mark.parametrize("name", ["logquant:W=8", "kivi:R=32"])
+def test_as_eviction_drops_exactly_what_the_quantizer_quantizes(name):
+    """Same W / R: the eviction variant evicts at every step the positions the quantizing one
+    holds in Q, and holds no Q itself."""
+    _, quantized, _ = drive(name, 1.0)
+    _, evicted, used = drive(name + ":evict=true", 1.0)
+    assert ((quantized == Q) == (evicted == EVICTED)).all()
+    assert not (evicted == Q).any()
+    fp = (evicted == FP).sum(-1)  # [step, layer, kv_head]
+    assert np.allclose(used, fp * CacheSpec(L, H, D, P, P + S, 1.0).fp_bytes)
+
+
+def test_as_eviction_is_fitted_to_the_same_bytes():
+    """Unset W / R: the eviction variant's full-precision window grows into the bytes the
+    quantized tier would have used (equal memory), and stays within them."""
+    spec = CacheSpec(L, H, D, P, P + S, 0.3, n_sink=4, w=8)
+    for name in ("logquant", "kivi"):
+        quantizing, evicting = parse(name).start(spec), parse(name + ":evict=true").start(spec)
+        window = (lambda st: st.W) if name == "logquant" else (lambda st: st.R)
+        assert window(evicting) > window(quantizing), name
+        assert evicting.reached and parse(name + ":evict=true").kind == "eviction"
+        _, _, used = drive(name + ":evict=true", 0.3)
+        assert (used <= spec.capacity * (1 + 1e-6)).all()

@@ -141,6 +141,15 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
 
 
+def test_logquant_table_2_order(qkv_trace):
+    """LogQuant's Table 2 as a whole, at equal memory: LogQuant 2-bit < KIVI 2-bit < LogQuant as
+    eviction < KIVI as eviction in attention L1 error."""
+    r = kvscope.replay(qkv_trace, ["logquant", "kivi", "logquant:evict=true", "kivi:evict=true"], [0.3], n_boot=20)
+    l1 = [float(r["attn_l1"].sel(policy=p, budget=0.3).mean()) for p in r["policy"].values]
+    assert all(a < b for a, b in zip(l1, l1[1:])), dict(zip(r["policy"].values, l1))
+    assert list(r["policy_kind"].values) == ["quantization", "quantization", "eviction", "eviction"]
+
+
 def test_observe_exact_runs_and_keeps_full_exact(qkv_trace):
     r = kvscope.replay(qkv_trace, ["full", "h2o"], [0.3], observe="exact")
     assert r.attrs["observe"] == "exact"

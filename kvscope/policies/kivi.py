@@ -6,7 +6,11 @@ multiple of ``G``) stay FP: after ``T`` tokens the quantized prefix is
 ``⌊(T − R) / G⌋·G`` tokens, so the FP tail holds between ``R`` and ``R + G − 1``.
 Nothing is evicted. ``R = None`` (default) takes the largest multiple of ``G`` whose bytes
 stay within the budget over the whole sequence; when even ``R = 0`` does not fit, the
-policy runs at ``R = 0`` and reports its floor."""
+policy runs at ``R = 0`` and reports its floor.
+
+``evict=true`` is KIVI *as eviction* (LogQuant's Table 2): the groups it would quantize are
+dropped instead, and ``R`` is fitted to the budget with full-precision bytes only (equal
+memory: the residual grows into what the quantized prefix would have held)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from ..errors import KvscopeError
 from ..params import param
-from .base import CacheSpec, CacheState, Ledger, Policy, Q
+from .base import EVICTED, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS, q_token_bytes
 
 
@@ -28,10 +32,17 @@ class KIVI(Policy):
         None, low=0, help="full-precision residual tokens (a multiple of G)", none="the most that fit"
     )
     value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
+    evict: bool = param(False, help="drop what it would quantize (KIVI as eviction)")
 
     name = "kivi"
-    kind = "quantization"
-    quantizes = True
+
+    @property
+    def quantizes(self) -> bool:
+        return not self.evict
+
+    @property
+    def kind(self) -> str:
+        return "eviction" if self.evict else "quantization"
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,7 +57,7 @@ class KIVI(Policy):
         """Largest bytes per (layer, kv_head) over the sequence with residual ``R``."""
         lengths = np.arange(spec.prompt_len, spec.final_len + 1)
         n_q = np.maximum(0, (lengths - R) // self.G) * self.G
-        q_bytes = q_token_bytes(spec.head_dim, self.bits, self.G, self.value_group)
+        q_bytes = 0.0 if self.evict else q_token_bytes(spec.head_dim, self.bits, self.G, self.value_group)
         return float(((lengths - n_q) * spec.fp_bytes + n_q * q_bytes).max())
 
 
@@ -68,6 +79,9 @@ class _KIVIState(CacheState):
         target = max(0, (self.length - self.R) // g) * g
         while self.n_quantized < target:
             group = np.arange(self.n_quantized, self.n_quantized + g)
-            self.ledger.quantize(group)
-            self.set_tier_positions(group, Q)
+            if self.policy.evict:
+                self.set_tier_positions(group, EVICTED)
+            else:
+                self.ledger.quantize(group)
+                self.set_tier_positions(group, Q)
             self.n_quantized += g

@@ -18,6 +18,10 @@ paper's text: the tokens that leave FP together form key groups of at most ``G``
 token in groups of ``key_group`` channels (``key_axis="token"``, the published code: 64).
 ``W = None`` (default) takes the largest ``W`` whose bytes fit the budget over the whole
 sequence; when even ``W = 1`` does not, it runs at ``W = 1`` and reports its floor.
+
+``evict=true`` is LogQuant *as eviction* (the paper's Table 2): the positions that leave the
+FP set are dropped instead of quantized, and ``W`` is fitted with full-precision bytes only
+(equal memory).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..params import param
-from .base import CacheSpec, CacheState, Ledger, Policy, Q
+from .base import EVICTED, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS
 
 
@@ -127,10 +131,17 @@ class LogQuant(Policy):
     G: int = param(32, low=1, help="key_axis=channel: at most G tokens per key group")
     key_group: int = param(64, low=1, help="key_axis=token: channels per key group (the published code's 64)")
     value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
+    evict: bool = param(False, help="drop what it would quantize (LogQuant as eviction)")
 
     name = "logquant"
-    kind = "quantization"
-    quantizes = True
+
+    @property
+    def quantizes(self) -> bool:
+        return not self.evict
+
+    @property
+    def kind(self) -> str:
+        return "eviction" if self.evict else "quantization"
 
     def _ledger(self, spec: CacheSpec, k=None, v=None) -> Ledger:
         key_group = min(self.key_group, spec.head_dim) if self.key_axis == "token" else None
@@ -144,10 +155,9 @@ class LogQuant(Policy):
     def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
         """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
         ledger = ledger or self._ledger(spec)
-        groups = self.G if self.key_axis == "channel" else 0
-        return _max_bytes(
-            spec.prompt_len, spec.final_len, W, spec.head_dim, ledger.token_value_bytes, groups, spec.fp_bytes
-        )
+        groups = self.G if self.key_axis == "channel" and not self.evict else 0
+        token_bytes = 0.0 if self.evict else ledger.token_value_bytes
+        return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, token_bytes, groups, spec.fp_bytes)
 
     def _fit_W(self, spec: CacheSpec, ledger: Ledger) -> int:
         """The largest ``W`` that fits; bytes fall with ``W`` while per-flush key groups are
@@ -176,6 +186,9 @@ class _LogQuantState(CacheState):
 
     def _leave_fp(self, left: list[int]) -> None:
         if not left:
+            return
+        if self.policy.evict:
+            self.set_tier_positions(left, EVICTED)
             return
         size = self.policy.G if self.policy.key_axis == "channel" else len(left)  # token axis: per token anyway
         for group in _chunks(left, size):
