@@ -78,8 +78,7 @@ def task_scores(path: Path) -> list[float | None]:
     tokenizer = load_tokenizer(model)
     scores = []
     for s, prompt in enumerate(prompts):
-        p, n = int(ds["prompt_len"].values[s]), int(ds["n_steps"].values[s])
-        text = tokenizer.decode(ds["tokens"].values[s, p : p + n].tolist(), skip_special_tokens=True)
+        text = tokenizer.decode(ds.kvscope.generated(s).tolist(), skip_special_tokens=True)
         scores.append(workloads.score(name, text, prompt["expected"]))
     return scores
 

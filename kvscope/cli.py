@@ -66,7 +66,9 @@ def _add_prompt_sources(p) -> None:
     """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`_prompts`)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": ...} per line')
+    src.add_argument(
+        "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
+    )
     src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
     p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
     p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
@@ -97,6 +99,10 @@ def _add_trace(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even after EOS")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--question-agnostic", action="store_true",
+        help="prefill the context only, then decode the question into the cache (split prompts: niah, vt, JSONL)",
+    )  # fmt: skip
     p.add_argument("--policy", default=None, help="decode under this live policy cache (e.g. qevict)")
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
     p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
@@ -228,6 +234,10 @@ def _add_run(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--question-agnostic", action="store_true",
+        help="compress the context before the question is fed (split prompts: niah, vt, JSONL)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_run)
@@ -253,12 +263,12 @@ def _cmd_run(args) -> int:
     prompts, workload = _prompts(args)
     bar, task = _progress("run", args.quiet, "forwards (full KV, policy, policy teacher-forced per prompt)")
     with bar:
-        bar.update(task, total=3 * args.max_new_tokens * len(prompts))
         results = run(
             prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
             device=args.device, model_dtype=args.model_dtype, attn=args.attn, chat=args.chat, n_sink=args.n_sink,
             w=args.window, scorer=workload.scorer if workload is not None else None,
-            trust_remote_code=args.trust_remote_code, progress=lambda done, total: bar.update(task, completed=done),
+            trust_remote_code=args.trust_remote_code, question_agnostic=args.question_agnostic,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
         )  # fmt: skip
     if args.json:
         docs = [r.doc() for r in results]
@@ -271,7 +281,8 @@ def _cmd_run(args) -> int:
     r0 = results[0]
     table = Table(
         "sample", "agree", "KL", "ppl (full)", "tok/s (full)", "cache peak", "of full", "score (full)",
-        title=f"run · {r0.policy} at β = {r0.budget} · {args.model} · kv {r0.kv_dtype}",
+        title=f"run · {r0.policy} at β = {r0.budget} · {args.model} · kv {r0.kv_dtype}"
+        + (" · question-agnostic" if args.question_agnostic else ""),
     )  # fmt: skip
     for n, r in enumerate(results):
         score = "" if r.score is None else f"{r.score:.2f} ({r.score_full:.2f})"
@@ -295,6 +306,9 @@ def _add_validate(sub) -> None:
     p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
     p.add_argument("--force", action="store_true", help="overwrite an existing --live-out")
     p.add_argument("--model", default=None, help="re-decode with this model instead of the one the store names")
+    p.add_argument(
+        "--question-agnostic", action="store_true", help="require a trace recorded with trace --question-agnostic"
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_validate)
@@ -309,8 +323,9 @@ def _cmd_validate(args) -> int:
     policy, budget = _live_inputs(args)
     read_attrs(args.store)
     report = validate(
-        args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model, kv_dtype=args.kv_dtype
-    )
+        args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model,
+        kv_dtype=args.kv_dtype, question_agnostic=args.question_agnostic,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
         return 0 if report["decisions_identical"] else 1
@@ -629,6 +644,10 @@ def _add_replay(sub) -> None:
     p.add_argument("--observe", default="renorm", help="renorm (default) | exact (needs --record qkv)")
     p.add_argument("--horizon", type=int, default=defaults.HORIZON, help="FMM horizon H")
     p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
+    p.add_argument(
+        "--question-agnostic", action="store_true",
+        help="require a trace recorded with trace --question-agnostic (policies compress before the question)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, metavar="RESULT.zarr", help="write the result Dataset")
     p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
     p.add_argument("--json", action="store_true")
@@ -657,11 +676,13 @@ def _cmd_replay(args) -> int:
     with bar:
         result = replay(
             args.store, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
+            question_agnostic=args.question_agnostic,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
     if args.plot:
         _save_figure(plot_compare(result), args.plot)
-    return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}")
+    protocol = " · question-agnostic" if result.attrs.get("protocol") == "question-agnostic" else ""
+    return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
 
 
 def _show_comparison(result, args, title: str) -> int:

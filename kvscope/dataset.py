@@ -123,5 +123,20 @@ class TraceAccessor:
 
     @functools.cached_property
     def prompt_len(self) -> np.ndarray:
-        """``[sample]`` prompt tokens."""
+        """``[sample]`` prompt tokens (the context alone in a question-agnostic trace)."""
         return np.asarray(self._ds["prompt_len"].values)
+
+    @property
+    def question_agnostic(self) -> bool:
+        """The prefill held the context only; the question was decoded as the first steps."""
+        return "question_tokens" in self.attrs
+
+    @functools.cached_property
+    def question_tokens(self) -> np.ndarray:
+        """``[sample]`` forced question steps before the generated ones (0 without the protocol)."""
+        return np.asarray(self.attrs.get("question_tokens", [0] * self._ds.sizes["sample"]), dtype=np.int64)
+
+    def generated(self, s: int) -> np.ndarray:
+        """Token ids sample ``s`` generated (after a forced question)."""
+        start = int(self.prompt_len[s] + self.question_tokens[s])
+        return np.asarray(self._ds["tokens"].values[s, start : int(self.prompt_len[s] + self.n_steps[s])])

@@ -94,6 +94,10 @@ def check_attrs(path, attrs) -> None:
     policy = attrs.get("policy")
     if policy is not None:
         need(isinstance(policy, dict) and is_int(policy.get("every"), 1), "policy.every", "an integer ≥ 1", policy)
+    questions = attrs.get("question_tokens")
+    if questions is not None:
+        ok = isinstance(questions, list) and len(questions) == len(committed) and all(is_int(q, 1) for q in questions)
+        need(ok, "question_tokens", f"a list of {len(committed)} counts ≥ 1", questions)
     prompts = attrs.get("prompts")
     if prompts is not None:
         ok = isinstance(prompts, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in prompts)

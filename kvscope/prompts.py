@@ -1,8 +1,10 @@
 """Prompts: where they come from, how they become token ids, when generation stops.
 
 as_prompts("text" | ["a", "b"] | [Prompt, …])   → [Prompt]
-load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} per line
+load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} or
+                                                             {"context": …, "question": …} per line
 encode(tokenizer, prompts, chat)                → [[token id, …], …]   (chat template when asked)
+encode_split(tokenizer, prompts, chat)          → [(context ids, question ids), …]  (--question-agnostic)
 check_context(encoded, max_new_tokens, context) refuses prompts that do not fit the model
 eos_ids(model, tokenizer)                       the ids that end generation
 """
@@ -22,8 +24,13 @@ class Prompt:
     source: str = "cli"
     expected: object = None  # a workload's answer (what its scorer grades against)
     meta: dict = field(default_factory=dict)
+    split: int | None = None  # where the question starts in ``text`` (characters); None: no question
 
     def __post_init__(self):
+        if self.split is not None and not (isinstance(self.split, int) and 0 < self.split < len(self.text)):
+            raise KvscopeError(
+                f"prompt from {self.source}: its question must start inside the text (split {self.split!r})"
+            )
         if not isinstance(self.text, str):
             raise KvscopeError(f"prompt from {self.source} is not text (got {type(self.text).__name__})")
         try:
@@ -40,12 +47,27 @@ class Prompt:
             out["expected"] = self.expected
         if self.meta:
             out["meta"] = self.meta
+        if self.split is not None:
+            out["split"] = self.split
         return out
 
     @classmethod
     def from_doc(cls, doc: dict) -> Prompt:
         """The inverse of :meth:`doc` (prompts read back from a store)."""
-        return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {})
+        return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {}, doc.get("split"))
+
+    @classmethod
+    def split_at(cls, context: str, question: str, source: str = "cli", **fields) -> Prompt:
+        """A prompt whose text is ``context + question`` with the question marked."""
+        return cls(context + question, source, split=len(context), **fields)
+
+    @property
+    def context(self) -> str:
+        return self.text if self.split is None else self.text[: self.split]
+
+    @property
+    def question(self) -> str | None:
+        return None if self.split is None else self.text[self.split :]
 
 
 def _not_utf8(text: str, start: int) -> str:
@@ -88,10 +110,21 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError:
             raise KvscopeError(f"{p}:{n}: not a JSON object") from None
-        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise KvscopeError(f"{p}:{n}: not a JSON object")
+        source = str(obj.get("source", f"{p.name}:{n}"))
+        if "context" in obj or "question" in obj:
+            context, question = obj.get("context"), obj.get("question")
+            if not all(isinstance(x, str) and x for x in (context, question)):
+                raise KvscopeError(f"{p}:{n}: 'context' and 'question' must both be non-empty strings")
+            prompts.append(Prompt.split_at(context, question, source))
+            continue
+        text = obj.get("prompt", obj.get("text"))
         if not isinstance(text, str) or not text:
-            raise KvscopeError(f"{p}:{n}: needs a non-empty string field 'prompt' or 'text'")
-        prompts.append(Prompt(text, str(obj.get("source", f"{p.name}:{n}"))))
+            raise KvscopeError(
+                f"{p}:{n}: needs a non-empty string field 'prompt' or 'text' (or 'context' and 'question')"
+            )
+        prompts.append(Prompt(text, source))
     if not prompts:
         raise KvscopeError(f"{p} holds no prompts")
     return prompts
@@ -112,6 +145,34 @@ def encode(tokenizer, prompts: list[Prompt], chat: bool) -> list[list[int]]:
         if not ids:
             raise KvscopeError(f"prompt from {prompt.source} is empty after tokenization")
         out.append([int(i) for i in ids])
+    return out
+
+
+def encode_split(tokenizer, prompts: list[Prompt], chat: bool) -> list[tuple[list[int], list[int]]]:
+    """``(context ids, question ids)`` of every prompt, tokenized apart so that the context's
+    tokens never depend on the question. With ``chat`` the template is rendered around the
+    whole text and cut where the question starts: the template's opening belongs to the
+    context, its closing (the generation prompt) to the question."""
+    out = []
+    for n, prompt in enumerate(prompts):
+        if prompt.split is None:
+            raise KvscopeError(
+                f"prompt {n} ({prompt.source}) has no question: --question-agnostic needs prompts with a context and "
+                'a question ({"context": …, "question": …} in JSONL, or the niah and vt workloads)'
+            )
+        if chat:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
+            )
+            cut = rendered.rindex(prompt.question)
+            context = tokenizer(rendered[:cut], add_special_tokens=False)["input_ids"]
+            question = tokenizer(rendered[cut:], add_special_tokens=False)["input_ids"]
+        else:
+            context = tokenizer(prompt.context, add_special_tokens=True)["input_ids"]
+            question = tokenizer(prompt.question, add_special_tokens=False)["input_ids"]
+        if not context or not question:
+            raise KvscopeError(f"prompt {n} ({prompt.source}): its context or question is empty after tokenization")
+        out.append(([int(i) for i in context], [int(i) for i in question]))
     return out
 
 

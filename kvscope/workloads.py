@@ -18,6 +18,9 @@ chat task) and lands within 2% of ``context``.
 | ``code`` | continue standard-library source | — |
 | ``niah`` | RULER-style needle in a haystack: single, multi-key, multi-value | share of the expected numbers in the answer |
 | ``vt`` | RULER-style variable tracking | share of the chain's variables in the answer |
+
+``niah`` and ``vt`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
+starts where the template asks it, so ``--question-agnostic`` compresses the haystack before it.
 | ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
 """
 
@@ -39,6 +42,7 @@ from .prompts import Prompt, encode
 
 RECIPES = importlib.resources.files("kvscope") / "recipes"
 TOLERANCE = 0.02
+QUESTION_AT = "question_at"  # a builder's meta key: where the question starts (niah, vt: split prompts)
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,8 @@ def build_niah(recipe, tokenizer, rng, index):
             at = next((e for e in ends if e >= depth * len(hay)), len(hay))  # after a sentence
             hay.insert(at, recipe["needle"].format(key=k, value=v))
         text = recipe["template"].format(haystack=" ".join(hay), question=question, key=key)
-        return text, expected, {"variant": variant, "key": key, "depths": [round(d, 3) for d in depths]}
+        meta = {"variant": variant, "key": key, "depths": [round(d, 3) for d in depths]}
+        return text, expected, {**meta, QUESTION_AT: text.rindex(question)}
 
     return make, None
 
@@ -183,7 +188,8 @@ def build_vt(recipe, tokenizer, rng, index):
         for statement, depth in sorted(zip(merged, depths), key=lambda x: -x[1]):
             body.insert(round(depth * n), statement)
         text = recipe["template"].format(body=" ".join(body), value=value, n=len(names))
-        return text, names, {"value": value, "hops": recipe["hops"], "chains": recipe["chains"]}
+        meta = {"value": value, "hops": recipe["hops"], "chains": recipe["chains"]}
+        return text, names, {**meta, QUESTION_AT: text.rindex(recipe["question_marker"])}
 
     return make, None
 
@@ -330,6 +336,7 @@ def prompts(
         if available_tokens is not None and available_tokens < context:
             raise KvscopeError(f"workload {name} has only {available_tokens} tokens of text; asked for {context}")
         text, expected, meta = _fit(make, tokenizer, chat, context, available_tokens)
+        split = meta.pop(QUESTION_AT, None)
         n = count_tokens(tokenizer, text, chat)
         if abs(n - context) > TOLERANCE * context:
             raise KvscopeError(f"workload {name}: could not reach {context} tokens (got {n})")
@@ -339,6 +346,7 @@ def prompts(
                 f"workload:{name}:seed={seed}:sample={index}",
                 expected=expected,
                 meta={"workload": name, "seed": seed, "context": context, "tokens": n, **meta},
+                split=split,
             )
         )
     return out

@@ -101,6 +101,11 @@ CASES = [
     ("replay-press-rewrites-keys", ["replay", "{QKV}", "--policies", "press:KeyRerotationPress:press=KnormPress", "--budgets", "0.3"], "rewrites the keys it keeps"),
     ("replay-press-without-qkv", ["replay", "{PLAIN}", "--policies", "press:KnormPress", "--budgets", "0.3"], "press:KnormPress needs recorded q/k/v"),
     ("validate-press", ["validate", "{QKV}", "--policy", "press:KnormPress", "--budget", "0.3"], "replays offline only"),
+    ("trace-question-agnostic-no-question", ["trace", "--model", "{TINY}", "--prompt", "hi there", "--max-new-tokens", "2", "--question-agnostic", "--out", "{TMP}/a.zarr"], "has no question: --question-agnostic needs"),
+    ("trace-prompts-context-without-question", ["trace", "--model", "{TINY}", "--prompts", "{HALF}", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "'context' and 'question' must both be non-empty strings"),
+    ("replay-question-agnostic-on-a-plain-trace", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--question-agnostic"], "needs a trace recorded with kvscope trace --question-agnostic"),
+    ("run-question-agnostic-no-question", ["run", "--model", "{TINY}", "--prompt", "hi there", "--policy", "h2o", "--budget", "0.3", "--question-agnostic"], "has no question"),
+    ("validate-question-agnostic-on-a-plain-trace", ["validate", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--question-agnostic"], "prefilled the question with the context"),
     ("replay-exact-without-qkv", ["replay", "{PLAIN}", "--policies", "h2o", "--budgets", "0.3", "--observe", "exact"], "observe=exact needs recorded q/k/v"),
     ("replay-out-exists", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "{RESULT}"], "exists; choose another --out"),
     ("replay-out-is-the-input", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "{QKV}"], "overlaps the input store"),
@@ -139,9 +144,11 @@ def places(tmp_path_factory, tiny_models) -> dict:
     run_cli("replay", qkv, "--policies", "h2o", "--budgets", "0.5", "--out", result, "--quiet", check=True)
     file = base / "a-file.txt"
     file.write_text("not a store")
+    half = base / "half.jsonl"
+    half.write_text('{"context": "a context without its question"}\n')
     tmp = base / "scratch"
     tmp.mkdir()
-    return {"QKV": qkv, "WIN": win, "PLAIN": plain, "RESULT": result, "FILE": file, "TMP": tmp, "TINY": model}
+    return {"QKV": qkv, "WIN": win, "PLAIN": plain, "RESULT": result, "FILE": file, "HALF": half, "TMP": tmp, "TINY": model}
 
 
 def refused(ran, needle: str) -> bool:

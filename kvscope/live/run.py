@@ -13,7 +13,9 @@ metric compares the same steps)::
                   (``perplexity_full`` = the same under full KV, for reference)
 
 Forward ``t`` of the forced decode sees the same tokens as forward ``t`` of the full
-decode, so ``kl`` isolates what the cache changed. Bytes are the policy cache's own (free
+decode, so ``kl`` isolates what the cache changed. ``question_agnostic``: the prompt's context
+is prefilled alone (the policy compresses it there), the question's tokens are then fed one
+forward each, and the ``S`` steps above are those after the question. Bytes are the policy cache's own (free
 decode): the peak of ``bytes_actual`` and of the SPEC accounting, against the budget.
 """
 
@@ -30,7 +32,7 @@ from ..errors import KvscopeError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, load, resolve
 from ..policies import check_budget
-from ..prompts import as_prompts, check_context, encode, eos_ids
+from ..prompts import as_prompts, check_context, encode, encode_split, eos_ids
 from .cache import PolicyCache, live_policy, parse_kv_dtype, prepare
 
 
@@ -41,10 +43,13 @@ class Decoded:
     seconds: float
 
 
-def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | None = None, on_step=None) -> Decoded:
+def decode(
+    model, prompt_ids: list[int], cache, steps: int, forced: list[int] | None = None, on_step=None, question=()
+) -> Decoded:
     """``steps`` greedy forwards (the prompt, then one token each) with ``cache``; with
-    ``forced`` the next input is ``forced[t]`` instead of the greedy token. ``on_step()`` is
-    called after every forward."""
+    ``forced`` the next input is ``forced[t]`` instead of the greedy token. ``question``: tokens
+    fed one forward each after the prompt, before the ``steps`` (whose logits alone are kept).
+    ``on_step()`` is called after every forward."""
     import torch
 
     device = next(model.parameters()).device
@@ -52,15 +57,18 @@ def decode(model, prompt_ids: list[int], cache, steps: int, forced: list[int] | 
     inputs = torch.tensor([prompt_ids], device=device)
     started = time.perf_counter()
     with torch.no_grad():
-        for t in range(steps):
+        for t in range(len(question) + steps):
             out = model(input_ids=inputs, cache=cache, use_cache=True)
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
             if hasattr(cache, "end_step"):
                 cache.end_step()
-            last = out.logits[0, -1].float()
-            logits.append(last.cpu())
-            tokens.append(int(last.argmax()))
-            nxt = tokens[-1] if forced is None else int(forced[t])
+            if t < len(question):
+                nxt = int(question[t])
+            else:
+                last = out.logits[0, -1].float()
+                logits.append(last.cpu())
+                tokens.append(int(last.argmax()))
+                nxt = tokens[-1] if forced is None else int(forced[t - len(question)])
             inputs = torch.tensor([[nxt]], device=device)
             if on_step is not None:
                 on_step()
@@ -111,6 +119,7 @@ class RunResult:
     full_bytes: float
     budget_reached: bool
     kv_dtype: str
+    question_tokens: int = 0  # question-agnostic: forced question steps between the context and the answer
     score: float | None = None
     score_full: float | None = None
     bytes_actual: list[int] = field(default_factory=list)  # [step]
@@ -133,18 +142,23 @@ def run_loaded(
     scorer=None,
     expected=None,
     on_step=None,
+    question: list[int] = (),
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
-    (``on_step()`` after every forward of each)."""
+    (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
+    ``question`` holds the question's tokens (question-agnostic)."""
     from transformers import DynamicCache
 
+    n_forwards = len(question) + max_new_tokens
+
     def make():
-        return PolicyCache(model, policy, budget, max_new_tokens, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
+        return PolicyCache(model, policy, budget, n_forwards, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
 
     probe = make()  # refuse bad input before decoding anything
-    full = decode(model, prompt_ids, DynamicCache(config=model.config), max_new_tokens, on_step=on_step)
-    free = decode(model, prompt_ids, probe, max_new_tokens, on_step=on_step)
-    forced = decode(model, prompt_ids, make(), max_new_tokens, forced=full.tokens, on_step=on_step)
+    steps = {"steps": max_new_tokens, "on_step": on_step, "question": question}
+    full = decode(model, prompt_ids, DynamicCache(config=model.config), **steps)
+    free = decode(model, prompt_ids, probe, **steps)
+    forced = decode(model, prompt_ids, make(), forced=full.tokens, **steps)
     metrics = agreement(full, free, forced)
     text = _text(tokenizer, model, free.tokens)
     text_full = _text(tokenizer, model, full.tokens)
@@ -164,6 +178,7 @@ def run_loaded(
         full_bytes=probe.full_bytes,
         budget_reached=bool(probe.state.reached),
         kv_dtype=str(probe.kv_dtype).removeprefix("torch."),
+        question_tokens=len(question),
         bytes_actual=list(probe.bytes_actual),
         **metrics,
     )
@@ -196,11 +211,13 @@ def run(
     w: int = defaults.W,
     scorer=None,
     trust_remote_code: bool = False,
+    question_agnostic: bool = False,
     progress=None,
 ) -> list[RunResult]:
     """Generate every prompt (text or :class:`~kvscope.prompts.Prompt`) under
     ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
-    total)`` is called after every forward (3 decodes × ``max_new_tokens`` per prompt)."""
+    total)`` is called after every forward (3 decodes × (question + ``max_new_tokens``) per
+    prompt)."""
     check_budget(budget)
     policy = live_policy(policy)
     if max_new_tokens < 1:
@@ -210,21 +227,25 @@ def run(
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
     prepare(loaded, attn)
-    encoded = encode(tokenizer, prompts, chat)
-    check_context(encoded, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings)
+    if question_agnostic:
+        encoded, questions = map(list, zip(*encode_split(tokenizer, prompts, chat), strict=True))
+    else:
+        encoded, questions = encode(tokenizer, prompts, chat), [[] for _ in prompts]
+    joined = [ids + q for ids, q in zip(encoded, questions)]
+    check_context(joined, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings)
     results = []
-    done, total = [0], 3 * max_new_tokens * len(prompts)
+    done, total = [0], 3 * sum(len(q) + max_new_tokens for q in questions)
 
     def on_step():
         done[0] += 1
         if progress is not None:
             progress(done[0], total)
 
-    for prompt, ids in zip(prompts, encoded):
+    for prompt, ids, question in zip(prompts, encoded, questions):
         results.append(
             run_loaded(
                 loaded, tokenizer, ids, policy, budget, max_new_tokens, kv_dtype=dtype, n_sink=n_sink, w=w,
-                scorer=scorer, expected=prompt.expected, on_step=on_step,
+                scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
             )
         )  # fmt: skip
     return results

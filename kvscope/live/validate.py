@@ -46,12 +46,15 @@ def validate(
     force: bool = False,
     model: str | None = None,
     kv_dtype: str | None = None,
+    question_agnostic: bool = False,
     progress=None,
 ) -> dict:
     """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
     ``predicted`` and ``live`` errors and the decision agreement. ``live_out`` keeps the live
     trace (an existing one is replaced only with ``force``); ``model`` overrides the model the
-    store names (which is looked up locally only)."""
+    store names (which is looked up locally only). The live decode follows the store's protocol
+    (a question-agnostic trace feeds the question after the context); ``question_agnostic``
+    refuses a store recorded otherwise."""
     budget = check_budget(budget)
     policy = live_policy(policy)
     if live_out is not None:
@@ -61,6 +64,8 @@ def validate(
         raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")
     if "policy" in ds.attrs:
         raise KvscopeError(f"{store} was recorded under a policy; validate needs a full-KV trace")
+    if question_agnostic and not ds.kvscope.question_agnostic:
+        raise KvscopeError(f"{store} prefilled the question with the context; record it with trace --question-agnostic")
     attrs = ds.attrs
     settings_doc = attrs.get("settings", {})
     source = _model_source(store, attrs.get("model"), model)
@@ -68,11 +73,15 @@ def validate(
     dtype = kv_storage_dtype(model, kv_dtype)
     itemsize = dtype.itemsize
 
-    open_loop = replay(ds, [policy], [budget], observe="exact", kv_itemsize=itemsize)
+    open_loop = replay(
+        ds, [policy], [budget], observe="exact", kv_itemsize=itemsize, question_agnostic=question_agnostic
+    )
     acc = ds.kvscope
+    generation = attrs.get("generation", {})
     settings = TraceSettings(
         model=source.spec,
-        max_new_tokens=int(ds.sizes["step"]),
+        max_new_tokens=int(generation["max_new_tokens"]) if acc.question_agnostic else int(ds.sizes["step"]),
+        question_agnostic=acc.question_agnostic,
         heads="kv",
         window=acc.w,
         n_sink=acc.n_sink,
@@ -210,8 +219,9 @@ def _per_layer(err) -> np.ndarray:
 
 
 def _generated(ds, s: int) -> list[int]:
-    n = int(ds["n_steps"].values[s])
-    return [int(t) for t in ds["token_id"].values[s, :n]]
+    """The tokens sample ``s`` generated (after a forced question)."""
+    n, q = int(ds["n_steps"].values[s]), int(ds.kvscope.question_tokens[s])
+    return [int(t) for t in ds["token_id"].values[s, q:n]]
 
 
 def _num(x):

@@ -96,8 +96,15 @@ class ReplaySetup:
     kv_itemsize: int
 
     @classmethod
-    def of(cls, ds, policies, budgets, *, observe, every, errors, validate, kv_itemsize, **metric) -> ReplaySetup:
+    def of(
+        cls, ds, policies, budgets, *, observe, every, errors, validate, kv_itemsize, question_agnostic, **metric
+    ) -> ReplaySetup:
         acc = ds.kvscope
+        if question_agnostic and not acc.question_agnostic:
+            raise KvscopeError(
+                "question-agnostic replay needs a trace recorded with kvscope trace --question-agnostic "
+                "(this one prefilled the question with the context, so every policy saw it)"
+            )
         if observe not in OBSERVE_MODES:
             raise KvscopeError(f"observe must be renorm or exact (got {observe!r})")
         stats = {k: metric.pop(k) for k in ("n_boot", "seed", "resample")}
@@ -197,6 +204,7 @@ def replay(
     seed: int = 0,
     resample: str = "samples",
     kv_itemsize: int = 2,
+    question_agnostic: bool = False,
     progress=None,
     out=None,
 ) -> xr.Dataset:
@@ -210,7 +218,10 @@ def replay(
     parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
     ``resample``: what the confidence intervals resample, ``samples`` (prompts) or ``units``.
     ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
-    compares with a live cache of an fp32 model). ``progress(done, total)`` is called per step.
+    compares with a live cache of an fp32 model). ``question_agnostic``: refuse a trace whose
+    prefill held the question (the protocol is fixed when a trace is recorded: on a trace made
+    with ``trace --question-agnostic`` every policy first compresses at the end of the context,
+    and the question's steps are decode steps). ``progress(done, total)`` is called per step.
 
     The tiers are streamed to a Zarr store as they are taken (memory never holds them all),
     and the result's ``tiers`` is a dask array reading that store, every other variable in
@@ -227,7 +238,7 @@ def replay(
     setup = ReplaySetup.of(
         ds, policies, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
         m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
-        resample=resample,
+        resample=resample, question_agnostic=question_agnostic,
     )  # fmt: skip
     with result_folder(out) as root:
         outputs = _result.Outputs.allocate(setup, root)
@@ -285,6 +296,7 @@ def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
         "model": ds.attrs.get("model", {}).get("name", ""),
         "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in setup.policies}),
         "kv_itemsize": setup.kv_itemsize,
+        "protocol": "question-agnostic" if ds.kvscope.question_agnostic else "question-aware",
         "replay_seconds": round(seconds, 3),
     }
 

@@ -150,6 +150,7 @@ def _one_of(*values):
 
 
 _TEXT = (lambda v: isinstance(v, str), "a string")
+PROTOCOLS = ("question-aware", "question-agnostic")  # where the policy first compressed (SPEC, docs/replay.md)
 ATTRIBUTES = {
     "observe": _one_of("renorm", "exact"),
     "horizon": _int(1),
@@ -165,6 +166,7 @@ ATTRIBUTES = {
     "model": _TEXT,
     "policies": _TEXT,
     "kv_itemsize": _int(1),
+    "protocol": (lambda v: v in (None, *PROTOCOLS), "question-aware or question-agnostic"),  # absent before 0.3
     "replay_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number ≥ 0"),
 }
 

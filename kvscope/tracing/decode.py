@@ -2,7 +2,11 @@
 
 Step ``t`` is the forward whose query sits at ``prompt_len − 1 + t`` (step 0 = the last
 prefill row); its sampled token is ``tokens[prompt_len + t]`` (SPEC §1). Greedy by default;
-``temperature > 0`` samples with a seeded ``torch.Generator``. Rows are gathered per block of
+``temperature > 0`` samples with a seeded ``torch.Generator``. With ``--question-agnostic``
+the prefill is the context only and the question's ``Q`` tokens are *forced*: step ``t < Q``
+emits question token ``t`` (whatever the model predicts), so the question is decoded into the
+cache position by position and generation starts at step ``Q``; end-of-sequence counts from
+there, and a sample stops after ``Q + max_new_tokens`` steps. Rows are gathered per block of
 steps and handed to the background writer, which commits the block once it is durable.
 
 On ``--resume`` the committed steps are decoded again with capture off (a bit-identical
@@ -27,9 +31,11 @@ from .writer import Block
 class BatchDecode:
     """Decode the samples ``batch`` of ``encoded`` into ``writer`` (one block at a time)."""
 
-    def __init__(self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int]):
+    def __init__(self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None):
         self.model, self.batch, self.layout, self.settings, self.writer = model, batch, layout, settings, writer
         self.prompt_ids = [encoded[s] for s in batch]
+        self.questions = [questions[s] if questions else [] for s in batch]  # forced first tokens per sample
+        self.last_step = [len(q) + settings.max_new_tokens - 1 for q in self.questions]
         self.lens = [len(ids) for ids in self.prompt_ids]
         self.eos = eos
         B, S = len(batch), layout.n_steps
@@ -114,6 +120,9 @@ class BatchDecode:
             self.cache.end_step()
             self.records.add_step(t, self.cache)
         token = self.sample(out.logits[:, -1])
+        for i, question in enumerate(self.questions):
+            if t < len(question):
+                token[i] = question[t]
         if self.stored_tokens is not None and t < self.committed:
             self._check_replayed(t, token)
         return token
@@ -138,7 +147,8 @@ class BatchDecode:
             if t == 0:
                 write_prefill(self.writer, self.batch, self.recorder, self.layout, self.lens, self.pad, self.dtype)
         for i in range(len(self.batch)):
-            if live[i] and int(token[i]) in self.eos:
+            generated = t >= len(self.questions[i])
+            if live[i] and ((generated and int(token[i]) in self.eos) or t >= self.last_step[i]):
                 self.finished[i] = True
                 self.n_steps[i] = t + 1
         S = self.layout.n_steps
@@ -152,8 +162,11 @@ class BatchDecode:
         return int(live.sum())
 
 
-def decode_all(model, encoded, layout: Layout, settings, writer, cache_factory, eos: set[int], progress) -> None:
-    """Every unfinished batch of ``encoded``, in turn; ``progress(steps_done, steps_total, tokens, seconds)``."""
+def decode_all(
+    model, encoded, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
+) -> None:
+    """Every unfinished batch of ``encoded``, in turn; ``progress(steps_done, steps_total, tokens, seconds)``;
+    ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
     steps_total = sum(layout.n_steps - c for c, d in zip(writer.committed, writer.done) if not d)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
 
@@ -168,7 +181,7 @@ def decode_all(model, encoded, layout: Layout, settings, writer, cache_factory, 
         if all(writer.done[s] for s in batch):
             continue
         cache = cache_factory(model, layout)
-        BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos).run(step_done)
+        BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos, questions).run(step_done)
     writer.flush()
 
 

@@ -31,7 +31,7 @@ from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
 from ..params import ParamSpec, check_value
 from ..paths import output_path
-from ..prompts import Prompt, as_prompts, check_context, encode, eos_ids
+from ..prompts import Prompt, as_prompts, check_context, encode, encode_split, eos_ids
 from ..rope import Rope
 from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
@@ -63,6 +63,7 @@ class TraceSettings:
     stop_at_eos: bool = True
     chat: bool = False
     trust_remote_code: bool = False
+    question_agnostic: bool = False  # prefill the context only; the question's tokens are forced steps
 
     def check(self) -> None:
         self._check_kinds()
@@ -249,12 +250,16 @@ def trace_loaded(
     register()
     model.set_attn_implementation(implementation_name(settings.attn))
     spec = ModelSpec.from_model(model)
-    encoded = encode(tokenizer, prompts, settings.chat)
-    check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings)
+    encoded, questions = _encoded(tokenizer, prompts, settings)
+    check_context(
+        [ids + q for ids, q in zip(encoded, questions)], settings.max_new_tokens, spec.max_position_embeddings
+    )
     rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
-    layout = _layout(settings, spec, encoded, rope, cache)
+    layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
     if existing is None:
         attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, settings_doc, cache)
+        if settings.question_agnostic:
+            attrs["question_tokens"] = [len(q) for q in questions]
         lock = _create_store(out, layout, attrs, encoded, rope)
         committed, done = [0] * len(prompts), [False] * len(prompts)
     else:
@@ -269,10 +274,10 @@ def trace_loaded(
             if progress is not None:
                 progress(Progress(done_steps, total, tokens / seconds if seconds > 0 else 0.0, writer.bytes_written))
 
-        decode_all(model, encoded, layout, settings, writer, cache or _dynamic_cache, eos, on_step)
+        decode_all(model, encoded, layout, settings, writer, cache or _dynamic_cache, eos, on_step, questions)
         writer.close()
         _complete(out)
-        texts, steps = _texts(out, tokenizer)
+        texts, steps = _texts(out, tokenizer, [len(q) for q in questions])
         return TraceResult(out, len(encoded), steps, time.perf_counter() - started, writer.bytes_written, texts)
     except BaseException:
         if existing is None:
@@ -298,8 +303,18 @@ def _dynamic_cache(model, layout: Layout):
     return DynamicCache(config=model.config)
 
 
-def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache) -> Layout:
-    S = settings.max_new_tokens
+def _encoded(tokenizer, prompts: list[Prompt], settings: TraceSettings) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids the prefill takes per prompt, and those forced as the first decode steps:
+    with ``question_agnostic`` the context and the question, else the whole prompt and none."""
+    if settings.question_agnostic:
+        pairs = encode_split(tokenizer, prompts, settings.chat)
+        return [c for c, _ in pairs], [q for _, q in pairs]
+    encoded = encode(tokenizer, prompts, settings.chat)
+    return encoded, [[] for _ in encoded]
+
+
+def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, n_question: int = 0) -> Layout:
+    S = settings.max_new_tokens + n_question  # forced question steps, then the generated ones
     return Layout(
         n_samples=len(encoded),
         n_steps=S,
@@ -330,15 +345,15 @@ def _complete(out: Path) -> None:
     consolidate(out)
 
 
-def _texts(out: Path, tokenizer) -> tuple[list[str], list[int]]:
-    """The generated text and the number of steps of every sample."""
+def _texts(out: Path, tokenizer, n_question: list[int]) -> tuple[list[str], list[int]]:
+    """The generated text (after any forced question) and the number of steps of every sample."""
     import zarr
 
     group = zarr.open_group(str(out), mode="r")
     tokens, prompt_len, n_steps = group["tokens"][:], group["prompt_len"][:], group["n_steps"][:]
     texts = []
     for s in range(len(n_steps)):
-        gen = tokens[s, prompt_len[s] : prompt_len[s] + n_steps[s]]
+        gen = tokens[s, prompt_len[s] + n_question[s] : prompt_len[s] + n_steps[s]]
         texts.append(tokenizer.decode([int(t) for t in gen if t >= 0]))
     return texts, [int(n) for n in n_steps]
 
@@ -376,6 +391,7 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
             "eos_token_ids": eos_ids(model, tokenizer),
             "chat_template": settings.chat,
             "batch_size": settings.batch_size,
+            "question_agnostic": settings.question_agnostic,
         },
         "heads": settings.heads,
         "head_dim_name": layout.head_dim_name,
