@@ -50,7 +50,7 @@ def test_split_prompts_from_jsonl_and_workloads(prompts_file, tiny_models):
     assert [p.question for p in prompts] == QUESTIONS and all(p.context == CONTEXT for p in prompts)
     assert Prompt.from_doc(prompts[0].doc()).split == len(CONTEXT)
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
-    (context, question), _ = encode_split(tokenizer, prompts, chat=False)
+    (context, _question), _ = encode_split(tokenizer, prompts, chat=False)
     assert context == tokenizer(CONTEXT)["input_ids"]
     chat_context, chat_question = encode_split(tokenizer, prompts, chat=True)[0]
     assert chat_context + chat_question == encode(tokenizer, prompts, chat=True)[0]  # the template, cut
