@@ -19,12 +19,12 @@ from workload_traces import add_arguments, ensure_traces, write_summary  # noqa:
 
 POLICIES = ["logquant", "kivi", "logquant:evict=true", "kivi:evict=true"]
 # the paper's Table 2 (§2.3): summed L1 distance to the original attention, Llama-3.1-8B on GSM8K
-PAPER = {"logquant": 432.50, "kivi": 556.10, "logquant:evict=True": 1076.70, "kivi:evict=True": 1612.56}
+PAPER = {"logquant": 432.50, "kivi": 556.10, "logquant:evict=true": 1076.70, "kivi:evict=true": 1612.56}
 NAMES = {
     "logquant": "LogQuant 2-bit",
     "kivi": "KIVI 2-bit",
-    "logquant:evict=True": "LogQuant as eviction",
-    "kivi:evict=True": "KIVI as eviction",
+    "logquant:evict=true": "LogQuant as eviction",
+    "kivi:evict=true": "KIVI as eviction",
 }
 
 

@@ -353,10 +353,29 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def label(self) -> str:
-        """``name`` or ``name:key=value:…`` for fields that differ from the defaults."""
+        """``name`` or ``name:key=value:…`` for fields that differ from the defaults, spelled as
+        the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
         defaults = type(self)()
-        changed = [f"{k}={v}" for k, v in self.params().items() if v != getattr(defaults, k)]
+        changed = [
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in self.params().items()
+            if v != getattr(defaults, k)
+        ]
         return ":".join([self.name, *changed])
+
+
+class AsEviction:
+    """Mixin of a quantizing policy with an ``evict`` field: ``evict=true`` evicts what it
+    would quantize (LogQuant's Table 2 "as eviction" variants), and then neither quantizes
+    nor counts as a quantization policy."""
+
+    @property
+    def quantizes(self) -> bool:
+        return not self.evict
+
+    @property
+    def kind(self) -> str:
+        return "eviction" if self.evict else "quantization"
 
 
 def top_k_mask(scores: np.ndarray, candidates: np.ndarray, k) -> np.ndarray:

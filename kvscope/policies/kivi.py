@@ -20,12 +20,12 @@ import numpy as np
 
 from ..errors import KvscopeError
 from ..params import param
-from .base import EVICTED, CacheSpec, CacheState, Ledger, Policy, Q
+from .base import EVICTED, AsEviction, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS, q_token_bytes
 
 
 @dataclass
-class KIVI(Policy):
+class KIVI(AsEviction, Policy):
     bits: int = param(2, choices=BITS, help="bits per quantized value")
     G: int = param(32, low=1, help="tokens per key group (keys per channel)")
     R: int | None = param(
@@ -35,14 +35,6 @@ class KIVI(Policy):
     evict: bool = param(False, help="drop what it would quantize (KIVI as eviction)")
 
     name = "kivi"
-
-    @property
-    def quantizes(self) -> bool:
-        return not self.evict
-
-    @property
-    def kind(self) -> str:
-        return "eviction" if self.evict else "quantization"
 
     def __post_init__(self):
         super().__post_init__()

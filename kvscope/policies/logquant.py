@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..params import param
-from .base import EVICTED, CacheSpec, CacheState, Ledger, Policy, Q
+from .base import EVICTED, AsEviction, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS
 
 
@@ -124,7 +124,7 @@ def _chunks(positions: list[int], size: int) -> list[list[int]]:
 
 
 @dataclass
-class LogQuant(Policy):
+class LogQuant(AsEviction, Policy):
     W: int | None = param(None, low=1, help="LogQuant's window W", none="the largest that fits")
     bits: int = param(2, choices=BITS, help="bits per quantized value")
     key_axis: str = param("channel", choices=("channel", "token"), help="keys per channel (paper) or per token (code)")
@@ -134,14 +134,6 @@ class LogQuant(Policy):
     evict: bool = param(False, help="drop what it would quantize (LogQuant as eviction)")
 
     name = "logquant"
-
-    @property
-    def quantizes(self) -> bool:
-        return not self.evict
-
-    @property
-    def kind(self) -> str:
-        return "eviction" if self.evict else "quantization"
 
     def _ledger(self, spec: CacheSpec, k=None, v=None) -> Ledger:
         key_group = min(self.key_group, spec.head_dim) if self.key_axis == "token" else None
