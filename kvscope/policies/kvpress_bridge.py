@@ -35,10 +35,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..errors import KvscopeError
+from ..errors import KvscopeError, first_line
 
 KVPRESS_VERSION = "0.5.5"
-INSTALL = f"pip install 'kvscope[presses]' && pip install --no-deps kvpress=={KVPRESS_VERSION} peft (make setup does both)"
+INSTALL = (
+    f"pip install 'kvscope[presses]' && pip install --no-deps kvpress=={KVPRESS_VERSION} peft (make setup does both)"
+)
 NEEDS_ATTENTIONS = ("ObservedAttentionPress",)  # scorers that read the layer's attention weights
 ALIASES = {"base": "base_press"}  # press:DecodingPress:base=KnormPress
 SET_BY_BUDGET = ("compression_ratio", "target_size")
@@ -165,8 +167,8 @@ def build(tree: dict):
             raise KvscopeError(f"press {cls.__name__} needs {key}=<press> (e.g. {key}=KnormPress)")
     try:
         return cls(**values)
-    except (AssertionError, ValueError, TypeError) as error:
-        raise KvscopeError(f"press {cls.__name__}: {error or type(error).__name__}") from None
+    except Exception as error:  # noqa: BLE001 - kvpress's own checks (assertions in __post_init__)
+        raise KvscopeError(f"press {cls.__name__}: {first_line(error)}") from None
 
 
 def presses_in(press) -> list:
@@ -308,7 +310,8 @@ class PressRunner:
             press.post_init_from_model(SimpleNamespace(config=config, device=torch.device("cpu")))
         except Exception as error:  # noqa: BLE001 - a press that needs the model itself
             raise KvscopeError(
-                f"press {self.label} needs the model itself, which a trace does not hold ({type(error).__name__}: {error})"
+                f"press {self.label} needs the model itself, which a trace does not hold "
+                f"({first_line(error, named=True)})"
             ) from None
 
     # -- budget ---------------------------------------------------------------------------
@@ -322,7 +325,14 @@ class PressRunner:
             interval = press.compression_interval
             press.target_size = max(1, cap - interval + 1)
             return cap - interval + 1 >= 1 and p + interval - 1 <= cap, {"target_size": press.target_size}
-        if not hasattr(press, "compression_ratio"):
+        try:
+            has_ratio = hasattr(press, "compression_ratio")
+        except Exception as error:  # noqa: BLE001 - a ratio only a model forward can tell (DMS, SimLayerKV)
+            raise KvscopeError(
+                f"press {self.label} knows its compression ratio only after a model forward ({first_line(error)}): "
+                "a budget cannot set it"
+            ) from None
+        if not has_ratio:
             raise KvscopeError(f"press {self.label} has no compression_ratio a budget could set")
         n = cap - s
         reached = n >= 1
@@ -330,8 +340,10 @@ class PressRunner:
         ratio = 0.0 if n >= p else self._ratio_for(n, p)
         try:
             press.compression_ratio = ratio
-        except (AttributeError, AssertionError, ValueError) as error:
-            raise KvscopeError(f"press {self.label} takes no compression ratio a budget could set ({error})") from None
+        except Exception as error:  # noqa: BLE001 - a property that refuses to be set (ThinK)
+            raise KvscopeError(
+                f"press {self.label} takes no compression ratio a budget could set ({first_line(error)})"
+            ) from None
         return reached, {"compression_ratio": ratio}
 
     def _ratio_for(self, n: int, p: int) -> float:
@@ -435,15 +447,9 @@ class PressRunner:
         try:
             with GatherRecorder(before) as recorder:
                 self.press.forward_hook(module, [], kwargs, (None, attentions))
-        except (
-            AttributeError,
-            AssertionError,
-            NotImplementedError,
-            ValueError,
-            RuntimeError,
-            IndexError,
-            KeyError,
-        ) as error:
+        except KvscopeError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever a press raises on a stand-in becomes one line
             missing = module.__dict__.get("missing")
             if missing:
                 raise KvscopeError(
@@ -451,7 +457,9 @@ class PressRunner:
                     "(it records the layer's q, k and v — not its weights, norms or inputs)"
                 ) from None
             raise KvscopeError(
-                f"press {self.label} failed on layer {module.layer_idx}: {type(error).__name__}: {error}"
+                f"press {self.label} failed on layer {module.layer_idx} of the recording "
+                f"({first_line(error, named=True)}); a press that runs the model itself (extra forward passes) "
+                "cannot replay from a trace"
             ) from None
         after = cache.keys
         if after is before:
