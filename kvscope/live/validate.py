@@ -59,13 +59,7 @@ def validate(
     policy = live_policy(policy)
     if live_out is not None:
         _check_live_out(store, live_out, force)
-    ds = open_trace(store)
-    if not all(name in ds for name in ("q", "k", "v")):
-        raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")
-    if "policy" in ds.attrs:
-        raise KvscopeError(f"{store} was recorded under a policy; validate needs a full-KV trace")
-    if question_agnostic and not ds.kvscope.question_agnostic:
-        raise KvscopeError(f"{store} prefilled the question with the context; record it with trace --question-agnostic")
+    ds = _full_kv_trace(store, question_agnostic)
     attrs = ds.attrs
     settings_doc = attrs.get("settings", {})
     source = _model_source(store, attrs.get("model"), model)
@@ -76,25 +70,7 @@ def validate(
     open_loop = replay(
         ds, [policy], [budget], observe="exact", kv_itemsize=itemsize, question_agnostic=question_agnostic
     )
-    acc = ds.kvscope
-    generation = attrs.get("generation", {})
-    settings = TraceSettings(
-        model=source.spec,
-        max_new_tokens=int(generation["max_new_tokens"]) if acc.question_agnostic else int(ds.sizes["step"]),
-        question_agnostic=acc.question_agnostic,
-        heads="kv",
-        window=acc.w,
-        n_sink=acc.n_sink,
-        obs_window=acc.obs_window,
-        record_qkv=True,
-        dtype="float32",
-        device=attrs.get("device", "cpu"),
-        attn=attrs.get("attn_kernel", "sdpa"),
-        model_dtype=settings_doc.get("model_dtype", "auto"),
-        stop_at_eos=bool(attrs.get("generation", {}).get("stop_at_eos", True)),
-        chat=bool(attrs.get("generation", {}).get("chat_template", False)),
-    )
-    settings.check()
+    settings = _live_settings(ds, source)
     cache = LivePolicy(policy, budget, str(dtype).removeprefix("torch."))
     prompts = [Prompt.from_doc(p) for p in attrs["prompts"]]
     tmp = None
@@ -113,6 +89,43 @@ def validate(
             tmp.cleanup()
     report["live_store"] = None if tmp is not None else str(live_out)
     return report
+
+
+def _full_kv_trace(store, question_agnostic: bool):
+    """The store, opened and checked: a full-KV trace with q/k/v (question-agnostic if asked)."""
+    ds = open_trace(store)
+    if not all(name in ds for name in ("q", "k", "v")):
+        raise KvscopeError(f"{store} has no q/k/v: validate needs a trace recorded with --record qkv")
+    if "policy" in ds.attrs:
+        raise KvscopeError(f"{store} was recorded under a policy; validate needs a full-KV trace")
+    if question_agnostic and not ds.kvscope.question_agnostic:
+        raise KvscopeError(f"{store} prefilled the question with the context; record it with trace --question-agnostic")
+    return ds
+
+
+def _live_settings(ds, source: ModelSource) -> TraceSettings:
+    """The store's own trace settings for the live re-decode: kv rows with q/k/v in fp32, the
+    same generation (and protocol)."""
+    attrs, acc = ds.attrs, ds.kvscope
+    generation = attrs.get("generation", {})
+    settings = TraceSettings(
+        model=source.spec,
+        max_new_tokens=int(generation["max_new_tokens"]) if acc.question_agnostic else int(ds.sizes["step"]),
+        question_agnostic=acc.question_agnostic,
+        heads="kv",
+        window=acc.w,
+        n_sink=acc.n_sink,
+        obs_window=acc.obs_window,
+        record_qkv=True,
+        dtype="float32",
+        device=attrs.get("device", "cpu"),
+        attn=attrs.get("attn_kernel", "sdpa"),
+        model_dtype=attrs.get("settings", {}).get("model_dtype", "auto"),
+        stop_at_eos=bool(generation.get("stop_at_eos", True)),
+        chat=bool(generation.get("chat_template", False)),
+    )
+    settings.check()
+    return settings
 
 
 def _check_live_out(store, live_out, force: bool) -> None:
