@@ -5,6 +5,7 @@ load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "
                                                              {"context": …, "question": …} per line
 encode(tokenizer, prompts, chat)                → [[token id, …], …]   (chat template when asked)
 encode_split(tokenizer, prompts, chat)          → [(context ids, question ids), …]  (--question-agnostic)
+encode_prompts(tokenizer, prompts, chat, qa)    → (prefill ids, forced question ids) per prompt
 check_context(encoded, max_new_tokens, context) refuses prompts that do not fit the model
 eos_ids(model, tokenizer)                       the ids that end generation
 """
@@ -176,12 +177,29 @@ def encode_split(tokenizer, prompts: list[Prompt], chat: bool) -> list[tuple[lis
     return out
 
 
-def check_context(encoded: list[list[int]], max_new_tokens: int, context: int | None) -> None:
-    """Refuse a prompt whose tokens plus ``max_new_tokens`` exceed the model context."""
+def encode_prompts(
+    tokenizer, prompts: list[Prompt], chat: bool, question_agnostic: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids the prefill takes per prompt, and those fed as the first decode steps: with
+    ``question_agnostic`` the context and the question (:func:`encode_split`), else the whole
+    prompt and none."""
+    if question_agnostic:
+        pairs = encode_split(tokenizer, prompts, chat)
+        return [c for c, _ in pairs], [q for _, q in pairs]
+    encoded = encode(tokenizer, prompts, chat)
+    return encoded, [[] for _ in encoded]
+
+
+def check_context(
+    encoded: list[list[int]], max_new_tokens: int, context: int | None, questions: list[list[int]] | None = None
+) -> None:
+    """Refuse a prompt whose tokens (with its question's) plus ``max_new_tokens`` exceed the
+    model context."""
     for n, ids in enumerate(encoded):
-        if context and len(ids) + max_new_tokens > context:
+        tokens = len(ids) + (len(questions[n]) if questions else 0)
+        if context and tokens + max_new_tokens > context:
             raise KvscopeError(
-                f"prompt {n} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                f"prompt {n} has {tokens} tokens; with --max-new-tokens {max_new_tokens} "
                 f"it exceeds the model context of {context}"
             )
 

@@ -32,7 +32,7 @@ from ..errors import KvscopeError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, load, resolve
 from ..policies import check_budget
-from ..prompts import as_prompts, check_context, encode, encode_split, eos_ids
+from ..prompts import as_prompts, check_context, encode_prompts, eos_ids
 from .cache import PolicyCache, live_policy, parse_kv_dtype, prepare
 
 
@@ -227,12 +227,8 @@ def run(
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
     prepare(loaded, attn)
-    if question_agnostic:
-        encoded, questions = map(list, zip(*encode_split(tokenizer, prompts, chat), strict=True))
-    else:
-        encoded, questions = encode(tokenizer, prompts, chat), [[] for _ in prompts]
-    joined = [ids + q for ids, q in zip(encoded, questions)]
-    check_context(joined, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings)
+    encoded, questions = encode_prompts(tokenizer, prompts, chat, question_agnostic)
+    check_context(encoded, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings, questions)
     results = []
     done, total = [0], 3 * sum(len(q) + max_new_tokens for q in questions)
 

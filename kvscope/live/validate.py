@@ -194,8 +194,8 @@ def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:
                 }
     predicted = _per_layer(open_loop["output_rel_l2"])
     measured = _per_layer(closed["output_rel_l2"])
-    tokens_full = [_generated(full, s) for s in range(full.sizes["sample"])]
-    tokens_live = [_generated(live, s) for s in range(live.sizes["sample"])]
+    tokens_full = [full.kvscope.generated(s).tolist() for s in range(full.sizes["sample"])]
+    tokens_live = [live.kvscope.generated(s).tolist() for s in range(live.sizes["sample"])]
     same_tokens = [
         np.mean([a == b for a, b in zip(x, y)]) if min(len(x), len(y)) else np.nan
         for x, y in zip(tokens_full, tokens_live)
@@ -229,12 +229,6 @@ def _per_layer(err) -> np.ndarray:
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)
-
-
-def _generated(ds, s: int) -> list[int]:
-    """The tokens sample ``s`` generated (after a forced question)."""
-    n, q = int(ds["n_steps"].values[s]), int(ds.kvscope.question_tokens[s])
-    return [int(t) for t in ds["token_id"].values[s, q:n]]
 
 
 def _num(x):

@@ -31,7 +31,7 @@ from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
 from ..params import ParamSpec, check_value
 from ..paths import output_path
-from ..prompts import Prompt, as_prompts, check_context, encode, encode_split, eos_ids
+from ..prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
 from ..rope import Rope
 from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
@@ -250,10 +250,8 @@ def trace_loaded(
     register()
     model.set_attn_implementation(implementation_name(settings.attn))
     spec = ModelSpec.from_model(model)
-    encoded, questions = _encoded(tokenizer, prompts, settings)
-    check_context(
-        [ids + q for ids, q in zip(encoded, questions)], settings.max_new_tokens, spec.max_position_embeddings
-    )
+    encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
+    check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
     rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
     layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
     if existing is None:
@@ -301,16 +299,6 @@ def _dynamic_cache(model, layout: Layout):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
-
-
-def _encoded(tokenizer, prompts: list[Prompt], settings: TraceSettings) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids the prefill takes per prompt, and those forced as the first decode steps:
-    with ``question_agnostic`` the context and the question, else the whole prompt and none."""
-    if settings.question_agnostic:
-        pairs = encode_split(tokenizer, prompts, settings.chat)
-        return [c for c, _ in pairs], [q for _, q in pairs]
-    encoded = encode(tokenizer, prompts, settings.chat)
-    return encoded, [[] for _ in encoded]
 
 
 def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, n_question: int = 0) -> Layout:
