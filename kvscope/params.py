@@ -98,7 +98,7 @@ def _kinds(cls: type) -> dict[str, tuple[type, bool]]:
     out = {}
     for f in dataclasses.fields(cls):
         hint = hints.get(f.name, Any)
-        options = [a for a in typing.get_args(hint)] if typing.get_origin(hint) in (typing.Union, _UnionType) else []
+        options = hint_options(hint)
         optional = type(None) in options
         kinds = [a for a in options if a is not type(None)] or [hint]
         kind = typing.get_origin(kinds[0]) or kinds[0]
@@ -107,6 +107,11 @@ def _kinds(cls: type) -> dict[str, tuple[type, bool]]:
 
 
 _UnionType = type(int | None)
+
+
+def hint_options(hint) -> list:
+    """The members of a union annotation (``int | None`` → ``[int, NoneType]``), else ``[hint]``."""
+    return list(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, _UnionType) else [hint]
 
 
 def specs(cls) -> dict[str, tuple[ParamSpec, type, bool, Any]]:
@@ -199,10 +204,16 @@ def parse_param(cls, name: str, text: str):
     if optional and text.lower() == "none":
         return None
     try:
-        return _PARSERS.get(kind, str)(text)
+        return parse_text(kind, text)
     except ValueError:
         requirement = KIND_REQUIREMENT.get(kind, "be valid")
         raise KvscopeError(f"{owner} {spec.label(name, by_flag(cls))} must {requirement} (got {text!r})") from None
+
+
+def parse_text(kind: type, text: str):
+    """``text`` as a value of ``kind`` (int, float, bool, tuple of indices; anything else stays
+    text); ``ValueError`` when it is not one."""
+    return _PARSERS.get(kind, str)(text)
 
 
 def parse_bool(text: str) -> bool:

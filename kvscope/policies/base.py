@@ -271,6 +271,7 @@ class CacheState:
         self.ledger = ledger
         self.evicted_ever = np.zeros(self.tiers.shape, dtype=bool)
         self.pooled = False  # the budget holds for all layers and heads together, not per unit
+        self.setting: dict | None = None  # what the state set itself to for its budget (a press: its ratio)
 
     # -- driven by the replay or a live cache ---------------------------------------------
     def prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import KvscopeError, first_line
+from ..params import hint_options, parse_text
 
 KVPRESS_VERSION = "0.5.5"
 INSTALL = (
@@ -95,8 +96,7 @@ def _hints(cls) -> dict:
 def _press_types(hint) -> tuple[type, ...]:
     """The press classes a field accepts (empty for a plain value)."""
     base = load().BasePress
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, type(int | None)) else (hint,)
-    return tuple(o for o in options if isinstance(o, type) and issubclass(o, base))
+    return tuple(o for o in hint_options(hint) if isinstance(o, type) and issubclass(o, base))
 
 
 def fields(cls) -> dict[str, typing.Any]:
@@ -112,23 +112,13 @@ def _parse_value(owner: str, key: str, hint, text: str):
             allowed = ", ".join(t.__name__ for t in _press_types(hint))
             raise KvscopeError(f"press {owner} parameter {key} must be a press of kind {allowed} (got {text})")
         return cls
-    kind = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
+    kind = next((o for o in hint_options(hint) if o is not type(None)), hint)
+    if kind not in (bool, int, float, str):
+        raise KvscopeError(f"press {owner} parameter {key} ({hint}) cannot be given on the command line")
     try:
-        if kind is bool:
-            from ..params import parse_bool
-
-            return parse_bool(text)
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-        if kind is str:
-            return text
+        return parse_text(kind, text)
     except ValueError:
-        raise KvscopeError(
-            f"press {owner} parameter {key} must be {getattr(kind, '__name__', kind)} (got {text!r})"
-        ) from None
-    raise KvscopeError(f"press {owner} parameter {key} ({hint}) cannot be given on the command line")
+        raise KvscopeError(f"press {owner} parameter {key} must be {kind.__name__} (got {text!r})") from None
 
 
 def route(name: str, options: tuple[tuple[str, str], ...]) -> dict:
@@ -261,8 +251,6 @@ class Rotary:
 
     def numpy(self, positions):
         """``cos, sin [n, D]`` float32 of ``positions [n]``."""
-        import numpy as np
-
         positions = np.asarray(positions, dtype=np.int64)
         if self.rope is None:
             return np.ones((len(positions), self.head_dim), np.float32), np.zeros(
@@ -282,7 +270,8 @@ class Rotary:
 class PressRunner:
     """One sequence's press over every layer: the stand-in caches and which positions they hold.
 
-    ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded (post-RoPE);
+    ``k, v [layer, kv_head, pos, D]`` (numpy, or float32 tensors used as they are — replay hands
+    every run of a sample the same ones) and ``q [qpos, layer, head, D]`` as recorded (post-RoPE);
     ``rope`` the trace's rotary parameters; ``model`` its :class:`~kvscope.model_spec.ModelSpec`."""
 
     def __init__(self, press, spec, k, v, q, rope, model):
@@ -301,8 +290,8 @@ class PressRunner:
             LayerStandIn(config, layer, model.head_dim, Rotary(rope, layer, model.head_dim))
             for layer in range(model.n_layers)
         ]
-        self.k = torch.from_numpy(np.asarray(k)).float()  # [layer, kv_head, pos, D]
-        self.v = torch.from_numpy(np.asarray(v)).float()
+        self.k = torch.as_tensor(k).float()  # [layer, kv_head, pos, D]; no copy of a float32 tensor
+        self.v = torch.as_tensor(v).float()
         self.q = q  # [qpos, layer, head, D] post-RoPE, numpy
         self.cache = SimpleNamespace(layers=[SimpleNamespace(keys=None, values=None) for _ in self.modules])
         self.positions: list = [None] * model.n_layers  # per layer [kv_head, n] positions in the cache
@@ -407,6 +396,8 @@ class PressRunner:
             attentions = self._attentions(layer, p) if self.attentions else None
             self._hook(module, self._queries(layer, np.arange(p)), torch.arange(p), attentions)
             present[layer] = self._present(layer, p)
+            if not self.decodes:  # a prompt press never reads this cache again
+                cache.keys = cache.values = None
         return present
 
     def append(self, position: int) -> None:
@@ -477,7 +468,7 @@ class PressRunner:
         positions = self.positions[layer].numpy()  # [kv_head, n]
         present = np.zeros((positions.shape[0], length), dtype=bool)
         np.put_along_axis(present, positions, True, axis=1)
-        masked = getattr(self.modules[layer], "__dict__", {}).get("masked_key_indices")
+        masked = self.modules[layer].__dict__.get("masked_key_indices")  # set by AdaKV
         if masked is not None:
             _, heads, slots = (t.numpy() for t in masked)
             present[heads, positions[heads, slots]] = False

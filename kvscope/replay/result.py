@@ -9,7 +9,7 @@ the result store as it is taken (:class:`kvscope.replay.store.TierStore`).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xarray as xr
@@ -44,7 +44,7 @@ class Outputs:
     n_valid: np.ndarray  # [sample] events inside each sample's steps
     n_sink: int
     lir: LIR  # m, H_lir, δ
-    settings: dict = None  # (policy, budget, sample) → what a press was set to ({"compression_ratio": r})
+    settings: dict = field(default_factory=dict)  # (policy, budget, sample) → a state's setting
 
     def record(self, pi: int, bi: int, s: int, shape: tuple[int, ...]) -> RunRecord:
         return RunRecord(self, (pi, bi, s), shape)
@@ -107,8 +107,8 @@ class RunRecord:
     def finish(self, state) -> None:
         o, i = self.outputs, self.index
         o.reached[i] = bool(state.reached)
-        if getattr(state, "setting", None):
-            o.settings = {**(o.settings or {}), i: state.setting}
+        if state.setting:
+            o.settings[i] = state.setting
         o.n_quantized[i] = state.ledger.n_quantized if state.ledger is not None else 0
         o.eligible[i], o.reactivated[i], transitions = self.lir_stream.counts()  # [layer, kv_head], …, [L, H, 4]
         o.transitions[i] = transitions.sum((0, 1))

@@ -102,9 +102,11 @@ class SampleReplay:
 
     def _start(self, gi: int, policy, budget) -> Run:
         st = self.setup
-        values_needed = policy.reads_queries or (policy.quantizes and (st.with_errors or st.observe == "exact"))
+        values_needed = policy.quantizes and (st.with_errors or st.observe == "exact")
         k, v = self.kv if values_needed else (None, None)
-        recorded = {"q": self.queries, "model": st.ds.kvscope.model} if policy.reads_queries else {}
+        recorded = {}
+        if policy.reads_queries:  # presses: the float32 K/V every run of this sample shares
+            (k, v), recorded = self.kv32, {"q": self.queries, "model": st.ds.kvscope.model}
         state = policy.start(self.spec(budget), k, v, st.rope, **recorded)
         pi, bi = divmod(gi, len(st.budgets))
         record = self.outputs.record(pi, bi, self.s, state.tiers.shape)
