@@ -111,39 +111,32 @@ def _has_flash(device: str) -> bool:
 
 
 def overhead(model, tokenizer, args, prompt_tokens: int, workdir: Path) -> dict:
-    """Traced vs untraced decode of one prompt (medians of interleaved repeats)."""
+    """Traced vs untraced decode of one prompt (medians of interleaved repeats; trace_overhead's pairs)."""
     import torch
-    from trace_overhead import prose_prompt, untraced_decode
+    from trace_overhead import one_pair, prose_prompt
 
-    from kvscope.prompts import Prompt
-    from kvscope.tracing.runner import TraceSettings, trace_loaded
+    from kvscope.tracing.runner import TraceSettings
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     prompt = prose_prompt(tokenizer, prompt_tokens)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(args.device)
     settings = TraceSettings(max_new_tokens=args.new_tokens, device=args.device, stop_at_eos=False)
-    rows = {"plain_prefill": [], "plain_decode": [], "traced_prefill": [], "traced_decode": []}
+    rows: dict[str, list] = {}
     for r in range(args.repeats + 1):  # the first pair warms up
-        model.set_attn_implementation("sdpa")
-        plain_prefill, plain_decode, _ = untraced_decode(model, ids, args.new_tokens, sync)
-        stamps = []
-        sync()
-        t0 = time.perf_counter()
         store = workdir / f"overhead-{prompt_tokens}-{r}.zarr"
-        trace_loaded(model, tokenizer, source_of("overhead"), [Prompt(prompt, "pydoc_data")], store, settings,
-                     progress=lambda _p: (sync(), stamps.append(time.perf_counter())))  # noqa: B023  # fmt: skip
+        measured = one_pair(model, tokenizer, source_of("overhead"), prompt, ids, settings, store, sync)
         shutil.rmtree(store, ignore_errors=True)
         if r:
-            rows["plain_prefill"].append(plain_prefill)
-            rows["plain_decode"].append(plain_decode)
-            rows["traced_prefill"].append(stamps[0] - t0)
-            rows["traced_decode"].append(stamps[-1] - stamps[0])
+            for key, value in measured.items():
+                rows.setdefault(key, []).append(value)
+    tokens_equal = all(rows.pop("tokens_equal"))
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "prompt_tokens": int(ids.shape[1]),
         **{f"{k}_s": v for k, v in med.items()},
         "decode_ratio": med["traced_decode"] / med["plain_decode"],
         "prefill_ratio": med["traced_prefill"] / med["plain_prefill"],
+        "traced_tokens_equal_untraced": tokens_equal,
     }
 
 

@@ -59,6 +59,40 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     return stamps[1] - stamps[0], stamps[-1] - stamps[1], tokens
 
 
+def one_pair(model, tokenizer, source, prompt: str, input_ids, settings, out: Path, sync) -> dict:
+    """One plain decode and one ``trace_loaded`` of the same prompt into ``out``: their seconds
+    (traced prefill = store creation + prefill with capture, to the first step's callback; traced
+    decode = the remaining steps; total adds the final flush and consolidation) and whether the
+    traced tokens equal the untraced ones."""
+    import kvscope
+    from kvscope.prompts import Prompt
+    from kvscope.tracing.runner import trace_loaded
+
+    model.set_attn_implementation(settings.attn)
+    p_prefill, p_decode, plain_tokens = untraced_decode(model, input_ids, settings.max_new_tokens, sync)
+    stamps = []
+
+    def on_step(_progress):
+        sync()
+        stamps.append(time.perf_counter())
+
+    sync()
+    t0 = time.perf_counter()
+    trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out, settings, progress=on_step)
+    sync()
+    t_end = time.perf_counter()
+    ds = kvscope.open_trace(out)
+    P = int(ds.prompt_len[0])
+    return {
+        "plain_prefill": p_prefill,
+        "plain_decode": p_decode,
+        "traced_prefill": stamps[0] - t0,
+        "traced_decode": stamps[-1] - stamps[0],
+        "traced_total": t_end - t0,
+        "tokens_equal": ds.tokens.values[0, P:].tolist() == plain_tokens,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -74,9 +108,8 @@ def main() -> None:
 
     from kvscope.cli import quiet_libraries
     from kvscope.models import load, resolve
-    from kvscope.prompts import Prompt
     from kvscope.store import store_info
-    from kvscope.tracing.runner import TraceSettings, trace_loaded
+    from kvscope.tracing.runner import TraceSettings
 
     quiet_libraries().__enter__()  # for the whole benchmark process
     source = resolve(args.model)
@@ -92,34 +125,9 @@ def main() -> None:
     info = None
     try:
         for r in range(args.repeats + 1):  # the first pair warms up and is dropped
-            model.set_attn_implementation(args.attn)
-            p_prefill, p_decode, plain_tokens = untraced_decode(model, input_ids, args.new_tokens, sync)
             out = workdir / f"r{r}.zarr"
-            stamps = []
-
-            def on_step(_progress):
-                sync()
-                stamps.append(time.perf_counter())
-
-            sync()
-            t0 = time.perf_counter()
-            trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out, settings, progress=on_step)
-            sync()
-            t_end = time.perf_counter()
-            import kvscope
-
-            ds = kvscope.open_trace(out)
-            P = int(ds.prompt_len[0])
-            assert ds.tokens.values[0, P:].tolist() == plain_tokens, "traced tokens differ from untraced"
-            # traced prefill = store creation + prefill with capture (to the first step's callback);
-            # traced decode = the remaining steps; total adds the final flush and consolidation
-            measured = {
-                "plain_prefill": p_prefill,
-                "plain_decode": p_decode,
-                "traced_prefill": stamps[0] - t0,
-                "traced_decode": stamps[-1] - stamps[0],
-                "traced_total": t_end - t0,
-            }
+            measured = one_pair(model, tokenizer, source, prompt, input_ids, settings, out, sync)
+            assert measured.pop("tokens_equal"), "traced tokens differ from untraced"
             if r > 0:
                 for key, value in measured.items():
                     rows[key].append(value)
@@ -167,7 +175,7 @@ def main() -> None:
         print(
             f"trace overhead ({report['model']}, {report['device']}, {report['attn']}, "
             f"{report['prompt_tokens']} + {n_steps} tokens, median of {args.repeats}):\n"
-            f"  decode   (127 steps)  untraced {report['plain_decode_median_s']:.2f} s, "
+            f"  decode   ({n_steps - 1} steps)  untraced {report['plain_decode_median_s']:.2f} s, "
             f"traced {report['traced_decode_median_s']:.2f} s, ratio {report['decode_ratio']:.3f}  (target ≤ 1.10)\n"
             f"  prefill  ({report['prompt_tokens']} tokens)  untraced {report['plain_prefill_median_s']:.2f} s, "
             f"traced {report['traced_prefill_median_s']:.2f} s, ratio {report['prefill_ratio']:.3f}\n"
