@@ -223,6 +223,7 @@ def _add_run(sub) -> None:
     _add_prompt_sources(p)
     p.add_argument("--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5")
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
+    _add_allocation(p, several=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
@@ -243,21 +244,26 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_cmd_run)
 
 
-def _live_inputs(args):
-    """``(policy, budget)`` of ``--policy``/``--budget``/``--kv-dtype``, checked before any work."""
-    from .live.cache import live_policy, parse_kv_dtype
+def _live_inputs(args, clairvoyant_allocation: bool = False):
+    """``(policy, budget, allocation)`` of ``--policy``/``--budget``/``--allocation``/``--kv-dtype``,
+    checked before any work (the oracle allocation only where a trace gives it: validate)."""
+    from .live.cache import live_allocation, live_policy, parse_kv_dtype
     from .policies import check_budget
+    from .policies.allocation import check_allocatable
+    from .policies.allocation import parse as parse_allocation
 
     budget = check_budget(args.budget)
     policy = live_policy(args.policy)
+    allocation = parse_allocation(args.allocation) if clairvoyant_allocation else live_allocation(args.allocation)
+    check_allocatable([policy], [allocation])
     parse_kv_dtype(args.kv_dtype)
-    return policy, budget
+    return policy, budget, allocation
 
 
 def _cmd_run(args) -> int:
     from .live.run import run
 
-    policy, budget = _live_inputs(args)
+    policy, budget, allocation = _live_inputs(args)
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = defaults.MAX_NEW_TOKENS
     prompts, workload = _prompts(args)
@@ -267,7 +273,7 @@ def _cmd_run(args) -> int:
             prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
             device=args.device, model_dtype=args.model_dtype, attn=args.attn, chat=args.chat, n_sink=args.n_sink,
             w=args.window, scorer=workload.scorer if workload is not None else None,
-            trust_remote_code=args.trust_remote_code, question_agnostic=args.question_agnostic,
+            trust_remote_code=args.trust_remote_code, question_agnostic=args.question_agnostic, allocation=allocation,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )  # fmt: skip
     if args.json:
@@ -281,7 +287,9 @@ def _cmd_run(args) -> int:
     r0 = results[0]
     table = Table(
         "sample", "agree", "KL", "ppl (full)", "tok/s (full)", "cache peak", "of full", "score (full)",
-        title=f"run · {r0.policy} at β = {r0.budget} · {args.model} · kv {r0.kv_dtype}"
+        title=f"run · {r0.policy} at β = {r0.budget}"
+        + ("" if r0.allocation == "uniform" else f" under {r0.allocation}")
+        + f" · {args.model} · kv {r0.kv_dtype}"
         + (" · question-agnostic" if args.question_agnostic else ""),
     )  # fmt: skip
     for n, r in enumerate(results):
@@ -302,6 +310,7 @@ def _add_validate(sub) -> None:
     p.add_argument("store", help="a full-KV trace recorded with --record qkv")
     p.add_argument("--policy", required=True, help="a policy, e.g. h2o or qevict:q_frac=0.5")
     p.add_argument("--budget", required=True, help="β in (0, 1]")
+    _add_allocation(p, several=False)
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
     p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
     p.add_argument("--force", action="store_true", help="overwrite an existing --live-out")
@@ -320,17 +329,17 @@ def _cmd_validate(args) -> int:
     from .live.validate import validate
     from .store import read_attrs
 
-    policy, budget = _live_inputs(args)
+    policy, budget, allocation = _live_inputs(args, clairvoyant_allocation=True)
     read_attrs(args.store)
     report = validate(
         args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model,
-        kv_dtype=args.kv_dtype, question_agnostic=args.question_agnostic,
+        kv_dtype=args.kv_dtype, question_agnostic=args.question_agnostic, allocation=allocation,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
         return 0 if report["decisions_identical"] else 1
     table = Table("layer", "open-loop error (predicted)", "live error", "predicted / live",
-                  title=f"validate · {report['policy']} at β = {budget} · {args.store}")  # fmt: skip
+                  title=f"validate · {report['policy']} at β = {budget} under {report['allocation']} · {args.store}")  # fmt: skip
     fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
     for row in report["layers"]:
         table.add_row(str(row["layer"]), fmt(row["predicted"]), fmt(row["live"]), fmt(row["ratio"]))
@@ -632,6 +641,26 @@ def _budgets(text: str) -> list[float]:
     return [check_budget(x.strip()) for x in parts]
 
 
+def _add_allocation(p, several: bool) -> None:
+    from .policies.allocation import REGISTRY
+
+    p.add_argument(
+        "--allocation", default="uniform",
+        help=("comma-separated, each " if several else "")
+        + "how β's bytes are split across layers and KV heads: " + ", ".join(REGISTRY)
+        + " (name or name:key=value, e.g. pyramid:beta=10; default uniform)",
+    )  # fmt: skip
+
+
+def _allocations(text: str) -> list:
+    from .policies.allocation import parse
+
+    parts = [x for x in text.split(",") if x.strip()]
+    if not parts:
+        raise KvscopeError("--allocation needs at least one allocation")
+    return [parse(x) for x in parts]
+
+
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="replay KV-cache policies offline against a trace at equal bytes")
     p.add_argument("store")
@@ -641,6 +670,7 @@ def _add_replay(sub) -> None:
         help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see --list)",
     )
     p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
+    _add_allocation(p, several=True)
     p.add_argument("--observe", default="renorm", help="renorm (default) | exact (needs --record qkv)")
     p.add_argument("--horizon", type=int, default=defaults.HORIZON, help="FMM horizon H")
     p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
@@ -666,16 +696,17 @@ def _cmd_replay(args) -> int:
     if not policies:
         raise KvscopeError("--policies needs at least one policy")
     budgets = _budgets(args.budgets)
+    allocations = _allocations(args.allocation)
     if args.out:
         output_path(args.out, "--out", inputs=[args.store])
         refuse_existing(args.out)  # before the trace is read; replay checks again when it renames
     if args.plot:
         figure_path(args.plot)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
-    bar, task = _progress(f"replay {len(policies)}×{len(budgets)}", quiet, "steps")
+    bar, task = _progress(f"replay {len(policies)}×{len(allocations)}×{len(budgets)}", quiet, "steps")
     with bar:
         result = replay(
-            args.store, policies, budgets, observe=args.observe, horizon=args.horizon, every=args.every,
+            args.store, policies, budgets, allocations=allocations, observe=args.observe, horizon=args.horizon, every=args.every,
             question_agnostic=args.question_agnostic,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
@@ -705,7 +736,7 @@ def _show_comparison(result, args, title: str) -> int:
 
 
 def _add_compare(sub) -> None:
-    p = sub.add_parser("compare", help="policy × budget table and figures of a replay result")
+    p = sub.add_parser("compare", help="policy × allocation × budget table and figures of a replay result")
     p.add_argument("result", help="a RESULT.zarr written by kvscope replay --out")
     p.add_argument("--plot", default=None, metavar="FILE", help="FMM vs budget, output error vs budget, tier mass")
     p.add_argument("--json", action="store_true")

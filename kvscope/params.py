@@ -239,3 +239,53 @@ def parse_indices(text: str) -> tuple[int, ...] | None:
 
 
 _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: parse_bool, tuple: parse_indices}
+
+
+def spelled(obj) -> str:
+    """``name`` or ``name:key=value:…`` for the fields of ``obj`` that differ from their defaults,
+    spelled as the command line takes them (``evict=true``), so that :func:`parse_spelled` gives
+    the object back (policies, allocations)."""
+    defaults = type(obj)()
+    changed = [
+        f"{f.name}={str(v).lower() if isinstance(v, bool) else v}"
+        for f in dataclasses.fields(obj)
+        if (v := getattr(obj, f.name)) != getattr(defaults, f.name)
+    ]
+    return ":".join([obj.name, *changed])
+
+
+def registered(registry: dict[str, type], what: str, name: str) -> type:
+    """The class ``name`` of ``registry`` (``what``: "policy", "allocation" for messages)."""
+    if name not in registry:
+        raise KvscopeError(f"unknown {what} {name!r} (available: {', '.join(registry)})")
+    return registry[name]
+
+
+def _check_known(cls: type, what: str, keys) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise KvscopeError(
+            f"{what} {cls.name} has no parameter {unknown[0]!r} (has: {', '.join(sorted(known)) or 'none'})"
+        )
+
+
+def make_registered(registry: dict[str, type], what: str, name: str, **params):
+    """The ``what`` called ``name`` with ``params`` as its fields (each checked on construction)."""
+    cls = registered(registry, what, name)
+    _check_known(cls, what, params)
+    return cls(**params)
+
+
+def parse_spelled(registry: dict[str, type], what: str, text: str):
+    """``"name"`` or ``"name:key=value:key=value"`` → the registered object."""
+    name, *pairs = text.strip().split(":")
+    cls = registered(registry, what, name)
+    params = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise KvscopeError(f"{what} parameter {pair!r} must read key=value")
+        key, value = pair.split("=", 1)
+        _check_known(cls, what, [key])
+        params[key] = parse_param(cls, key, value)
+    return cls(**params)

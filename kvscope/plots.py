@@ -16,16 +16,15 @@ def plot_compare(result, ax=None):
     has_err = "output_rel_l2_mean" in result
     fig, axes = figure_axes(ax, width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
     budgets = result["budget"].values
-    policies = list(result["policy"].values)
+    runs = run_lines(result)
 
     def lines(ax, values_of, ylabel, title, with_ci=False):
-        for p in policies:
-            r = result.sel(policy=p)
+        for label, r in runs:
             if str(r["policy_name"].values) == "full":
                 continue  # the reference: 0 at 100% of the memory
             x = r["byte_ratio_used"].values
             y = values_of(r)
-            line = ax.plot(x, y, marker="o", label=p)[0]
+            line = ax.plot(x, y, marker="o", label=label)[0]
             if with_ci:
                 ax.fill_between(
                     x, r["fmm_fp_ci_low"].values, r["fmm_fp_ci_high"].values, color=line.get_color(), alpha=0.15
@@ -53,12 +52,12 @@ def plot_compare(result, ax=None):
             "Output error vs memory (full KV: 0)",
         )
     ax = axes[-1]
-    tiers = result["tier_mean"].values  # [policy, budget, tier]
+    tiers = np.stack([r["tier_mean"].values for _, r in runs])  # [run, budget, tier]
     width = 0.8 / len(budgets)
     colors = {"FP": "#4c72b0", "Q": "#dd8452", "EVICTED": "#c44e52"}
     for bi in range(len(budgets)):
-        x = np.arange(len(policies)) + (bi - (len(budgets) - 1) / 2) * width
-        bottom = np.zeros(len(policies))
+        x = np.arange(len(runs)) + (bi - (len(budgets) - 1) / 2) * width
+        bottom = np.zeros(len(runs))
         for ti, tier in enumerate(result["tier"].values):
             values = np.nan_to_num(tiers[:, bi, ti])
             ax.bar(
@@ -70,23 +69,43 @@ def plot_compare(result, ax=None):
                 label=str(tier) if bi == 0 else None,
             )
             bottom += values
-    ax.set_xticks(np.arange(len(policies)), policies, fontsize=7, rotation=30)
+    ax.set_xticks(np.arange(len(runs)), [label for label, _ in runs], fontsize=7, rotation=30)
     ax.set_ylabel("share of future attention mass")
     ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")", fontsize=9)
     ax.legend(fontsize=7)
     return fig
 
 
+def run_lines(result) -> list[tuple[str, object]]:
+    """``(label, result of one policy under one allocation)`` per line of a figure: the policy's
+    label, with ``/ allocation`` when the result holds any allocation but uniform."""
+    allocations = [str(a) for a in result["allocation"].values]
+    split = allocations != ["uniform"]
+    return [
+        (f"{p} / {a}" if split else str(p), result.sel(policy=p, allocation=a))
+        for p in result["policy"].values
+        for a in allocations
+    ]
+
+
 def plot_tiers(
-    result, policy: str, budget: float, layer: int | None = None, sample: int | None = None, head: int = 0, ax=None
+    result,
+    policy: str,
+    budget: float,
+    layer: int | None = None,
+    sample: int | None = None,
+    head: int = 0,
+    ax=None,
+    allocation: str = "uniform",
 ):
-    """The tier of every position at every event (none, EVICTED, Q, FP) of one (policy, β) in
-    one layer and KV head (default: the middle layer of the longest sample)."""
+    """The tier of every position at every event (none, EVICTED, Q, FP) of one (policy,
+    allocation, β) in one layer and KV head (default: the middle layer of the longest sample)."""
     from matplotlib.colors import ListedColormap
 
     layer = int(result["layer"].values[result.sizes["layer"] // 2]) if layer is None else layer
     sample = int(result["full_bytes"].argmax()) if sample is None else sample
-    tiers = result["tiers"].sel(policy=policy, budget=budget, layer=layer).isel(sample=sample, kv_head=head)
+    tiers = result["tiers"].sel(policy=policy, allocation=allocation, budget=budget, layer=layer)
+    tiers = tiers.isel(sample=sample, kv_head=head)
     length = int((tiers >= 0).sum("pos").max())
     fig, ax = figure_axes(ax, 9, 3)
     cmap = ListedColormap(["#eeeeee", "#c44e52", "#dd8452", "#4c72b0"])  # none, EVICTED, Q, FP

@@ -1,6 +1,6 @@
 """Tables and JSON documents of results: what the CLI prints, and what notebooks can call.
 
-comparison(result)            the policy × budget rows of a replay result (dicts)
+comparison(result)            the policy × allocation × budget rows of a replay result (dicts)
 comparison_doc(result)        the same with the replay's settings (JSON)
 print_comparison(result, t)   as a rich table
 print_rows(rows, title)       (quantity, value) rows of an analysis as a rich table
@@ -24,39 +24,57 @@ def _num(x) -> float | None:
     return None if np.isnan(x) else round(x, 6)
 
 
+def runs(result: xr.Dataset):
+    """``(policy, allocation, budget)`` labels of every run of a replay result, in order."""
+    for policy in result["policy"].values:
+        for allocation in result["allocation"].values:
+            for budget in result["budget"].values:
+                yield str(policy), str(allocation), float(budget)
+
+
+def layer_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> list[float]:
+    """``[layer]`` the bytes a run gave each layer as a multiple of the uniform split (mean over
+    samples and KV heads): 1 everywhere under ``uniform``."""
+    allocated = result["allocated"].sel(policy=policy, allocation=allocation, budget=budget)  # [sample, layer, kv_head]
+    even = result["budget_bytes"].sel(budget=budget) / (result.sizes["layer"] * result.sizes["kv_head"])  # [sample]
+    return [round(float(x), 4) for x in (allocated / even).mean(("sample", "kv_head")).values]
+
+
 def comparison(result: xr.Dataset) -> list[dict]:
-    """The policy × budget table of a replay result, one dict per (policy, budget)."""
+    """The policy × allocation × budget table of a replay result, one dict per run."""
     rows = []
     has_err = "attn_l1_mean" in result
-    for policy in result["policy"].values:
-        for budget in result["budget"].values:
-            r = result.sel(policy=policy, budget=budget)
-            tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
-            rows.append(
-                {
-                    "policy": str(policy),
-                    "kind": str(r["policy_kind"].values),
-                    "budget": float(budget),
-                    "byte_ratio": _num(r["byte_ratio_used"]),
-                    "budget_reached": bool(r["budget_reached"]),
-                    "fmm": _num(r["fmm_mean"]),
-                    "fmm_ci95": [_num(r["fmm_ci_low"]), _num(r["fmm_ci_high"])],
-                    "fmm_fp": _num(r["fmm_fp_mean"]),
-                    "evicted_mass": _num(tier["EVICTED"]),
-                    "q_mass": _num(tier["Q"]),
-                    "attn_l1": _num(r["attn_l1_mean"]) if has_err else None,
-                    "output_rel_l2": _num(r["output_rel_l2_mean"]) if has_err else None,
-                    "churn": _num(r["churn_mean"]),
-                    "lir": _num(r["lir"]),
-                }
-            )
+    for policy, allocation, budget in runs(result):
+        r = result.sel(policy=policy, allocation=allocation, budget=budget)
+        tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
+        rows.append(
+            {
+                "policy": policy,
+                "kind": str(r["policy_kind"].values),
+                "allocation": allocation,
+                "budget": budget,
+                "layer_bytes": layer_shares(result, policy, allocation, budget),
+                "byte_ratio": _num(r["byte_ratio_used"]),
+                "budget_reached": bool(r["budget_reached"]),
+                "fmm": _num(r["fmm_mean"]),
+                "fmm_ci95": [_num(r["fmm_ci_low"]), _num(r["fmm_ci_high"])],
+                "fmm_fp": _num(r["fmm_fp_mean"]),
+                "evicted_mass": _num(tier["EVICTED"]),
+                "q_mass": _num(tier["Q"]),
+                "attn_l1": _num(r["attn_l1_mean"]) if has_err else None,
+                "output_rel_l2": _num(r["output_rel_l2_mean"]) if has_err else None,
+                "churn": _num(r["churn_mean"]),
+                "lir": _num(r["lir"]),
+            }
+        )
     return rows
 
 
 def comparison_doc(result: xr.Dataset) -> dict:
     """JSON document of :func:`comparison` with the replay's settings."""
-    attrs = {k: v for k, v in result.attrs.items() if k != "policies"}
-    return {**attrs, "policies": json.loads(result.attrs.get("policies", "{}")), "rows": comparison(result)}
+    parsed = {k: json.loads(result.attrs.get(k, "{}")) for k in ("policies", "allocations")}
+    attrs = {k: v for k, v in result.attrs.items() if k not in parsed}
+    return {**attrs, **parsed, "rows": comparison(result)}
 
 
 def print_table(table, min_width: int = 100) -> None:
@@ -73,16 +91,19 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
         return "—" if x is None else f"{x:.{digits}f}"
 
     h = result.attrs.get("horizon", 32)
+    allocations = [str(a) for a in result["allocation"].values]
+    split = allocations != ["uniform"]  # show the allocation column
     table = Table(
-        "policy", "β", "bytes used", f"FMM@{h} [95% CI]", "FMM fp", "Q mass", "attn L1", "out err", "churn", "LIR",
-        title=title,
+        "policy", *(["allocation"] if split else []), "β", "bytes used", f"FMM@{h} [95% CI]", "FMM fp", "Q mass",
+        "attn L1", "out err", "churn", "LIR", title=title,
     )  # fmt: skip
-    for row in comparison(result):
+    rows = comparison(result)
+    for row in rows:
         used = fmt(row["byte_ratio"]) + ("" if row["budget_reached"] else " (floor)")
         lo, hi = row["fmm_ci95"]
         ci = f" [{fmt(lo)}, {fmt(hi)}]" if lo is not None and hi is not None else ""
         table.add_row(
-            row["policy"], f"{row['budget']:g}", used, fmt(row["fmm"]) + ci, fmt(row["fmm_fp"]), fmt(row["q_mass"]),
+            row["policy"], *([row["allocation"]] if split else []), f"{row['budget']:g}", used, fmt(row["fmm"]) + ci, fmt(row["fmm_fp"]), fmt(row["q_mass"]),
             fmt(row["attn_l1"]), fmt(row["output_rel_l2"]), fmt(row["churn"]), fmt(row["lir"]),
         )  # fmt: skip
     print_table(table, 120)
@@ -91,8 +112,19 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
         "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "
         f"CI: {result.attrs.get('ci', 'bootstrap')}."
     )
-    for line in press_settings(result):
+    for line in press_settings(result) + allocation_lines(rows):
         print(line)
+
+
+def allocation_lines(rows: list[dict]) -> list[str]:
+    """One line per run under an allocation other than uniform: the bytes it gave each layer
+    as a multiple of the uniform split (first layer first)."""
+    return [
+        f"{row['policy']} under {row['allocation']} at β = {row['budget']:g}: bytes per layer × uniform "
+        + " ".join(f"{x:.2f}" for x in row["layer_bytes"])
+        for row in rows
+        if row["allocation"] != "uniform"
+    ]
 
 
 def press_settings(result: xr.Dataset) -> list[str]:

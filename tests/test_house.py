@@ -127,7 +127,7 @@ def test_the_driver_enforces_the_budget_for_every_caller():
 
     spec = CacheSpec(2, 1, 8, 20, 24, 0.5)
     driver = PolicyDriver(_Liar().start(spec), where=" of sample 0")
-    with pytest.raises(BudgetExceeded, match=r"liar used 640 bytes per \(layer, kv_head\) at step 0 of sample 0"):
+    with pytest.raises(BudgetExceeded, match=r"liar used 640 bytes in layer 0, kv_head 0 at step 0 of sample 0, over its share 384"):
         driver.prefill(np.zeros((2, 1, 20)), None)
     fits = PolicyDriver(kvscope.policies.make("streaming").start(spec))
     used = fits.prefill(np.zeros((2, 1, 20)), None)

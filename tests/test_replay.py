@@ -43,14 +43,21 @@ def qkv_trace(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def result(qkv_trace):
+def replayed(qkv_trace):
     return kvscope.replay(qkv_trace, POLICIES, BUDGETS, validate=True)
 
 
-def test_result_layout_and_budgets(result, qkv_trace):
+@pytest.fixture(scope="module")
+def result(replayed):
+    """The runs under the default allocation (uniform), the allocation dim selected away."""
+    return replayed.sel(allocation="uniform")
+
+
+def test_result_layout_and_budgets(replayed, result, qkv_trace):
     ds = kvscope.open_trace(qkv_trace)
     assert list(result["policy"].values) == POLICIES and list(result["budget"].values) == BUDGETS
-    assert result["tiers"].dims == ("policy", "budget", "sample", "event", "layer", "kv_head", "pos")
+    assert list(replayed["allocation"].values) == ["uniform"]
+    assert replayed["tiers"].dims == ("policy", "allocation", "budget", "sample", "event", "layer", "kv_head", "pos")
     assert result.sizes["event"] == 8 and result.sizes["layer"] == 30 and result.sizes["kv_head"] == 3
     reached = result["budget_reached"].to_series()
     assert not reached["full"].any()
@@ -154,7 +161,7 @@ def test_observe_exact_runs_and_keeps_full_exact(qkv_trace):
     r = kvscope.replay(qkv_trace, ["full", "h2o"], [0.3], observe="exact")
     assert r.attrs["observe"] == "exact"
     assert float(np.nanmax(r["attn_l1"].sel(policy="full").values)) == 0.0
-    assert 0 < float(r["fmm_mean"].sel(policy="h2o", budget=0.3)) < 1
+    assert 0 < float(r["fmm_mean"].sel(policy="h2o", allocation="uniform", budget=0.3)) < 1
 
 
 def test_analyses_take_replayed_tiers(qkv_trace, result):
@@ -274,14 +281,14 @@ def _temporary_stores(folder) -> list:
     return sorted(p.name for p in folder.glob("kvscope-replay-*"))
 
 
-def test_out_writes_the_store_and_equals_the_in_memory_result(qkv_trace, result, tmp_path):
+def test_out_writes_the_store_and_equals_the_in_memory_result(qkv_trace, replayed, tmp_path):
     policies = ["h2o", "qevict", "oracle"]
     out = tmp_path / "r.zarr"
     written = kvscope.replay(qkv_trace, policies, [0.3], validate=True, out=out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.zarr"]  # renamed into place, nothing partial left
     assert isinstance(written["tiers"].data, da.Array)
     assert all(isinstance(written[k].data, np.ndarray) for k in written.data_vars if k != "tiers")
-    same = result.sel(policy=policies, budget=[0.3])
+    same = replayed.sel(policy=policies, budget=[0.3])
     assert set(written.variables) == set(same.variables)
     for name in same.variables:
         np.testing.assert_array_equal(written[name].values, same[name].values, err_msg=name)
@@ -291,7 +298,7 @@ def test_out_writes_the_store_and_equals_the_in_memory_result(qkv_trace, result,
     assert len(meta) == len(written.variables)
     for name, doc in meta.items():
         assert [c["name"] for c in doc["codecs"]][-2:] == ["blosc", "crc32c"], name
-    assert meta["tiers"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 1, 1, 1, 30, 3, result.sizes["pos"]]
+    assert meta["tiers"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 1, 1, 1, 1, 30, 3, same.sizes["pos"]]
 
 
 def test_temporary_tiers_live_as_long_as_anything_reads_them(small_trace, tmp_path, monkeypatch):
@@ -299,8 +306,8 @@ def test_temporary_tiers_live_as_long_as_anything_reads_them(small_trace, tmp_pa
     r = kvscope.replay(small_trace, ["h2o", "streaming"], [0.3, 0.6], n_boot=20)
     assert len(_temporary_stores(tmp_path)) == 1
     view = tiers_for(r, "h2o", 0.3)  # lazy: reads the temporary store
-    want = r["tiers"].values  # [policy, budget, sample, event, layer, kv_head, pos]
-    assert want.shape == (2, 2, 2, 5, 2, 2, 64)
+    want = r["tiers"].values[:, 0]  # [policy, budget, sample, event, layer, kv_head, pos] (uniform)
+    assert r["tiers"].shape == (2, 1, 2, 2, 5, 2, 2, 64)
     for e in range(5):  # positions 0 .. P − 1 + t exist at the event of step t = 8e
         assert (want[:, :, :, e, ..., : 24 + 8 * e] >= 0).all() and (want[:, :, :, e, ..., 24 + 8 * e :] == -1).all()
     del r
@@ -315,8 +322,8 @@ def test_temporary_tiers_live_as_long_as_anything_reads_them(small_trace, tmp_pa
     del r
     gc.collect()
     assert _temporary_stores(tmp_path) == []
-    np.testing.assert_array_equal(computed["tiers"].values, want[:1, :1])
-    np.testing.assert_array_equal(loaded["tiers"].values, want[:1, :1])
+    np.testing.assert_array_equal(computed["tiers"].values[:, 0], want[:1, :1])
+    np.testing.assert_array_equal(loaded["tiers"].values[:, 0], want[:1, :1])
 
 
 def test_a_failed_replay_leaves_no_store(small_trace, tmp_path, monkeypatch):
@@ -408,7 +415,7 @@ def test_concurrent_writers_to_one_out(tmp_path):
 def test_a_damaged_result_chunk_is_refused(small_trace, tmp_path):
     out = tmp_path / "r.zarr"
     kvscope.replay(small_trace, ["h2o"], [0.3], n_boot=20, out=out)
-    chunk = out / "fmm_mean" / "c" / "0" / "0"
+    chunk = out / "fmm_mean" / "c" / "0" / "0" / "0"
     original = chunk.read_bytes()
     data = bytearray(original)
     data[len(data) // 2] ^= 0xFF
@@ -417,14 +424,14 @@ def test_a_damaged_result_chunk_is_refused(small_trace, tmp_path):
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0] == (
-        f"kvscope: error: {out}: chunk fmm_mean/c/0/0 of array fmm_mean fails its CRC32C checksum "
+        f"kvscope: error: {out}: chunk fmm_mean/c/0/0/0 of array fmm_mean fails its CRC32C checksum "
         f"(damaged or truncated); run kvscope verify {out}"
     )
     chunk.write_bytes(original)
-    tiers = out.joinpath("tiers", "c", *"0000000")  # policy 0, budget 0, sample 0, event 0
+    tiers = out.joinpath("tiers", "c", *"00000000")  # policy 0, allocation 0, budget 0, sample 0, event 0
     tiers.write_bytes(tiers.read_bytes()[:-1] + b"x")
     lazy = open_result(out)["tiers"]  # read chunk by chunk when used
-    with pytest.raises(KvscopeError, match="chunk tiers/c/0/0/0/0/0/0/0 of array tiers fails its CRC32C"):
+    with pytest.raises(KvscopeError, match="chunk tiers/c/0/0/0/0/0/0/0/0 of array tiers fails its CRC32C"):
         lazy.load()
     with pytest.raises(KvscopeError, match="not a kvscope replay result"):
         open_result(small_trace)

@@ -72,8 +72,8 @@ def test_a_clean_result_verifies_and_every_chunk_exists(result):
 @pytest.mark.parametrize(
     "damage,where,problem",
     [
-        ("delete", "tier_mean/c/0/0/0", "is missing"),  # all NaN here: written all the same
-        ("flip", "fmm_mean/c/0/0", "fails its CRC32C checksum"),
+        ("delete", "tier_mean/c/0/0/0/0", "is missing"),  # all NaN here: written all the same
+        ("flip", "fmm_mean/c/0/0/0", "fails its CRC32C checksum"),
         ("truncate", "budget/c/0", "fails its CRC32C checksum"),
         ("flip", "policy/c/0", "fails its CRC32C checksum"),
     ],
@@ -104,25 +104,25 @@ def test_a_damaged_chunk_is_named_and_refused(tmp_path, result, damage, where, p
 def test_a_damaged_tiers_chunk_fails_when_read(tmp_path, result):
     """compare never reads the tiers: it prints the same table; reading them refuses the chunk."""
     store = copy(result, tmp_path / "r.zarr")
-    chunk = store / "tiers/c/1/0/0/1/0/0/0"
+    chunk = store / "tiers/c/1/0/0/0/1/0/0/0"
     chunk.write_bytes(chunk.read_bytes()[:-1] + b"?")
     report = run_main("verify", store)
-    assert report.returncode == 2 and "tiers chunk (1, 0, 0, 1, 0, 0, 0)" in report.stdout, report.stdout
+    assert report.returncode == 2 and "tiers chunk (1, 0, 0, 0, 1, 0, 0, 0)" in report.stdout, report.stdout
     assert compare_doc(store) == compare_doc(result)
     tiers = kvscope.open_result(store)["tiers"]
     tiers.isel(policy=0).load()  # other chunks read fine
-    with pytest.raises(KvscopeError, match="chunk tiers/c/1/0/0/1/0/0/0 of array tiers fails its CRC32C"):
+    with pytest.raises(KvscopeError, match="chunk tiers/c/1/0/0/0/1/0/0/0 of array tiers fails its CRC32C"):
         tiers.load()
 
 
 @pytest.mark.parametrize(
     "name,index,value,needle",
     [
-        ("fmm_mean", (0, 0), 1.5, "shares must be NaN or in [0, 1]"),
-        ("tier_mass", (1, 0, 0, 0, 0, 0, 2), -0.1, "shares must be NaN or in [0, 1]"),
-        ("bytes_used", (0, 0, 1, 3), np.inf, "values must be NaN or finite and ≥ 0"),
-        ("attn_l1_mean", (1, 0), 2.5, "L1 distances must be NaN or in [0, 2]"),
-        ("lir_eligible", (0, 0, 0, 0, 0), -3, "counts must be ≥ 0"),
+        ("fmm_mean", (0, 0, 0), 1.5, "shares must be NaN or in [0, 1]"),
+        ("tier_mass", (1, 0, 0, 0, 0, 0, 0, 2), -0.1, "shares must be NaN or in [0, 1]"),
+        ("bytes_used", (0, 0, 0, 1, 3), np.inf, "values must be NaN or finite and ≥ 0"),
+        ("attn_l1_mean", (1, 0, 0), 2.5, "L1 distances must be NaN or in [0, 2]"),
+        ("lir_eligible", (0, 0, 0, 0, 0, 0), -3, "counts must be ≥ 0"),
         ("budget", 0, 0.0, "coordinate budget: budgets must be distinct and in (0, 1]"),
         ("event", 0, 5, "coordinate event: must be 0, 1, …, n − 1"),
         ("horizon", 0, 0, "coordinate horizon: horizons must be increasing integers ≥ 1"),
@@ -141,10 +141,10 @@ def test_values_a_result_cannot_hold_are_refused(tmp_path, result, name, index, 
 
 def test_tier_codes_are_checked_in_every_chunk_read(tmp_path, result):
     store = copy(result, tmp_path / "r.zarr")
-    write_values(store, "tiers", (0, 0, 1, 0, 1, 0, 5), 7)
+    write_values(store, "tiers", (0, 0, 0, 1, 0, 1, 0, 5), 7)
     report = run_main("verify", store)
-    assert "tiers chunk (0, 0, 1, 0, 0, 0, 0): tier codes must be" in report.stdout, report.stdout
-    with pytest.raises(KvscopeError, match=r"array tiers chunk \(0, 0, 1, 0, 0, 0, 0\): tier codes must be"):
+    assert "tiers chunk (0, 0, 0, 1, 0, 0, 0, 0): tier codes must be" in report.stdout, report.stdout
+    with pytest.raises(KvscopeError, match=r"array tiers chunk \(0, 0, 0, 1, 0, 0, 0, 0\): tier codes must be"):
         kvscope.open_result(store)["tiers"].load()
 
 
@@ -172,12 +172,12 @@ def test_attributes_are_checksummed_and_typed(tmp_path, result, edit, resign, ne
 @pytest.mark.parametrize(
     "name,edit,needle",
     [
-        ("fmm", lambda m: m.update(dimension_names=["policy", "budget", "sample", "t", "layer", "kv_head"]), "array fmm has dims"),
+        ("fmm", lambda m: m.update(dimension_names=["policy", "allocation", "budget", "sample", "t", "layer", "kv_head"]), "array fmm has dims"),
         ("fmm", lambda m: m.update(data_type="float32"), "array fmm has dtype float32, expected float64"),
-        ("fmm", lambda m: m["shape"].__setitem__(3, m["shape"][3] + 1), "dim event has size"),
+        ("fmm", lambda m: m["shape"].__setitem__(4, m["shape"][4] + 1), "dim event has size"),
         ("fmm", lambda m: m.update(codecs=m["codecs"][:-1]), "array fmm carries no CRC32C checksum"),
         ("fmm", lambda m: m["attributes"].update(scale_factor=2), "array fmm has attributes kvscope never writes"),
-        ("lir", lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[9, 9]), "larger than its shape"),
+        ("lir", lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[9, 9, 9]), "larger than its shape"),
         ("tier", lambda m: m["data_type"]["configuration"].update(length_bytes=10**8), "array tier has dtype"),
     ],
 )  # fmt: skip

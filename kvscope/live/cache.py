@@ -48,7 +48,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .. import defaults
 from ..errors import KvscopeError
 from ..model_spec import ModelSpec
-from ..policies import CacheSpec, Policy, PolicyDriver, check_budget, parse
+from ..policies import Allocation, CacheSpec, Policy, PolicyDriver, check_budget, parse
+from ..policies.allocation import check_allocatable
+from ..policies.allocation import parse as parse_allocation
 from ..policies.quant import pack
 from ..rope import Rope, rotate_half
 from ..tiers import TIER_FP, TIER_Q
@@ -68,6 +70,18 @@ def live_policy(policy: Policy | str) -> Policy:
             f"{policy.label()} replays offline only; run it live with kvpress's own pipeline (kvscope has no live press cache yet)"
         )
     return policy
+
+
+def live_allocation(allocation: Allocation | str | None) -> Allocation:
+    """An allocation a live cache can run under: the clairvoyant oracle only as the split a
+    replay of the trace gave (kvscope validate)."""
+    allocation = parse_allocation(allocation or "uniform")
+    if allocation.clairvoyant:
+        raise KvscopeError(
+            f"the {allocation.label()} allocation reads the future attention of a trace: live, only kvscope "
+            "validate can run it (with the split its replay of the trace gives)"
+        )
+    return allocation
 
 
 def parse_kv_dtype(name: str | None):
@@ -190,8 +204,11 @@ class PolicyCache(DynamicCache):
         every: int | None = None,
         keep_tiers: bool = False,
         check: bool = False,
+        allocation: Allocation | str | None = None,
     ):
         policy = live_policy(policy)
+        self.allocation = live_allocation(allocation)
+        check_allocatable([policy], [self.allocation])
         if max_new_tokens < 1:
             raise KvscopeError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         spec = ModelSpec.from_model(model)
@@ -204,7 +221,7 @@ class PolicyCache(DynamicCache):
         self.kv_dtype = kv_dtype or parameter.dtype
         self.itemsize = self.kv_dtype.itemsize
         self.device = parameter.device
-        self.n_sink, self.w = n_sink, w
+        self.n_sink, self.w, self.obs_window = n_sink, w, obs_window
         self.every = every or w
         rope = Rope.from_model(model, self.n_layers)
         self.rope = rope if rope.usable() else None
@@ -270,8 +287,10 @@ class PolicyCache(DynamicCache):
                 self.n_sink,
                 self.w,
                 self.itemsize,
+                self.obs_window,
             )
-            self.driver = PolicyDriver(self.policy.start(spec, rope=self.rope), check=self.check)
+            state = self.policy.start(spec, rope=self.rope)
+            self.driver = PolicyDriver(state, allocation=self.allocation, check=self.check)
             if self.state.ledger is not None:
                 self.state.ledger.sink = self._quantize
             self._pending = "prefill"
@@ -286,7 +305,8 @@ class PolicyCache(DynamicCache):
             self._pending = "decode"
         self.seen += n_new
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
-        self.recorder.enabled = self.policy.observes or (self._pending == "prefill" and self.policy.observes_prefill)
+        reads_prompt = self.policy.observes_prefill or self.allocation.reads == "scores"  # adakv: the policy's scores
+        self.recorder.enabled = self.policy.observes or (self._pending == "prefill" and reads_prompt)
         self._views = []
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -557,15 +577,21 @@ class LivePolicy:
     policy: Policy | str
     budget: float
     kv_dtype: str = "model"
+    allocation: Allocation | str = "uniform"  # a Given split may hold one per sample
 
     def __post_init__(self):
         self.policy = live_policy(self.policy)
         self.budget = check_budget(self.budget)
+        self.allocation = live_allocation(self.allocation)
+        check_allocatable([self.policy], [self.allocation])
         parse_kv_dtype(self.kv_dtype)
 
     def settings(self) -> dict:
         """What a resumed trace must match."""
-        return {"policy": self.policy.label(), "budget": self.budget, "kv_dtype": self.kv_dtype}
+        return {
+            "policy": self.policy.label(), "budget": self.budget, "kv_dtype": self.kv_dtype,
+            "allocation": self.allocation.label(),
+        }  # fmt: skip
 
     def describe(self, model) -> dict:
         """The store's ``policy`` attribute."""
@@ -575,12 +601,14 @@ class LivePolicy:
             "name": self.policy.name,
             "params": self.policy.params(),
             "budget": self.budget,
+            "allocation": self.allocation.label(),
             "kv_dtype": str(dtype).removeprefix("torch."),
             "kv_itemsize": dtype.itemsize,
         }
 
-    def __call__(self, model, layout) -> PolicyCache:
+    def __call__(self, model, layout, batch: list[int]) -> PolicyCache:
         return PolicyCache(
             model, self.policy, self.budget, layout.n_steps, kv_dtype=parse_kv_dtype(self.kv_dtype),
             n_sink=layout.n_sink, w=layout.window, obs_window=layout.obs_window, every=layout.window, keep_tiers=True,
+            allocation=self.allocation.for_sample(batch[0]),
         )  # fmt: skip

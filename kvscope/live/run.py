@@ -32,8 +32,9 @@ from ..errors import KvscopeError
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, load, resolve
 from ..policies import check_budget
+from ..policies.allocation import check_allocatable
 from ..prompts import as_prompts, check_context, encode_prompts, eos_ids
-from .cache import PolicyCache, live_policy, parse_kv_dtype, prepare
+from .cache import PolicyCache, live_allocation, live_policy, parse_kv_dtype, prepare
 
 
 @dataclass
@@ -120,6 +121,8 @@ class RunResult:
     budget_reached: bool
     kv_dtype: str
     question_tokens: int = 0  # question-agnostic: forced question steps between the context and the answer
+    allocation: str = "uniform"
+    layer_bytes: list[float] = field(default_factory=list)  # [layer] bytes the allocation gave, × uniform
     score: float | None = None
     score_full: float | None = None
     bytes_actual: list[int] = field(default_factory=list)  # [step]
@@ -143,6 +146,7 @@ def run_loaded(
     expected=None,
     on_step=None,
     question: list[int] = (),
+    allocation=None,
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
@@ -152,7 +156,9 @@ def run_loaded(
     n_forwards = len(question) + max_new_tokens
 
     def make():
-        return PolicyCache(model, policy, budget, n_forwards, kv_dtype=kv_dtype, n_sink=n_sink, w=w)
+        return PolicyCache(
+            model, policy, budget, n_forwards, kv_dtype=kv_dtype, n_sink=n_sink, w=w, allocation=allocation
+        )
 
     probe = make()  # refuse bad input before decoding anything
     steps = {"steps": max_new_tokens, "on_step": on_step, "question": question}
@@ -179,6 +185,8 @@ def run_loaded(
         budget_reached=bool(probe.state.reached),
         kv_dtype=str(probe.kv_dtype).removeprefix("torch."),
         question_tokens=len(question),
+        allocation=probe.allocation.label(),
+        layer_bytes=_layer_shares(probe.state.spec),
         bytes_actual=list(probe.bytes_actual),
         **metrics,
     )
@@ -186,6 +194,12 @@ def run_loaded(
         result.score = float(scorer(text, expected))
         result.score_full = float(scorer(text_full, expected))
     return result
+
+
+def _layer_shares(spec) -> list[float]:
+    """``[layer]`` the bytes each layer held room for, as a multiple of the uniform split."""
+    capacity = np.broadcast_to(spec.capacity, (spec.n_layers, spec.n_kv))
+    return [round(float(x), 4) for x in capacity.mean(1) / spec.uniform_capacity]
 
 
 def _text(tokenizer, model, tokens: list[int]) -> str:
@@ -212,6 +226,7 @@ def run(
     scorer=None,
     trust_remote_code: bool = False,
     question_agnostic: bool = False,
+    allocation: str = "uniform",
     progress=None,
 ) -> list[RunResult]:
     """Generate every prompt (text or :class:`~kvscope.prompts.Prompt`) under
@@ -220,6 +235,8 @@ def run(
     prompt)."""
     check_budget(budget)
     policy = live_policy(policy)
+    allocation = live_allocation(allocation)
+    check_allocatable([policy], [allocation])
     if max_new_tokens < 1:
         raise KvscopeError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     dtype = parse_kv_dtype(kv_dtype)
@@ -241,7 +258,7 @@ def run(
         results.append(
             run_loaded(
                 loaded, tokenizer, ids, policy, budget, max_new_tokens, kv_dtype=dtype, n_sink=n_sink, w=w,
-                scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
+                scorer=scorer, expected=prompt.expected, on_step=on_step, question=question, allocation=allocation,
             )
         )  # fmt: skip
     return results

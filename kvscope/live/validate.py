@@ -30,6 +30,8 @@ from ..errors import KvscopeError
 from ..models import ModelSource, load, resolve
 from ..paths import output_path
 from ..policies import check_budget
+from ..policies.allocation import Given, check_allocatable
+from ..policies.allocation import parse as parse_allocation
 from ..prompts import Prompt
 from ..replay import replay
 from ..store import open_trace
@@ -47,6 +49,7 @@ def validate(
     model: str | None = None,
     kv_dtype: str | None = None,
     question_agnostic: bool = False,
+    allocation="uniform",
     progress=None,
 ) -> dict:
     """Run steps 1–4 of the module docstring; returns a JSON-ready dict with per-layer
@@ -54,9 +57,13 @@ def validate(
     trace (an existing one is replaced only with ``force``); ``model`` overrides the model the
     store names (which is looked up locally only). The live decode follows the store's protocol
     (a question-agnostic trace feeds the question after the context); ``question_agnostic``
-    refuses a store recorded otherwise."""
+    refuses a store recorded otherwise. ``allocation`` splits the budget across layers and KV
+    heads in all three; the clairvoyant oracle's split is the open-loop replay's, per sample,
+    given to the live cache and to the replay of its trace."""
     budget = check_budget(budget)
     policy = live_policy(policy)
+    allocation = parse_allocation(allocation)
+    check_allocatable([policy], [allocation])
     if live_out is not None:
         _check_live_out(store, live_out, force)
     ds = _full_kv_trace(store, question_agnostic)
@@ -68,10 +75,13 @@ def validate(
     itemsize = dtype.itemsize
 
     open_loop = replay(
-        ds, [policy], [budget], observe="exact", kv_itemsize=itemsize, question_agnostic=question_agnostic
-    )
+        ds, [policy], [budget], allocations=[allocation], observe="exact", kv_itemsize=itemsize,
+        question_agnostic=question_agnostic,
+    )  # fmt: skip
+    if allocation.clairvoyant:  # [sample, layer, kv_head]: the split the replay found, per sample
+        allocation = Given.of(open_loop["allocated"].values[0, 0, 0])
     settings = _live_settings(ds, source)
-    cache = LivePolicy(policy, budget, str(dtype).removeprefix("torch."))
+    cache = LivePolicy(policy, budget, str(dtype).removeprefix("torch."), allocation)
     prompts = [Prompt.from_doc(p) for p in attrs["prompts"]]
     tmp = None
     if live_out is None:
@@ -82,8 +92,12 @@ def validate(
             model, tokenizer, source, prompts, Path(live_out), settings, force=force, progress=progress, cache=cache
         )
         live = open_trace(live_out)
-        closed = replay(live, [policy], [budget], observe="exact", kv_itemsize=itemsize, every=settings.window)
+        closed = replay(
+            live, [policy], [budget], allocations=[allocation], observe="exact", kv_itemsize=itemsize,
+            every=settings.window,
+        )  # fmt: skip
         report = _report(ds, live, open_loop, closed, policy.label(), budget, itemsize)
+        report["allocation"] = str(open_loop["allocation"].values[0])
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -164,7 +178,7 @@ def _model_source(store, recorded, override: str | None) -> ModelSource:
 
 
 def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:
-    replayed = closed["tiers"].values[0, 0]  # [sample, event, layer, kv_head, pos]
+    replayed = closed["tiers"].values[0, 0, 0]  # [sample, event, layer, kv_head, pos]
     recorded = live["policy_tiers"].values  # [sample, event, layer, kv_head, pos]
     n_events = min(replayed.shape[1], recorded.shape[1])
     compared = agreeing = 0
@@ -224,8 +238,8 @@ def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:
 
 
 def _per_layer(err) -> np.ndarray:
-    """``[policy, budget, sample, event, layer, kv_head]`` → mean per layer."""
-    values = np.asarray(err.values[0, 0], dtype=np.float64)  # [sample, event, layer, kv_head]
+    """``[policy, allocation, budget, sample, event, layer, kv_head]`` → mean per layer."""
+    values = np.asarray(err.values[0, 0, 0], dtype=np.float64)  # [sample, event, layer, kv_head]
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmean(np.moveaxis(values, 2, 0).reshape(values.shape[2], -1), axis=1)

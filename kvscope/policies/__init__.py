@@ -13,10 +13,9 @@ written beside each field (:mod:`kvscope.params`).
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..errors import KvscopeError
-from ..params import parse_param
+from ..params import make_registered, parse_spelled, registered
+from . import allocation
+from .allocation import Allocation
 from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, check_budget
 from .driver import PolicyDriver
 from .full import Full
@@ -39,48 +38,24 @@ def available() -> dict[str, type[Policy]]:
     return dict(REGISTRY)
 
 
-def _policy_class(name: str) -> type[Policy]:
-    if name not in REGISTRY:
-        raise KvscopeError(f"unknown policy {name!r} (available: {', '.join(REGISTRY)})")
-    return REGISTRY[name]
-
-
-def _check_known(cls: type[Policy], keys) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(keys) - known)
-    if unknown:
-        raise KvscopeError(
-            f"policy {cls.name} has no parameter {unknown[0]!r} (has: {', '.join(sorted(known)) or 'none'})"
-        )
-
-
 def make(name: str, **params) -> Policy:
     """The policy ``name`` with ``params`` as its fields (each checked against its range)."""
-    cls = _policy_class(name)
-    _check_known(cls, params)
-    return cls(**params)
+    return make_registered(REGISTRY, "policy", name, **params)
 
 
 def parse(spec: str) -> Policy:
     """``"name"`` or ``"name:key=value:key=value"`` → a policy."""
     name, *pairs = spec.strip().split(":")
-    cls = _policy_class(name)
-    if cls is Press:
+    if registered(REGISTRY, "policy", name) is Press:
         return Press.from_text(pairs)
-    params = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise KvscopeError(f"policy parameter {pair!r} must read key=value")
-        key, value = pair.split("=", 1)
-        _check_known(cls, [key])
-        params[key] = parse_param(cls, key, value)
-    return make(name, **params)
+    return parse_spelled(REGISTRY, "policy", spec)
 
 
 __all__ = [
     "H2O",
     "KIVI",
     "REGISTRY",
+    "Allocation",
     "BudgetExceeded",
     "CacheSpec",
     "CacheState",
@@ -96,6 +71,7 @@ __all__ = [
     "QEvict",
     "SnapKV",
     "Streaming",
+    "allocation",
     "available",
     "check_budget",
     "make",

@@ -18,14 +18,14 @@ Shapes: ``colsum [layer, kv_head, P]`` (mass each prompt key got from all prompt
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import numpy as np
 
+from .. import defaults
 from ..errors import KvscopeError
-from ..params import check_params
+from ..params import check_params, spelled
 from ..rope import Rope, apply_rope, undo_rope
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
@@ -57,10 +57,14 @@ class LedgerError(RuntimeError):
 class CacheSpec:
     """Geometry and budget of one sequence's cache.
 
-    ``budget`` β is a share of ``FP_bytes(P + S)``: the capacity per (layer, kv_head) is
-    ``β · (P + S) · 4·D`` bytes, the same for every policy. ``fp_itemsize`` = 4 accounts
-    full-precision entries at 32 bit (a live cache of an fp32 model: ``β · (P + S) · 8·D``);
-    quantized entries keep their 16-bit scale and zero either way."""
+    ``budget`` β is a share of ``FP_bytes(P + S)``: ``B = β · FP_bytes(P + S)`` over all layers
+    and KV heads, the same for every policy. An allocation (:mod:`kvscope.policies.allocation`)
+    splits ``B`` into ``unit_capacity [layer, kv_head]`` bytes; without one every unit holds
+    ``β · (P + S) · 2·D·fp_itemsize`` (uniform). ``fp_itemsize`` = 2 accounts full-precision
+    entries at 16 bit, 4 at 32 bit (a live cache of an fp32 model); quantized entries keep their
+    16-bit scale and zero either way. ``capacity`` and ``fp_capacity_tokens`` are numbers under
+    the uniform split and ``[layer, kv_head]`` arrays under any other, so that a policy written
+    with numpy broadcasting sizes itself the same way under both."""
 
     n_layers: int
     n_kv: int
@@ -71,6 +75,8 @@ class CacheSpec:
     n_sink: int = 4
     w: int = 8
     fp_itemsize: int = 2  # bytes per element of a full-precision K/V entry (16-bit by default)
+    tail_rows: int = defaults.OBS_WINDOW  # last prefill rows the policy can observe
+    unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
 
     @property
     def fp_bytes(self) -> float:
@@ -78,14 +84,45 @@ class CacheSpec:
         return fp_token_bytes(self.head_dim) * self.fp_itemsize / 2
 
     @property
-    def capacity(self) -> float:
-        """Bytes allowed per (layer, kv_head)."""
+    def uniform_capacity(self) -> float:
+        """``B / (layers · kv_heads)``: each unit's bytes under the uniform split."""
         return self.budget * self.final_len * self.fp_bytes
 
     @property
-    def fp_capacity_tokens(self) -> int:
-        """Full-precision tokens that fit the capacity."""
-        return int(math.floor(self.capacity / self.fp_bytes + 1e-9))
+    def allocated(self) -> bool:
+        """The units hold what an allocation gave them (not the uniform split)."""
+        return self.unit_capacity is not None
+
+    @property
+    def capacity(self):
+        """Bytes allowed per (layer, kv_head): a number, or ``[layer, kv_head]`` when allocated."""
+        return self.unit_capacity if self.allocated else self.uniform_capacity
+
+    @property
+    def fp_capacity_tokens(self):
+        """Full-precision tokens that fit each unit's capacity (a number or ``[layer, kv_head]``)."""
+        tokens = np.floor(np.asarray(self.capacity) / self.fp_bytes + 1e-9).astype(np.int64)
+        return tokens if self.allocated else int(tokens)
+
+    def allotted(self, capacities: np.ndarray) -> CacheSpec:
+        """This spec with ``capacities [layer, kv_head]`` bytes per unit."""
+        capacities = np.asarray(capacities, dtype=np.float64)
+        if capacities.shape != (self.n_layers, self.n_kv):
+            raise ValueError(f"capacities must be [layer, kv_head] = {(self.n_layers, self.n_kv)}")
+        return replace(self, unit_capacity=capacities)
+
+    def capacity_groups(self):
+        """``(capacity, units)`` per distinct capacity: ``units`` the ``[layer, kv_head]`` mask of
+        the units that hold it, None for all of them (what a policy sizes once per value)."""
+        if not self.allocated:
+            yield self.uniform_capacity, None
+            return
+        values = np.unique(self.unit_capacity)
+        if len(values) == 1:
+            yield float(values[0]), None
+            return
+        for value in values:
+            yield float(value), self.unit_capacity == value
 
     @property
     def decode_steps(self) -> int:
@@ -94,24 +131,30 @@ class CacheSpec:
     @property
     def total_capacity(self) -> float:
         """``B = β · FP_bytes(P + S)`` over all layers and KV heads."""
-        return self.capacity * self.n_layers * self.n_kv
+        return self.uniform_capacity * self.n_layers * self.n_kv
 
     @property
     def full_bytes(self) -> float:
         """``FP_bytes(P + S)``: every layer, KV head and position at full precision."""
         return self.final_len * self.fp_bytes * self.n_layers * self.n_kv
 
-    def fits(self, per_unit_bytes: float) -> bool:
-        """``per_unit_bytes`` per (layer, kv_head) fit the budget (a policy sizing itself)."""
-        return per_unit_bytes <= self.capacity * (1 + BYTES_TOLERANCE)
+    def fits(self, per_unit_bytes: float, capacity: float | None = None) -> bool:
+        """``per_unit_bytes`` per (layer, kv_head) fit ``capacity`` (default: the uniform share)."""
+        capacity = self.uniform_capacity if capacity is None else capacity
+        return per_unit_bytes <= capacity * (1 + BYTES_TOLERANCE)
 
     def exceeded(self, used: np.ndarray) -> bool:
-        """Some (layer, kv_head) holds more than its share of the budget (``used [layer, kv_head]``)."""
-        return bool((used > self.capacity * (1 + BYTES_TOLERANCE)).any())
+        """Some (layer, kv_head) holds more than its capacity (``used [layer, kv_head]``)."""
+        return bool((used > np.asarray(self.capacity) * (1 + BYTES_TOLERANCE)).any())
 
     def exceeded_total(self, held: float) -> bool:
         """All layers and heads together hold more than ``B``."""
         return held > self.total_capacity * (1 + BYTES_TOLERANCE)
+
+
+def per_unit(x) -> np.ndarray:
+    """A number or ``[layer, kv_head]`` array → broadcastable against ``[layer, kv_head, pos]``."""
+    return np.asarray(x)[..., None]
 
 
 class Ledger:
@@ -273,6 +316,19 @@ class CacheState:
         self.pooled = False  # the budget holds for all layers and heads together, not per unit
         self.setting: dict | None = None  # what the state set itself to for its budget (a press: its ratio)
 
+    def size(self) -> None:
+        """Size the state from ``self.spec``'s capacities (a subclass computes its token counts
+        here): called on construction, and again by :meth:`allot`."""
+
+    def allot(self, capacities: np.ndarray) -> None:
+        """Hold ``capacities [layer, kv_head]`` bytes per unit from now on (an allocation's split,
+        given before the prefill)."""
+        if self.length:
+            raise RuntimeError("an allocation is given before the prefill")
+        self.spec = self.spec.allotted(capacities)
+        self.reached = True
+        self.size()
+
     # -- driven by the replay or a live cache ---------------------------------------------
     def prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
         p = self.spec.prompt_len
@@ -343,6 +399,7 @@ class Policy:
     observes: ClassVar[bool] = False  # decisions use the rows served at each step
     observes_prefill: ClassVar[bool] = False  # decisions use the prompt's attention (colsum, tail)
     reads_queries: ClassVar[bool] = False  # start() also takes the recorded q and the model spec
+    splits_itself: ClassVar[bool] = False  # sets its own split across layers and heads (no allocation)
 
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
         raise NotImplementedError
@@ -356,13 +413,19 @@ class Policy:
     def label(self) -> str:
         """``name`` or ``name:key=value:…`` for fields that differ from the defaults, spelled as
         the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
-        defaults = type(self)()
-        changed = [
-            f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-            for k, v in self.params().items()
-            if v != getattr(defaults, k)
-        ]
-        return ":".join([self.name, *changed])
+        return spelled(self)
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        """The fewest bytes one (layer, kv_head) can run at: allocations give every unit at
+        least this and split only what lies above it (PyramidKV's observation window, AdaKV's
+        safeguard, in the policy's own terms)."""
+        return 0.0
+
+    def allocation_scores(self, colsum: np.ndarray, tail: np.ndarray | None) -> np.ndarray:
+        """``[layer, kv_head, P]`` how much each prompt position matters to this policy, read by
+        the ``adakv`` allocation: the prompt attention each key received (H2O's score) unless the
+        policy ranks by something else."""
+        return colsum
 
 
 class AsEviction:

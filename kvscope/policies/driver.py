@@ -7,9 +7,10 @@
                                       observe), the clairvoyant oracle its future, then compresses
 
 After the prefill and after every decision the bytes the policy holds by the byte model
-(SPEC §5) are checked against its budget, ``B = β · FP_bytes(P + S)`` split evenly per
-(layer, kv_head) (:class:`~kvscope.policies.base.CacheSpec`): a policy that claims to fit
-and holds more raises :class:`~kvscope.policies.base.BudgetExceeded`. Replay
+(SPEC §5) are checked against its budget, ``B = β · FP_bytes(P + S)`` split per (layer,
+kv_head) by the allocation (evenly by default, :class:`~kvscope.policies.base.CacheSpec`):
+a policy that claims to fit and holds more — per unit, or in all when it pools its budget —
+raises :class:`~kvscope.policies.base.BudgetExceeded`. Replay
 (:func:`kvscope.replay`) and the live cache (:class:`kvscope.live.PolicyCache`) both drive
 their states through this class; only where the rows come from differs.
 """
@@ -18,18 +19,39 @@ from __future__ import annotations
 
 import numpy as np
 
+from .allocation import Allocation, Uniform
 from .base import BudgetExceeded, CacheState
 
 
 class PolicyDriver:
-    """Drives one :class:`CacheState`; ``step`` counts the decisions made (0 = the prefill)."""
+    """Drives one :class:`CacheState`; ``step`` counts the decisions made (0 = the prefill).
 
-    def __init__(self, state: CacheState, *, check: bool = False, where: str = ""):
+    ``allocation`` splits the budget across layers and KV heads (default uniform: the state
+    keeps its even share); one that reads the policy's scores splits at the prefill, the
+    clairvoyant oracle from ``gains`` (:func:`kvscope.policies.allocation.split_tokens`), which
+    only a trace can give."""
+
+    def __init__(
+        self,
+        state: CacheState,
+        *,
+        allocation: Allocation | None = None,
+        gains=None,
+        check: bool = False,
+        where: str = "",
+    ):
         self.state = state
+        self.allocation = allocation or Uniform()
         self.check = check  # verify the policy invariants after every decision (tests)
         self.where = where  # appended to messages: " of sample 3"
         self.step = -1
         self.used: np.ndarray | None = None  # [layer, kv_head] bytes after the last decision
+        if not self.allocation.uniform and self.allocation.reads != "scores":
+            self._allot(gains=gains)
+
+    def _allot(self, **observed) -> None:
+        spec = self.state.spec
+        self.state.allot(self.allocation.split(spec, self.policy.unit_floor(spec), **observed))
 
     @property
     def policy(self):
@@ -38,6 +60,8 @@ class PolicyDriver:
     def prefill(self, colsum, tail, future=None, check: bool = False) -> np.ndarray:
         """The prompt's column sums ``[layer, kv_head, P]`` and last rows ``[layer, kv_head, obs, P]``;
         returns the bytes held ``[layer, kv_head]``."""
+        if self.allocation.reads == "scores":
+            self._allot(scores=self.policy.allocation_scores(colsum, tail))
         if self.policy.clairvoyant:
             self.state.observe_future(future)
         self.state.prefill(colsum, tail)
@@ -57,18 +81,23 @@ class PolicyDriver:
         return self._settle(check)
 
     def _settle(self, check: bool) -> np.ndarray:
+        """Bytes held now ``[layer, kv_head]``, checked in all and per unit (a state that pools
+        its budget is checked in all only)."""
         self.step += 1
         st = self.state
         self.used = st.bytes_used()
-        if st.reached and st.pooled and st.spec.exceeded_total(self.used.sum()):
+        if st.reached and not st.pooled and st.spec.exceeded(self.used):
+            over = self.used - np.broadcast_to(st.spec.capacity, self.used.shape)
+            layer, head = np.unravel_index(int(np.argmax(over)), over.shape)
+            raise BudgetExceeded(
+                f"{self.policy.label()} used {self.used[layer, head]:.0f} bytes in layer {layer}, kv_head {head} "
+                f"at step {self.step}{self.where}, over its share "
+                f"{np.broadcast_to(st.spec.capacity, over.shape)[layer, head]:.0f} (β = {st.spec.budget})"
+            )
+        if st.reached and self.allocation.whole and st.spec.exceeded_total(self.used.sum()):
             raise BudgetExceeded(
                 f"{self.policy.label()} used {self.used.sum():.0f} bytes in all at step "
                 f"{self.step}{self.where}, over its budget {st.spec.total_capacity:.0f} (β = {st.spec.budget})"
-            )
-        if st.reached and not st.pooled and st.spec.exceeded(self.used):
-            raise BudgetExceeded(
-                f"{self.policy.label()} used {self.used.max():.0f} bytes per (layer, kv_head) at step "
-                f"{self.step}{self.where}, over its budget {st.spec.capacity:.0f} (β = {st.spec.budget})"
             )
         if check or self.check:
             st.check()

@@ -20,3 +20,6 @@ class Full(Policy):
         state = CacheState(self, spec)
         state.reached = spec.budget >= 1.0
         return state
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return spec.final_len * spec.fp_bytes

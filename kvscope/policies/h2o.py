@@ -1,7 +1,7 @@
 """``h2o`` (Heavy-Hitter Oracle): keep the most recent half of the capacity and the heavy
 hitters by cumulative attention; each step evict the lowest-scoring non-recent token.
 
-Capacity ``n = ⌊B / FP_bytes⌋`` tokens per (layer, kv_head); ``n_recent = ⌈recent_frac·n⌉``.
+Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``); ``n_recent = ⌈recent_frac·n⌉``.
 Scores per (layer, kv_head, pos): the prefill column sums plus every attention row the
 cache observed. Evictions are permanent."""
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..params import param
-from .base import EVICTED, CacheSpec, CacheState, Policy, top_k_mask
+from .base import EVICTED, CacheSpec, CacheState, Policy, per_unit, top_k_mask
 
 
 @dataclass
@@ -27,23 +27,31 @@ class H2O(Policy):
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
         return _H2OState(self, spec)
 
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return 2 * spec.fp_bytes  # one recent token and one heavy hitter
+
 
 class _H2OState(CacheState):
     def __init__(self, policy: H2O, spec: CacheSpec):
         super().__init__(policy, spec)
-        self.capacity = spec.fp_capacity_tokens
-        if self.capacity < 2:
-            self.reached, self.capacity = False, 2
-        self.n_recent = max(1, int(np.ceil(policy.recent_frac * self.capacity)))
-        self.n_heavy = self.capacity - self.n_recent
         self.scores = np.zeros(self.tiers.shape, dtype=np.float64)  # [layer, kv_head, pos]
+        self.size()
+
+    def size(self) -> None:
+        capacity = self.spec.fp_capacity_tokens  # a number, or [layer, kv_head] when allocated
+        if np.any(capacity < 2):
+            self.reached = False
+            capacity = np.maximum(capacity, 2)
+        self.capacity = capacity
+        self.n_recent = np.maximum(1, np.ceil(self.policy.recent_frac * capacity).astype(np.int64))
+        self.n_heavy = self.capacity - self.n_recent
 
     def after_prefill(self, colsum, tail) -> None:
         p = self.length
         self.scores[..., :p] = colsum
-        if p <= self.capacity:
+        if np.all(p <= self.capacity):
             return
-        older = np.arange(p) < p - self.n_recent  # [pos]
+        older = np.arange(p) < per_unit(p - self.n_recent)  # [pos] or [layer, kv_head, pos]
         candidates = np.broadcast_to(older, self.scores[..., :p].shape)
         keep = top_k_mask(self.scores[..., :p], candidates, self.n_heavy)
         self.evict(candidates & ~keep)
@@ -57,7 +65,7 @@ class _H2OState(CacheState):
         over = acc.sum(-1) > self.capacity  # one new token per step → at most one eviction
         if not over.any():
             return
-        candidates = acc & (np.arange(n) < n - self.n_recent)
+        candidates = acc & (np.arange(n) < per_unit(n - self.n_recent))
         masked = np.where(candidates, self.scores[..., :n], np.inf)
         lowest = masked.argmin(-1)  # [layer, kv_head]
         li, hi = np.nonzero(over)

@@ -52,28 +52,60 @@ class KIVI(AsEviction, Policy):
         q_bytes = 0.0 if self.evict else q_token_bytes(spec.head_dim, self.bits, self.G, self.value_group)
         return float(((lengths - n_q) * spec.fp_bytes + n_q * q_bytes).max())
 
+    def residual(self, spec: CacheSpec, capacity: float) -> tuple[int, bool]:
+        """``(R, fits)``: the user's ``R``, or the largest multiple of ``G`` whose bytes fit
+        ``capacity`` (0 at the floor), and whether they fit."""
+        if self.R is not None:
+            return self.R, spec.fits(self.max_bytes(spec, self.R), capacity)
+        R = (spec.final_len // self.G) * self.G
+        while R > 0 and not spec.fits(self.max_bytes(spec, R), capacity):
+            R -= self.G
+        return R, spec.fits(self.max_bytes(spec, R), capacity)
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return self.max_bytes(spec, 0 if self.R is None else self.R)
+
 
 class _KIVIState(CacheState):
     def __init__(self, policy: KIVI, spec: CacheSpec, ledger: Ledger):
         super().__init__(policy, spec, ledger)
-        if policy.R is not None:
-            self.R = policy.R
-            self.reached = spec.fits(policy.max_bytes(spec, self.R))
-        else:
-            self.R = (spec.final_len // policy.G) * policy.G
-            while self.R > 0 and not spec.fits(policy.max_bytes(spec, self.R)):
-                self.R -= policy.G
-            self.reached = spec.fits(policy.max_bytes(spec, self.R))
-        self.n_quantized = 0
+        self.size()
+
+    def size(self) -> None:
+        """``R`` and the quantized prefix: numbers, or ``[layer, kv_head]`` when the units'
+        capacities differ."""
+        groups = list(self.spec.capacity_groups())
+        shape = (self.spec.n_layers, self.spec.n_kv)
+        self.R = 0 if groups[0][1] is None else np.zeros(shape, dtype=np.int64)
+        for capacity, units in groups:
+            R, fits = self.policy.residual(self.spec, capacity)
+            self.reached &= fits
+            if units is None:
+                self.R = R
+            else:
+                self.R[units] = R
+        self.n_quantized = 0 if np.ndim(self.R) == 0 else np.zeros(shape, dtype=np.int64)
 
     def compress(self) -> None:
         g = self.policy.G
-        target = max(0, (self.length - self.R) // g) * g
-        while self.n_quantized < target:
-            group = np.arange(self.n_quantized, self.n_quantized + g)
-            if self.policy.evict:
-                self.set_tier_positions(group, EVICTED)
-            else:
-                self.ledger.quantize(group)
-                self.set_tier_positions(group, Q)
-            self.n_quantized += g
+        target = np.maximum(0, (self.length - self.R) // g) * g
+        if np.ndim(target) == 0:
+            while self.n_quantized < target:
+                self._leave(np.arange(self.n_quantized, self.n_quantized + g))
+                self.n_quantized += g
+            return
+        while (behind := self.n_quantized < target).any():
+            li, hi = np.nonzero(behind)
+            self._leave(self.n_quantized[behind][:, None] + np.arange(g), li, hi)  # [unit, G]
+            self.n_quantized[behind] += g
+
+    def _leave(self, positions: np.ndarray, layers=None, heads=None) -> None:
+        """A key group leaves the residual: ``positions [G]`` in every unit, or ``[n, G]`` in the
+        units ``layers [n]``, ``heads [n]``."""
+        if not self.policy.evict:
+            self.ledger.quantize(positions, layers, heads)
+        tier = EVICTED if self.policy.evict else Q
+        if layers is None:
+            self.set_tier_positions(positions, tier)
+        else:
+            self.tiers[layers[:, None], heads[:, None], positions] = tier

@@ -140,9 +140,7 @@ class LogQuant(AsEviction, Policy):
         return Ledger(spec, self.bits, self.key_axis, key_group, self.value_group, k=k, v=v)
 
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
-        ledger = self._ledger(spec, k, v)
-        W = self.W if self.W is not None else self._fit_W(spec, ledger)
-        return _LogQuantState(self, spec, ledger, W, spec.fits(self.max_bytes(spec, W, ledger)))
+        return _LogQuantState(self, spec, self._ledger(spec, k, v))
 
     def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
         """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
@@ -151,16 +149,28 @@ class LogQuant(AsEviction, Policy):
         token_bytes = 0.0 if self.evict else ledger.token_value_bytes
         return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, token_bytes, groups, spec.fp_bytes)
 
-    def _fit_W(self, spec: CacheSpec, ledger: Ledger) -> int:
-        """The largest ``W`` that fits; bytes fall with ``W`` while per-flush key groups are
-        tiny, then grow: find the cheapest ``W`` among small ones, then search upward."""
+    def window(self, spec: CacheSpec, ledger: Ledger, capacity: float) -> tuple[int, bool]:
+        """``(W, fits)``: the user's ``W`` or the largest that fits ``capacity`` bytes per unit."""
+        W = self.W if self.W is not None else self._fit_W(spec, ledger, capacity)
+        return W, spec.fits(self.max_bytes(spec, W, ledger), capacity)
+
+    def _smallest(self, spec: CacheSpec, ledger: Ledger) -> int:
+        """The cheapest ``W`` among small ones (bytes fall with ``W`` while per-flush key groups
+        are tiny, then grow)."""
         w_max = max(1, spec.final_len // 3 + 1)
-        small = range(1, min(w_max, 64) + 1)
-        cheapest = min(small, key=lambda W: self.max_bytes(spec, W, ledger))
-        fits = lambda W: spec.fits(self.max_bytes(spec, W, ledger))  # noqa: E731
+        return min(range(1, min(w_max, 64) + 1), key=lambda W: self.max_bytes(spec, W, ledger))
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        ledger = self._ledger(spec)
+        return self.max_bytes(spec, self.W if self.W is not None else self._smallest(spec, ledger), ledger)
+
+    def _fit_W(self, spec: CacheSpec, ledger: Ledger, capacity: float) -> int:
+        """The largest ``W`` that fits: from the cheapest small one, search upward."""
+        cheapest = self._smallest(spec, ledger)
+        fits = lambda W: spec.fits(self.max_bytes(spec, W, ledger), capacity)
         if not fits(cheapest):
             return cheapest  # the floor
-        lo, hi = cheapest, w_max
+        lo, hi = cheapest, max(1, spec.final_len // 3 + 1)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(mid):
@@ -170,29 +180,66 @@ class LogQuant(AsEviction, Policy):
         return lo
 
 
-class _LogQuantState(CacheState):
-    def __init__(self, policy: LogQuant, spec: CacheSpec, ledger: Ledger, W: int, reached: bool):
-        super().__init__(policy, spec, ledger)
-        self.W, self.reached = W, reached
-        self.index: LogQuantIndex | None = None
+@dataclass
+class _Band:
+    """The units that share one ``W`` (``units [layer, kv_head]``, None: all) and their index."""
 
-    def _leave_fp(self, left: list[int]) -> None:
+    W: int
+    units: np.ndarray | None
+    index: LogQuantIndex | None = None
+
+
+class _LogQuantState(CacheState):
+    def __init__(self, policy: LogQuant, spec: CacheSpec, ledger: Ledger):
+        super().__init__(policy, spec, ledger)
+        self.size()
+
+    def size(self) -> None:
+        by_w: dict[int, np.ndarray | None] = {}
+        for capacity, units in self.spec.capacity_groups():
+            W, fits = self.policy.window(self.spec, self.ledger, capacity)
+            self.reached &= fits
+            by_w[W] = units if units is None or W not in by_w else by_w[W] | units
+        self.bands = [_Band(W, units) for W, units in by_w.items()]
+
+    @property
+    def W(self) -> int | np.ndarray:
+        """``W``: a number, or ``[layer, kv_head]`` when the units' capacities differ."""
+        if self.bands[0].units is None:
+            return self.bands[0].W
+        out = np.zeros((self.spec.n_layers, self.spec.n_kv), dtype=np.int64)
+        for band in self.bands:
+            out[band.units] = band.W
+        return out
+
+    def _leave_fp(self, left: list[int], units: np.ndarray | None) -> None:
         if not left:
             return
-        if self.policy.evict:
-            self.set_tier_positions(left, EVICTED)
-            return
-        size = self.policy.G if self.policy.key_axis == "channel" else len(left)  # token axis: per token anyway
-        for group in _chunks(left, size):
-            self.ledger.quantize(np.asarray(group))
-        self.set_tier_positions(left, Q)
+        layers = heads = None
+        if units is not None:
+            layers, heads = np.nonzero(units)
+        tier = EVICTED if self.policy.evict else Q
+        if not self.policy.evict:
+            size = self.policy.G if self.policy.key_axis == "channel" else len(left)  # token axis: per token anyway
+            for group in _chunks(left, size):
+                group = np.asarray(group)
+                if units is None:
+                    self.ledger.quantize(group)
+                else:
+                    self.ledger.quantize(np.broadcast_to(group, (len(layers), len(group))), layers, heads)
+        if units is None:
+            self.set_tier_positions(left, tier)
+        else:
+            self.tiers[layers[:, None], heads[:, None], np.asarray(left)] = tier
 
     def after_prefill(self, colsum, tail) -> None:
-        self.index = LogQuantIndex.after_prefill(self.length, self.W)
-        self._leave_fp(sorted(set(range(self.length)) - set(self.index.fp)))
+        for band in self.bands:
+            band.index = LogQuantIndex.after_prefill(self.length, band.W)
+            self._leave_fp(sorted(set(range(self.length)) - set(band.index.fp)), band.units)
 
     def append(self, position: int) -> None:
         super().append(position)
-        before = self.index.fp
-        self.index.append(position)
-        self._leave_fp(sorted(set(before) - set(self.index.fp)))
+        for band in self.bands:
+            before = band.index.fp
+            band.index.append(position)
+            self._leave_fp(sorted(set(before) - set(band.index.fp)), band.units)

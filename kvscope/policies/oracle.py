@@ -1,6 +1,6 @@
 """``oracle``: the clairvoyant bound — labelled so, never a causal policy.
 
-At every step the FP set is the ``⌊B / FP_bytes⌋`` existing positions that receive the most
+At every step the FP set is the ``⌊B_unit / FP_bytes⌋`` existing positions that receive the most
 full-KV attention over the next ``horizon`` steps; everything else is (temporarily) absent,
 and a position may come back. At an event this is the set of that size with the smallest
 Future Missed Mass at ``horizon`` for that event, so its FP-set FMM bounds every causal
@@ -30,14 +30,20 @@ class Oracle(Policy):
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
         return _OracleState(self, spec)
 
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return spec.fp_bytes
+
 
 class _OracleState(CacheState):
     def __init__(self, policy: Oracle, spec: CacheSpec):
         super().__init__(policy, spec)
-        self.capacity = spec.fp_capacity_tokens
-        if self.capacity < 1:
-            self.reached, self.capacity = False, 1
         self.future = None
+        self.size()
+
+    def size(self) -> None:
+        self.capacity = self.spec.fp_capacity_tokens  # a number or [layer, kv_head]
+        if np.any(self.capacity < 1):
+            self.reached, self.capacity = False, np.maximum(self.capacity, 1)
 
     def observe_future(self, future: np.ndarray) -> None:
         """Full-KV attention over the next ``horizon`` steps ``[layer, kv_head, ≥length]``."""
@@ -48,7 +54,7 @@ class _OracleState(CacheState):
 
     def compress(self) -> None:
         n = self.length
-        if n <= self.capacity:
+        if np.all(n <= self.capacity):
             self.tiers[..., :n] = FP
             return
         future = self.future[..., :n] if self.future is not None else np.zeros(self.tiers[..., :n].shape)

@@ -59,6 +59,7 @@ class Press(Policy):
     kind = "kvpress"
     observes_prefill = True
     reads_queries: ClassVar[bool] = True
+    splits_itself: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()

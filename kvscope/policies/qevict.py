@@ -54,6 +54,15 @@ class QEvict(Policy):
         )
         return _QEvictState(self, spec, ledger, w)
 
+    def protected(self, spec: CacheSpec) -> int:
+        """Tokens always at full precision: the sinks, the local windows and the one being filled."""
+        w = self.w or spec.w
+        n_sink = spec.n_sink if self.n_sink is None else self.n_sink
+        return n_sink + (math.ceil(self.local / w) + 1) * w
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return self.protected(spec) * spec.fp_bytes
+
 
 class _QEvictState(CacheState):
     def __init__(self, policy: QEvict, spec: CacheSpec, ledger: Ledger, w: int):
@@ -61,16 +70,20 @@ class _QEvictState(CacheState):
         self.w = w
         self.n_sink = spec.n_sink if policy.n_sink is None else policy.n_sink
         self.n_local_windows = math.ceil(policy.local / w)
-        b_fp = w * spec.fp_bytes
-        b_q = w * ledger.token_value_bytes + 4.0 * spec.head_dim
-        room = spec.capacity - spec.fp_bytes * (self.n_sink + (self.n_local_windows + 1) * w)
-        if room < 0:
-            self.reached, room = False, 0.0
-        self.n_fp = int(math.floor((1 - policy.q_frac) * room / b_fp + 1e-9))
-        self.n_q = int(math.floor(policy.q_frac * room / b_q + 1e-9))
         self.scores = np.zeros(self.tiers.shape, dtype=np.float64)  # [layer, kv_head, pos]
         self.promotions = 0
         self.demotions = 0
+        self.size()
+
+    def size(self) -> None:
+        spec, q_frac = self.spec, self.policy.q_frac
+        b_fp = self.w * spec.fp_bytes
+        b_q = self.w * self.ledger.token_value_bytes + 4.0 * spec.head_dim
+        room = np.asarray(spec.capacity - spec.fp_bytes * self.policy.protected(spec), dtype=np.float64)
+        if np.any(room < 0):
+            self.reached, room = False, np.maximum(room, 0.0)
+        self.n_fp = np.floor((1 - q_frac) * room / b_fp + 1e-9).astype(np.int64)  # a number or [layer, kv_head]
+        self.n_q = np.floor(q_frac * room / b_q + 1e-9).astype(np.int64)
 
     def after_prefill(self, colsum, tail) -> None:
         self.scores[..., : self.length] = colsum

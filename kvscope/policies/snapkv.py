@@ -46,6 +46,25 @@ class SnapKV(Policy):
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
         return _SnapKVState(self, spec)
 
+    def observed_rows(self, stored: int) -> int:
+        """Observation rows scored when the trace stored ``stored`` prefill rows."""
+        return min(self.obs_window or stored, stored)
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        """The observation window and every decode token."""
+        return (self.observed_rows(spec.tail_rows) + spec.decode_steps) * spec.fp_bytes
+
+    def scores(self, tail: np.ndarray, obs: int, prefix: int) -> np.ndarray:
+        """``[layer, kv_head, prefix]``: the attention of the last ``obs`` prefill rows, pooled."""
+        window_rows = np.nan_to_num(tail[..., tail.shape[-2] - obs :, :prefix].astype(np.float64))
+        return pool(window_rows.sum(-2), self.kernel, self.pooling)
+
+    def allocation_scores(self, colsum, tail) -> np.ndarray:
+        if tail is None:
+            raise KvscopeError("snapkv needs the last prefill rows (prefill_tail) of the trace")
+        obs = min(self.observed_rows(tail.shape[-2]), tail.shape[-1])
+        return self.scores(tail, obs, tail.shape[-1] - obs)
+
 
 def pool(x: np.ndarray, kernel: int, how: str = "max") -> np.ndarray:
     """``max`` or ``avg`` over ``[p − kernel//2, p + kernel//2]`` along the last axis; the edges
@@ -63,20 +82,19 @@ class _SnapKVState(CacheState):
         if tail is None:
             raise KvscopeError("snapkv needs the last prefill rows (prefill_tail) of the trace")
         p = self.length
-        obs = min(self.policy.obs_window or tail.shape[-2], tail.shape[-2], p)
+        obs = min(self.policy.observed_rows(tail.shape[-2]), p)
         if self.policy.obs_window and self.policy.obs_window > tail.shape[-2]:
             raise KvscopeError(
                 f"snapkv obs_window {self.policy.obs_window} > the {tail.shape[-2]} rows the trace stored"
             )
-        n_prompt = self.spec.fp_capacity_tokens - self.spec.decode_steps
-        if n_prompt < obs:
+        n_prompt = self.spec.fp_capacity_tokens - self.spec.decode_steps  # a number or [layer, kv_head]
+        if np.any(n_prompt < obs):
             self.reached = False
-            n_prompt = obs
-        if p <= n_prompt:
+            n_prompt = np.maximum(n_prompt, obs)
+        if np.all(p <= n_prompt):
             return
         prefix = p - obs
-        window_rows = np.nan_to_num(tail[..., tail.shape[-2] - obs :, :prefix].astype(np.float64))
-        scores = pool(window_rows.sum(-2), self.policy.kernel, self.policy.pooling)  # [layer, kv_head, prefix]
+        scores = self.policy.scores(tail, obs, prefix)
         candidates = np.ones(scores.shape, dtype=bool)
-        keep = top_k_mask(scores, candidates, n_prompt - obs)
+        keep = top_k_mask(scores, candidates, n_prompt - obs)  # [layer, kv_head, prefix]
         self.evict(~keep)

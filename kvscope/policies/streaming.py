@@ -1,8 +1,8 @@
 """``streaming`` (StreamingLLM): the sinks plus the most recent tokens that fit the budget.
 
-Capacity ``n = ⌊B / FP_bytes⌋`` tokens per (layer, kv_head): positions ``< n_sink`` stay,
+Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``): positions ``< n_sink`` stay,
 plus the newest ``n − n_sink``; a position that leaves the recent window is evicted for good.
-The same decision for every layer and head."""
+The same decision for every layer and head under the uniform split."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..params import param
-from .base import FP, CacheSpec, CacheState, Policy
+from .base import FP, CacheSpec, CacheState, Policy, per_unit
 
 
 @dataclass
@@ -24,17 +24,27 @@ class Streaming(Policy):
     def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
         return _StreamingState(self, spec)
 
+    def sinks(self, spec: CacheSpec) -> int:
+        return spec.n_sink if self.n_sink is None else self.n_sink
+
+    def unit_floor(self, spec: CacheSpec) -> float:
+        return (self.sinks(spec) + 1) * spec.fp_bytes  # the sinks and the newest token
+
 
 class _StreamingState(CacheState):
     def __init__(self, policy: Streaming, spec: CacheSpec):
         super().__init__(policy, spec)
-        self.n_sink = spec.n_sink if policy.n_sink is None else policy.n_sink
-        self.recent = spec.fp_capacity_tokens - self.n_sink
-        if self.recent < 1:  # not even one recent token fits next to the sinks
+        self.n_sink = policy.sinks(spec)
+        self.size()
+
+    def size(self) -> None:
+        self.recent = self.spec.fp_capacity_tokens - self.n_sink  # a number or [layer, kv_head]
+        if np.any(self.recent < 1):  # not even one recent token fits next to the sinks
             self.reached = False
-            self.recent = 1
+            self.recent = np.maximum(self.recent, 1)
 
     def compress(self) -> None:
-        old = np.arange(self.length) < self.length - self.recent
-        old[: self.n_sink] = False
-        self.evict(old & (self.tiers[0, 0, : self.length] == FP))
+        n = self.length
+        old = np.arange(n) < per_unit(n - self.recent)  # [pos] or [layer, kv_head, pos]
+        old[..., : self.n_sink] = False
+        self.evict(old & (self.tiers[..., :n] == FP))

@@ -43,7 +43,9 @@ from .. import defaults
 from ..analysis.fmm import FMM
 from ..analysis.lir import LIR
 from ..errors import KvscopeError
-from ..policies import Policy, check_budget, parse
+from ..policies import Allocation, Policy, check_budget, parse
+from ..policies import allocation as allocation_module
+from ..policies.allocation import check_allocatable
 from . import result as _result
 from .check import open_result
 from .output_error import effective_kv
@@ -68,6 +70,21 @@ def resolve_policies(policies) -> list[Policy]:
     return out
 
 
+def resolve_allocations(allocations) -> list[Allocation]:
+    """Names, ``name:key=value`` strings or allocation objects → allocations (unique labels)."""
+    if allocations is None:
+        allocations = ["uniform"]
+    if isinstance(allocations, (str, Allocation)):
+        allocations = [allocations]
+    out = [allocation_module.parse(a) for a in allocations]
+    if not out:
+        raise KvscopeError("no allocation given")
+    labels = [a.label() for a in out]
+    if len(set(labels)) != len(labels):
+        raise KvscopeError(f"an allocation is listed twice: {', '.join(labels)}")
+    return out
+
+
 def resolve_budgets(budgets) -> list[float]:
     if isinstance(budgets, (int, float, str)):
         budgets = [budgets]
@@ -85,6 +102,7 @@ class ReplaySetup:
 
     ds: xr.Dataset
     policies: list[Policy]
+    allocations: list[Allocation]
     budgets: list[float]
     observe: str
     fmm: FMM  # horizon, curve horizons, bootstrap: the analysis layer's definitions and checks
@@ -97,7 +115,19 @@ class ReplaySetup:
 
     @classmethod
     def of(
-        cls, ds, policies, budgets, *, observe, every, errors, validate, kv_itemsize, question_agnostic, **metric
+        cls,
+        ds,
+        policies,
+        allocations,
+        budgets,
+        *,
+        observe,
+        every,
+        errors,
+        validate,
+        kv_itemsize,
+        question_agnostic,
+        **metric,
     ) -> ReplaySetup:
         acc = ds.kvscope
         if question_agnostic and not acc.question_agnostic:
@@ -122,8 +152,13 @@ class ReplaySetup:
         needs_qkv = [p.label() for p in policies if p.reads_queries]
         if needs_qkv and not acc.has_qkv:
             raise KvscopeError(f"{needs_qkv[0]} needs recorded q/k/v (trace with --record qkv)")
+        allocations = resolve_allocations(allocations)
+        check_allocatable(policies, allocations)
+        needs_qkv = [a.label() for a in allocations if a.needs_qkv]
+        if needs_qkv and not acc.has_qkv:
+            raise KvscopeError(f"the {needs_qkv[0]} allocation needs recorded q/k/v (trace with --record qkv)")
         return cls(
-            ds, policies, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
+            ds, policies, allocations, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
             with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize,
         )  # fmt: skip
 
@@ -133,8 +168,9 @@ class ReplaySetup:
         return self.fmm.curve_horizons()
 
     @property
-    def grid(self) -> list[tuple[Policy, float]]:
-        return [(p, b) for p in self.policies for b in self.budgets]
+    def grid(self) -> list[tuple[Policy, Allocation, float]]:
+        """Every run of a sample, in the order of the result's (policy, allocation, budget)."""
+        return [(p, a, b) for p in self.policies for a in self.allocations for b in self.budgets]
 
     @property
     def has_qkv(self) -> bool:
@@ -190,6 +226,7 @@ def replay(
     policies,
     budgets,
     *,
+    allocations=None,
     observe: str = "renorm",
     horizon: int = defaults.HORIZON,
     horizons: list[int] | None = None,
@@ -213,6 +250,9 @@ def replay(
 
     ``trace``: a store path or an opened trace. ``policies``: names, ``name:key=value``
     strings or policy objects. ``budgets``: shares β of ``FP_bytes(P + S)`` in (0, 1].
+    ``allocations``: how each budget is split across layers and KV heads (names,
+    ``name:key=value`` strings or :class:`~kvscope.policies.Allocation` objects; default
+    ``uniform``): every policy runs under every allocation.
     ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
     every policy invariant at every step (tests). ``threads``: cache states advanced in
     parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
@@ -236,7 +276,7 @@ def replay(
     started = time.perf_counter()
     ds = open_trace(trace) if isinstance(trace, (str, os.PathLike)) else trace
     setup = ReplaySetup.of(
-        ds, policies, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
+        ds, policies, allocations, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
         m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
         resample=resample, question_agnostic=question_agnostic,
     )  # fmt: skip
@@ -295,6 +335,7 @@ def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
         "trace": str(trace) if isinstance(trace, (str, os.PathLike)) else ds.encoding.get("source", ""),
         "model": ds.attrs.get("model", {}).get("name", ""),
         "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in setup.policies}),
+        "allocations": json.dumps({a.label(): {"name": a.name, **a.params()} for a in setup.allocations}),
         "kv_itemsize": setup.kv_itemsize,
         "protocol": "question-agnostic" if ds.kvscope.question_agnostic else "question-aware",
         "replay_seconds": round(seconds, 3),
@@ -305,22 +346,23 @@ def _press_settings(setup: ReplaySetup, settings: dict) -> str:
     """JSON ``{policy label: {β: {setting: [value per sample]}}}``: what each press was set to
     so that it holds the budget's bytes (kvscope.policies.press)."""
     out: dict = {}
-    for (pi, bi, s), setting in sorted(settings.items()):
+    for (pi, _ai, bi, s), setting in sorted(settings.items()):
         per_budget = out.setdefault(setup.policies[pi].label(), {}).setdefault(f"{setup.budgets[bi]:g}", {})
         for key, value in setting.items():
             per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
     return json.dumps(out)
 
 
-def tiers_for(result: xr.Dataset, policy: str, budget: float) -> xr.DataArray:
-    """The replayed tiers of one (policy, budget) as the analyses take them:
+def tiers_for(result: xr.Dataset, policy: str, budget: float, allocation: str = "uniform") -> xr.DataArray:
+    """The replayed tiers of one (policy, allocation, budget) as the analyses take them:
     ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
-    tiers = (
-        result["tiers"]
-        .sel(policy=policy, budget=budget)
-        .drop_vars(["policy", "budget", "policy_name", "policy_kind"], errors="ignore")
+    tiers = result["tiers"]
+    if "allocation" in tiers.dims:
+        tiers = tiers.sel(allocation=allocation)
+    tiers = tiers.sel(policy=policy, budget=budget).drop_vars(
+        ["policy", "allocation", "budget", "policy_name", "policy_kind"], errors="ignore"
     )
-    tiers.attrs = {"policy": f"{policy}@{budget}"}
+    tiers.attrs = {"policy": f"{policy}@{budget}" if allocation == "uniform" else f"{policy}/{allocation}@{budget}"}
     return tiers
 
 

@@ -5,7 +5,8 @@ On open (:func:`check_result`), each failure one :class:`~kvscope.errors.StoreEr
 
 1. the group: a Zarr v3 group whose attributes say ``kind = "kvscope replay"``, carry their
    CRC32C (a result is written once: any later edit shows) and have the types of
-   :data:`ATTRIBUTES`; ``policies`` names exactly the ``policy`` labels;
+   :data:`ATTRIBUTES`; ``policies`` and ``allocations`` name exactly the ``policy`` and
+   ``allocation`` labels;
 2. every array: one of :data:`VARIABLES` or :data:`COORDINATES` (the optional ones all or
    none), with its dims and dtype, a regular chunk grid no larger than the array, the codec
    pipeline kvscope writes (bytes, blosc, CRC32C) and no attributes but xarray's; every dim
@@ -56,9 +57,10 @@ class Variable:
     optional: bool = False  # attn_l1, output_rel_l2 and their means: present when q/k/v were recorded
 
 
-EVENT = ("policy", "budget", "sample", "event", "layer", "kv_head")
-RUN = ("policy", "budget")
-UNIT = ("policy", "budget", "sample", "layer", "kv_head")
+RUN = ("policy", "allocation", "budget")
+SAMPLE = RUN + ("sample",)
+EVENT = SAMPLE + ("event", "layer", "kv_head")
+UNIT = SAMPLE + ("layer", "kv_head")
 F8, I8, INT, TEXT = ("float64",), ("int64",), ("int32", "int64"), ("U",)
 
 VARIABLES = {
@@ -69,20 +71,21 @@ VARIABLES = {
     "fmm_fp": Variable(EVENT, F8, "share"),
     "fmm_curve": Variable(RUN + ("horizon",), F8, "share"),
     "fmm_fp_curve": Variable(RUN + ("horizon",), F8, "share"),
-    "churn": Variable(("policy", "budget", "sample", "event_pair", "layer", "kv_head"), F8, "share"),
+    "churn": Variable(SAMPLE + ("event_pair", "layer", "kv_head"), F8, "share"),
     "churn_mean": Variable(RUN, F8, "share"),
     "lir_eligible": Variable(UNIT, I8, "count"),
     "lir_reactivated": Variable(UNIT, I8, "count"),
     "lir": Variable(RUN, F8, "share"),
     "p01": Variable(RUN, F8, "share"),
     "p10": Variable(RUN, F8, "share"),
-    "bytes_used": Variable(("policy", "budget", "sample", "step"), F8, "bytes"),
+    "bytes_used": Variable(SAMPLE + ("step",), F8, "bytes"),
+    "allocated": Variable(UNIT, F8, "bytes"),
     "budget_bytes": Variable(("budget", "sample"), F8, "bytes"),
     "full_bytes": Variable(("sample",), F8, "bytes"),
-    "byte_ratio": Variable(("policy", "budget", "sample"), F8, "bytes"),
+    "byte_ratio": Variable(SAMPLE, F8, "bytes"),
     "byte_ratio_used": Variable(RUN, F8, "bytes"),
     "budget_reached": Variable(RUN, ("bool",), "flag"),
-    "n_quantized": Variable(("policy", "budget", "sample"), I8, "count"),
+    "n_quantized": Variable(SAMPLE, I8, "count"),
     **{
         f"{name}_{part}": Variable(RUN, F8, "share")
         for name in ("fmm", "fmm_fp")
@@ -98,6 +101,7 @@ COORDINATES = {
     "policy": Variable(("policy",), TEXT, "labels"),
     "policy_name": Variable(("policy",), TEXT, "text"),
     "policy_kind": Variable(("policy",), TEXT, "text"),
+    "allocation": Variable(("allocation",), TEXT, "labels"),
     "budget": Variable(("budget",), F8, "budgets"),
     "sample": Variable(("sample",), INT, "ids"),
     "event": Variable(("event",), INT, "range"),
@@ -165,6 +169,7 @@ ATTRIBUTES = {
     "trace": _TEXT,
     "model": _TEXT,
     "policies": _TEXT,
+    "allocations": _TEXT,
     "kv_itemsize": _int(1),
     "protocol": (lambda v: v in (None, *PROTOCOLS), "question-aware or question-agnostic"),  # absent before 0.3
     "replay_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number ≥ 0"),
@@ -192,6 +197,8 @@ def check_attrs(path, attrs: dict) -> dict:
         matches = False
     if not matches:
         raise StoreError(f"{path}: the attributes fail their CRC32C checksum (changed after the result was written)")
+    if "allocations" not in attrs:
+        raise StoreError(f"{path} was written by a kvscope before allocations (no allocation dim): replay it again")
     for name, (ok, want) in ATTRIBUTES.items():
         if not ok(attrs.get(name)):
             raise StoreError(f"{path}: attribute {name} must be {want} (got {attrs.get(name)!r})")
@@ -202,6 +209,14 @@ def check_attrs(path, attrs: dict) -> dict:
     if not isinstance(policies, dict) or not all(isinstance(p, dict) for p in policies.values()):
         raise StoreError(f"{path}: attribute policies is not a JSON object of policy settings")
     return policies
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # -- 2. arrays --------------------------------------------------------------------------------
@@ -325,6 +340,9 @@ def check_result(path) -> CheckedResult:
         for p, n, k in zip(labels, coords["policy_name"], coords["policy_kind"], strict=True)
     ):
         raise StoreError(f"{path}: attribute policies does not describe the policies {labels}")
+    allocations = [str(a) for a in coords["allocation"]]
+    if sorted(_json_object(attrs["allocations"]) or {}) != sorted(allocations):
+        raise StoreError(f"{path}: attribute allocations does not describe the allocations {allocations}")
     return CheckedResult(path, group, attrs, sizes, coords)
 
 

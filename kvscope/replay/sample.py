@@ -18,6 +18,7 @@ import numpy as np
 
 from ..analysis.fmm import FutureMassStream, tier_shares
 from ..policies import CacheSpec
+from ..policies.allocation import AdaKV, Given, Pyramid
 from ..policies.driver import PolicyDriver
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
 from .output_error import against_full, reference, renormalized
@@ -87,7 +88,7 @@ class SampleReplay:
             self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
             self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
-        self.runs = [self._start(gi, policy, budget) for gi, (policy, budget) in enumerate(setup.grid)]
+        self.runs = [self._start(gi, *run) for gi, run in enumerate(setup.grid)]
         for bi, budget in enumerate(setup.budgets):
             outputs.budget_bytes[bi, s] = self.spec(budget).total_capacity
         outputs.full_bytes[s] = self.spec(1.0).full_bytes
@@ -100,7 +101,8 @@ class SampleReplay:
             st.n_layers, st.n_kv, st.head_dim, r.prompt_len, r.final_len, budget, st.n_sink, st.w, st.kv_itemsize
         )
 
-    def _start(self, gi: int, policy, budget) -> Run:
+    def _start(self, gi: int, policy, allocation, budget) -> Run:
+        allocation = allocation.for_sample(self.s)
         st = self.setup
         values_needed = policy.quantizes and (st.with_errors or st.observe == "exact")
         k, v = self.kv if values_needed else (None, None)
@@ -108,9 +110,46 @@ class SampleReplay:
         if policy.reads_queries:  # presses: the float32 K/V every run of this sample shares
             (k, v), recorded = self.kv32, {"q": self.queries, "model": st.ds.kvscope.model}
         state = policy.start(self.spec(budget), k, v, st.rope, **recorded)
-        pi, bi = divmod(gi, len(st.budgets))
-        record = self.outputs.record(pi, bi, self.s, state.tiers.shape)
-        return Run(PolicyDriver(state, where=f" of sample {self.s}"), record, st.horizons[-1])
+        pi, rest = divmod(gi, len(st.allocations) * len(st.budgets))
+        ai, bi = divmod(rest, len(st.budgets))
+        record = self.outputs.record(pi, ai, bi, self.s, state.tiers.shape)
+        gains = self.oracle_probes(policy, allocation, budget) if allocation.clairvoyant else None
+        driver = PolicyDriver(state, allocation=allocation, gains=gains, where=f" of sample {self.s}")
+        return Run(driver, record, st.horizons[-1])
+
+    def oracle_probes(self, policy, oracle, budget) -> tuple[np.ndarray, np.ndarray]:
+        """``(capacities, loss) [candidate, layer, kv_head]`` for the oracle allocation: the
+        policy replayed on this sample with every unit at each candidate capacity
+        (:meth:`~kvscope.policies.allocation.Oracle.candidates`: levels of the room above its
+        floor, and the splits of uniform, pyramid, adakv and the replay's other allocations),
+        and each unit's loss there — its FMM, FMM fp or output error summed over the events. A unit's
+        decisions depend only on its own capacity, so these are the losses of any split."""
+        from dataclasses import replace
+
+        spec = self.spec(budget)
+        floor = policy.unit_floor(spec)
+        others = {a.label(): a for a in [*self.setup.allocations, Pyramid(), AdaKV()]}
+        scores = policy.allocation_scores(self.colsum, self.tail)
+        splits = [
+            a.split(spec, floor, scores=scores if a.reads == "scores" else None)
+            for a in others.values()
+            if not a.clairvoyant and not a.uniform
+        ]
+        capacities = oracle.candidates(spec, floor, splits)
+        measure = oracle.objective(policy)
+        probe = replace(
+            self.setup, policies=[policy], allocations=[Given.of(c, whole=False) for c in capacities], budgets=[budget],
+            with_errors=measure == "output", validate=False,
+        )  # fmt: skip
+        outputs = Outputs.allocate(probe, None)
+        SampleReplay(probe, self.s, outputs).run(None, None)
+        mass = outputs.mass[0, :, 0, self.s]  # [candidate, event, layer, kv_head, tier]
+        lost = {
+            "fmm": lambda: mass[..., 2],
+            "fmm_fp": lambda: mass[..., 1] + mass[..., 2],
+            "output": lambda: outputs.out[0, :, 0, self.s],  # [candidate, event, layer, kv_head]
+        }[measure]()
+        return capacities, np.nansum(lost, axis=1)
 
     def run(self, pool: ThreadPoolExecutor | None, progress) -> None:
         setup, r = self.setup, self.reader

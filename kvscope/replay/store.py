@@ -36,7 +36,8 @@ import xarray as xr
 from ..errors import KvscopeError
 from ..store import compressors
 
-TIER_DIMS = ("policy", "budget", "sample", "event", "layer", "kv_head", "pos")
+TIER_DIMS = ("policy", "allocation", "budget", "sample", "event", "layer", "kv_head", "pos")
+SNAPSHOT_INDEX = 5  # (policy, allocation, budget, sample, event) name one snapshot
 CHECKSUM_ATTR = "attributes_crc32c"
 RENAME_REFUSED = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
@@ -101,12 +102,12 @@ def result_folder(out):
 
 
 def tier_chunks(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """One chunk per snapshot: ``[1, 1, 1, 1, layer, kv_head, pos]``."""
-    return (1, 1, 1, 1) + tuple(shape[4:])
+    """One chunk per snapshot: ``[1, 1, 1, 1, 1, layer, kv_head, pos]``."""
+    return (1,) * SNAPSHOT_INDEX + tuple(shape[SNAPSHOT_INDEX:])
 
 
 class TierStore:
-    """``tiers [policy, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
+    """``tiers [policy, allocation, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
     ``root``, each snapshot written as it is taken; :meth:`complete` then writes −1 (none)
     into the snapshots never taken (events past a sample's steps)."""
 
@@ -119,10 +120,10 @@ class TierStore:
             "tiers", shape=shape, chunks=tier_chunks(shape), dtype="int8", fill_value=-1,
             dimension_names=TIER_DIMS, compressors=compressors(), config={"write_empty_chunks": True},
         )  # fmt: skip
-        self.taken = np.zeros(shape[:4], dtype=bool)  # [policy, budget, sample, event]
+        self.taken = np.zeros(shape[:SNAPSHOT_INDEX], dtype=bool)  # [policy, allocation, budget, sample, event]
 
-    def write(self, index: tuple[int, int, int, int], tiers: np.ndarray) -> None:
-        """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` at ``(policy, budget, sample, event)``."""
+    def write(self, index: tuple[int, ...], tiers: np.ndarray) -> None:
+        """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` at ``(policy, allocation, budget, sample, event)``."""
         n_pos = self.array.shape[-1]
         if tiers.shape[-1] < n_pos:  # a sample shorter than the longest: the rest is none
             tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
@@ -131,7 +132,7 @@ class TierStore:
 
     def complete(self) -> None:
         """Every snapshot not taken written as −1, so that every chunk of the store exists."""
-        none = np.full(self.array.shape[4:], -1, dtype=np.int8)  # [layer, kv_head, pos]
+        none = np.full(self.array.shape[SNAPSHOT_INDEX:], -1, dtype=np.int8)  # [layer, kv_head, pos]
         for index in np.argwhere(~self.taken):
             self.array[tuple(int(i) for i in index)] = none
         self.taken[...] = True

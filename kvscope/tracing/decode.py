@@ -180,7 +180,7 @@ def decode_all(
         batch = list(range(b0, min(len(encoded), b0 + settings.batch_size)))
         if all(writer.done[s] for s in batch):
             continue
-        cache = cache_factory(model, layout)
+        cache = cache_factory(model, layout, batch)
         BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos, questions).run(step_done)
     writer.flush()
 

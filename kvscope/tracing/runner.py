@@ -11,7 +11,7 @@ a partial store made with the same settings.
 A *cache factory* (``cache=``) decides the KV cache each batch decodes with: by default a
 plain ``DynamicCache``; :class:`kvscope.live.LivePolicy` makes a recording policy cache, whose
 tiers and bytes are written with each block (``trace --policy``). A factory is called as
-``factory(model, layout)`` and has ``settings()`` (compared on resume) and ``describe(model)``.
+``factory(model, layout, batch)`` (``batch``: the sample indices it decodes) and has ``settings()`` (compared on resume) and ``describe(model)``.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
     shutil.rmtree(out, ignore_errors=True)
 
 
-def _dynamic_cache(model, layout: Layout):
+def _dynamic_cache(model, layout: Layout, batch: list[int]):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
