@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from . import defaults
 from .errors import KvscopeError, first_line
@@ -756,6 +757,108 @@ def _cmd_compare(args) -> int:
     return _show_comparison(result, args, f"compare · {args.result} · observe={result.attrs.get('observe')}")
 
 
+# -- tune ---------------------------------------------------------------------------
+
+
+def _add_tune(sub) -> None:
+    from .tune import OBJECTIVES
+
+    p = sub.add_parser("tune", help="search a policy's and its allocation's parameters offline, check the best live")
+    p.add_argument("store", help="a trace (with q/k/v for --objective output-error)")
+    p.add_argument("--policy", required=True, help="the policy whose parameters are searched, e.g. qevict")
+    p.add_argument("--budget", required=True, help="β in (0, 1]")
+    p.add_argument("--objective", default="fmm", help=" | ".join(OBJECTIVES) + " (default fmm)")
+    _add_allocation(p, several=False)
+    p.add_argument(
+        "--space", action="append", default=[], metavar="KEY=LO:HI|KEY=A,B",
+        help="search KEY over a float interval or values (allocation.KEY for the allocation's); repeatable",
+    )  # fmt: skip
+    p.add_argument("--trials", type=int, default=60, help="configurations replayed at most (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search")
+    p.add_argument("--top", type=int, default=5, help="configurations shown")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="write every configuration and its value")
+    p.add_argument(
+        "--check", default=None, metavar="PROMPTS",
+        help="decode the best and the default live on held-out prompts: a prompts file or a workload "
+        "NAME[:seed=S][:samples=N][:context=L] (default: the trace's context, a seed it did not use)",
+    )  # fmt: skip
+    p.add_argument("--model", default=None, help="--check with this model instead of the one the store names")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(args) -> int:
+    from .paths import output_path
+    from .tune import check_live, held_out, tune
+
+    if args.out:
+        output_path(args.out, "--out", inputs=[args.store])
+        if os.path.lexists(args.out):
+            raise KvscopeError(f"--out {args.out} exists; choose another path (results are never overwritten)")
+    held = None
+    if args.check is not None:
+        from .policies.allocation import parse as parse_allocation
+
+        held = held_out(args.store, args.check, parse_allocation(args.allocation), args.model)
+    result = tune(
+        args.store, args.policy, args.budget, objective=args.objective, allocation=args.allocation,
+        space=args.space, trials=args.trials, seed=args.seed,
+    )  # fmt: skip
+    if args.check is not None:
+        quiet = args.quiet or args.json or not sys.stderr.isatty()
+        bar, task = _progress("check", quiet, "forwards (default, best)")
+        with bar:
+            result.check = check_live(
+                result, args.store, args.check, model=args.model, progress=lambda: bar.advance(task)
+            )
+    doc = result.doc()
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    _print_tune(result, args)
+    return 0
+
+
+def _print_tune(result, args) -> None:
+    from rich.table import Table
+
+    def fmt(x):
+        return "floor" if x is None else f"{x:.4f}"
+
+    default = result.default.doc()["value"]
+    table = Table(
+        "rank", "policy", "allocation", result.objective, "vs default",
+        title=f"tune · {result.policy.label()} at β = {result.budget} under {result.allocation.label()} · "
+        f"{len(result.trials)} configurations · {args.store}",
+    )  # fmt: skip
+    rows = [(str(i + 1), t) for i, t in enumerate(result.trials[: args.top])] + [("default", result.default)]
+    for rank, t in rows:
+        value = t.doc()["value"]
+        delta = "" if value is None or default is None or rank == "default" else f"{value - default:+.4f}"
+        table.add_row(rank, t.policy, t.allocation, fmt(value), delta)
+    print_table(table, 110)
+    if result.check:
+        c = result.check
+        live = Table("", "policy", "allocation", "offline", "KL (live)", "agreement", "score",
+                     title=f"live check on {c['prompts']} held-out prompts ({c['source']})")  # fmt: skip
+        for name in ("best", "default"):
+            r = c[name]
+            score = "—" if r["score"] is None else f"{r['score']:.3f}"
+            live.add_row(
+                name, r["policy"], r["allocation"], fmt(r["offline"]), f"{r['kl']:.4f}", f"{r['agreement']:.3f}", score
+            )
+        print_table(live, 110)
+        print(
+            f"offline ranking {'held' if c['held'] else 'did NOT hold'}: the best's KL to full KV is "
+            f"{c['best']['kl']:.4f} live against the default's {c['default']['kl']:.4f}"
+        )
+    if args.out:
+        print(f"every configuration written to {args.out}")
+
+
 # -- models -------------------------------------------------------------------------
 
 
@@ -798,6 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_replay(sub)
     _add_compare(sub)
+    _add_tune(sub)
     _add_run(sub)
     _add_validate(sub)
     _add_workloads(sub)

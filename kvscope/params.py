@@ -42,6 +42,7 @@ class ParamSpec:
     flag: str | None = None  # CLI flag (default ``--name-with-dashes``)
     cli: bool = True  # offered on the command line
     none: str = ""  # what None means, for help texts ("the trace's")
+    tune: tuple | None = None  # what kvscope tune searches by default: (low, high) of a float, values otherwise
 
     def cli_flag(self, name: str) -> str:
         """``--name-with-dashes`` unless the field names its flag."""
@@ -87,7 +88,7 @@ def _num(x: float) -> str:
 
 def param(default: Any = dataclasses.MISSING, **spec) -> Any:
     """A dataclass field with a :class:`ParamSpec` (``low``, ``high``, ``low_open``,
-    ``high_open``, ``multiple_of``, ``choices``, ``help``, ``flag``, ``cli``, ``none``)."""
+    ``high_open``, ``multiple_of``, ``choices``, ``help``, ``flag``, ``cli``, ``none``, ``tune``)."""
     return field(default=default, metadata={"param": ParamSpec(**spec)})
 
 

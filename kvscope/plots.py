@@ -116,3 +116,39 @@ def plot_tiers(
     ax.set_ylabel("event")
     ax.set_title(f"{policy} at β = {budget}, layer {layer}, kv head {head}")
     return fig
+
+
+def plot_allocation(result, policy: str, budget: float, ax=None):
+    """How each allocation split β's bytes over the layers for one policy (bytes per layer as
+    a multiple of the uniform split; the band: the smallest to the largest KV head), and every
+    policy's FMM (and output error, with q/k/v) under each allocation. Returns the Figure
+    (``ax``: a sequence of 2 axes)."""
+    from .report import layer_shares
+
+    fig, axes = figure_axes(ax, width=12, height=4.2, ncols=2)
+    ax = axes[0]
+    even = result["budget_bytes"].sel(budget=budget) / (result.sizes["layer"] * result.sizes["kv_head"])
+    layers = result["layer"].values
+    for allocation in result["allocation"].values:
+        shares = (result["allocated"].sel(policy=policy, allocation=allocation, budget=budget) / even).mean("sample")
+        line = ax.plot(
+            layers, layer_shares(result, policy, str(allocation), budget), marker=".", label=str(allocation)
+        )[0]
+        ax.fill_between(layers, shares.min("kv_head"), shares.max("kv_head"), color=line.get_color(), alpha=0.15)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("bytes per unit × uniform")
+    ax.set_title(f"{policy} at β = {budget:g}: the split (band: across KV heads)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    allocations, policies = list(result["allocation"].values), list(result["policy"].values)
+    width = 0.8 / len(allocations)
+    for ai, allocation in enumerate(allocations):
+        values = result["fmm_mean"].sel(allocation=allocation, budget=budget).values  # [policy]
+        x = np.arange(len(policies)) + (ai - (len(allocations) - 1) / 2) * width
+        ax.bar(x, np.nan_to_num(values), width=width * 0.9, label=str(allocation))
+    ax.set_xticks(np.arange(len(policies)), policies, fontsize=7, rotation=30)
+    ax.set_ylabel(f"FMM@{result.attrs.get('horizon', 32)}")
+    ax.set_title(f"Future Missed Mass by allocation at β = {budget:g}", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig

@@ -104,6 +104,31 @@ def smollm2_dir() -> Path:
     return Path(resolve("smollm2-135m").load_path)
 
 
+@pytest.fixture(scope="session")
+def qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
+    """A real SmolLM2 trace with q/k/v: one prose prompt of ~400 tokens, 64 steps (replay, allocation)."""
+    import pydoc_data.topics as topics
+
+    import kvscope
+
+    out = tmp_path_factory.mktemp("replay") / "prose-qkv.zarr"
+    text = topics.topics["assignment"][:1500]
+    kvscope.trace(text, out, max_new_tokens=64, stop_at_eos=False, block_steps=16, record_qkv=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
+    """A real SmolLM2 trace with q/k/v from the command line: one 300-token prose prompt, 16
+    steps (validate and tune's live checks decode it again)."""
+    out = tmp_path_factory.mktemp("small-qkv") / "full.zarr"
+    run_cli(
+        "trace", "--workload", "prose", "--context", "300", "--samples", "1", "--max-new-tokens", "16",
+        "--record", "qkv", "--out", out, "--quiet", check=True,
+    )  # fmt: skip
+    return out
+
+
 def build_tiny(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

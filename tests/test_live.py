@@ -145,11 +145,11 @@ def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     live = kvscope.open_trace(out)
     assert live.attrs["policy"]["name"] == name and live.attrs["policy"]["kv_itemsize"] == 4
     replayed = kvscope.replay(live, [name], [0.3], observe="exact", kv_itemsize=4)
-    tiers = replayed["tiers"].values[0, 0, 0]  # [event, layer, kv_head, pos]
+    tiers = replayed["tiers"].values[0, 0, 0, 0]  # [event, layer, kv_head, pos]
     recorded = live["policy_tiers"].values[0]
     assert tiers.shape == recorded.shape
     np.testing.assert_array_equal(tiers, recorded)
-    np.testing.assert_allclose(replayed["bytes_used"].values[0, 0, 0], live["policy_bytes"].values[0])
+    np.testing.assert_allclose(replayed["bytes_used"].values[0, 0, 0, 0], live["policy_bytes"].values[0])
     # rows under the policy: the step after an event gives its evicted positions no attention
     rows = live["attn"].values[0, 25]  # [layer, kv_head, pos]
     assert np.nansum(rows[recorded[3] == 0]) == 0.0 and np.nansum(rows[recorded[3] >= 1]) > 0

@@ -47,11 +47,14 @@ def trace(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="module")
 def result(trace):
     """Every verified press at both budgets, invariants checked at every step (validate)."""
-    return kvscope.replay(trace, VERIFIED, BUDGETS, every=1, validate=True, n_boot=20).load()
+    return kvscope.replay(trace, VERIFIED, BUDGETS, every=1, validate=True, n_boot=20).load().sel(allocation="uniform")
 
 
 def _tiers(result, policy, budget):
-    return result["tiers"].sel(policy=policy, budget=budget).values  # [sample, event, layer, kv_head, pos]
+    tiers = result["tiers"]
+    if "allocation" in tiers.dims:  # presses run under the uniform allocation only
+        tiers = tiers.sel(allocation="uniform")
+    return tiers.sel(policy=policy, budget=budget).values  # [sample, event, layer, kv_head, pos]
 
 
 def test_presses_hold_their_budget_at_every_step(result):

@@ -88,7 +88,7 @@ def test_no_question_position_changes_a_decision_at_the_context_boundary(qa_trac
     r = kvscope.replay(qa_trace, POLICIES, [0.3, 0.5], question_agnostic=True, n_boot=20)
     assert r.attrs["protocol"] == "question-agnostic"
     C = int(kvscope.open_trace(qa_trace).kvscope.prompt_len[0])
-    boundary = r["tiers"].isel(event=0).values  # [policy, budget, sample, layer, kv_head, pos]
+    boundary = r["tiers"].sel(allocation="uniform").isel(event=0).values  # [policy, budget, sample, layer, kv_head, pos]
     assert (boundary[:, :, 0, ..., :C] == boundary[:, :, 1, ..., :C]).all()
     assert (boundary[..., :C] == 0).any()  # the context was compressed there
     assert (boundary[..., C:] == -1).all()  # and no question position existed yet

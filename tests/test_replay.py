@@ -33,16 +33,6 @@ BUDGETS = [0.3, 0.6]
 
 
 @pytest.fixture(scope="module")
-def qkv_trace(tmp_path_factory, smollm2_dir):
-    import pydoc_data.topics as topics
-
-    out = tmp_path_factory.mktemp("replay") / "prose-qkv.zarr"
-    text = topics.topics["assignment"][:1500]
-    kvscope.trace(text, out, max_new_tokens=64, stop_at_eos=False, block_steps=16, record_qkv=True)
-    return out
-
-
-@pytest.fixture(scope="module")
 def replayed(qkv_trace):
     return kvscope.replay(qkv_trace, POLICIES, BUDGETS, validate=True)
 

@@ -105,7 +105,9 @@ class Uniform(Allocation):
 
 @dataclass
 class Pyramid(Allocation):
-    beta: float = param(20.0, low=1, help="PyramidKV's beta: the last layer holds 1/beta of the mean room")
+    beta: float = param(
+        20.0, low=1, help="PyramidKV's beta: the last layer holds 1/beta of the mean room", tune=(1.0, 40.0)
+    )
 
     name = "pyramid"
 
@@ -126,7 +128,9 @@ class Pyramid(Allocation):
 
 @dataclass
 class AdaKV(Allocation):
-    alpha: float = param(0.2, low=0, high=1, help="AdaKV's safeguard: each head keeps at least alpha of the mean")
+    alpha: float = param(
+        0.2, low=0, high=1, help="AdaKV's safeguard: each head keeps at least alpha of the mean", tune=(0.0, 1.0)
+    )
 
     name = "adakv"
     reads = "scores"
@@ -214,17 +218,17 @@ def cheapest_split(capacities: np.ndarray, loss: np.ndarray, total: float, quant
             better = shifted < new
             new[better], choice[u, better] = shifted[better], j
         best = new
+    wholes = [j for j in range(n_cand) if caps[j].sum() <= total * (1 + 1e-9)]
+    whole = min(wholes, key=lambda j: costs[j].sum()) if wholes else None
     b = int(np.argmin(best))
-    dp_loss = best[b]
+    if not np.isfinite(best[b]):  # no choice per unit fits: the best whole split, else the smallest
+        return capacities[whole].copy() if whole is not None else capacities.min(0)
+    if whole is not None and costs[whole].sum() <= best[b]:
+        return capacities[whole].copy()
     picked = np.zeros(caps.shape[1], dtype=np.int64)
     for u in range(caps.shape[1] - 1, -1, -1):
         picked[u] = choice[u, b]
         b -= weight[picked[u], u]
-    wholes = [j for j in range(n_cand) if caps[j].sum() <= total * (1 + 1e-9)]
-    if wholes:
-        j = min(wholes, key=lambda j: costs[j].sum())
-        if not np.isfinite(dp_loss) or costs[j].sum() <= dp_loss:
-            return capacities[j].copy()
     return caps[picked, np.arange(caps.shape[1])].reshape(capacities.shape[1:])
 
 

@@ -17,7 +17,9 @@ from .base import EVICTED, CacheSpec, CacheState, Policy, per_unit, top_k_mask
 
 @dataclass
 class H2O(Policy):
-    recent_frac: float = param(0.5, low=0, high=1, help="share of the capacity kept for the newest tokens")
+    recent_frac: float = param(
+        0.5, low=0, high=1, help="share of the capacity kept for the newest tokens", tune=(0.05, 0.95)
+    )
 
     name = "h2o"
     kind = "eviction"

@@ -26,8 +26,8 @@ from .quant import BITS, q_token_bytes
 
 @dataclass
 class KIVI(AsEviction, Policy):
-    bits: int = param(2, choices=BITS, help="bits per quantized value")
-    G: int = param(32, low=1, help="tokens per key group (keys per channel)")
+    bits: int = param(2, choices=BITS, help="bits per quantized value", tune=(2, 4))
+    G: int = param(32, low=1, help="tokens per key group (keys per channel)", tune=(16, 32, 64))
     R: int | None = param(
         None, low=0, help="full-precision residual tokens (a multiple of G)", none="the most that fit"
     )

@@ -126,8 +126,11 @@ def _chunks(positions: list[int], size: int) -> list[list[int]]:
 @dataclass
 class LogQuant(AsEviction, Policy):
     W: int | None = param(None, low=1, help="LogQuant's window W", none="the largest that fits")
-    bits: int = param(2, choices=BITS, help="bits per quantized value")
-    key_axis: str = param("channel", choices=("channel", "token"), help="keys per channel (paper) or per token (code)")
+    bits: int = param(2, choices=BITS, help="bits per quantized value", tune=(2, 4))
+    key_axis: str = param(
+        "channel", choices=("channel", "token"), help="keys per channel (paper) or per token (code)",
+        tune=("channel", "token"),
+    )  # fmt: skip
     G: int = param(32, low=1, help="key_axis=channel: at most G tokens per key group")
     key_group: int = param(64, low=1, help="key_axis=token: channels per key group (the published code's 64)")
     value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")

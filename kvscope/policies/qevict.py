@@ -35,9 +35,9 @@ from .quant import BITS
 class QEvict(Policy):
     w: int | None = param(None, low=4, multiple_of=4, help="window size", none="the trace's")
     n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's")
-    local: int = param(defaults.LOCAL, low=0, help="protected newest tokens (whole windows)")
-    q_frac: float = param(0.7, low=0, high=1, help="share of the evictable budget given to the Q tier")
-    bits: int = param(2, choices=BITS, help="bits per quantized value")
+    local: int = param(defaults.LOCAL, low=0, help="protected newest tokens (whole windows)", tune=(0, 16, 32, 64, 128))
+    q_frac: float = param(0.7, low=0, high=1, help="share of the evictable budget given to the Q tier", tune=(0.0, 1.0))
+    bits: int = param(2, choices=BITS, help="bits per quantized value", tune=(2, 4))
     key_prerope: bool = param(True, help="quantize keys before RoPE when rotary parameters are known")
     value_group: int | None = param(None, low=1, help="channels per value group", none="the head dim")
 

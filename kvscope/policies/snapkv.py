@@ -30,9 +30,12 @@ class SnapKV(Policy):
         low=1,
         help="observation rows scored",
         none="the rows the trace stored (32 by default, the official window)",
+        tune=(8, 16, 32),
     )
-    kernel: int = param(5, low=1, help="pooling kernel (odd)")
-    pooling: str = param("avg", choices=("avg", "max"), help="how scores are pooled over positions")
+    kernel: int = param(5, low=1, help="pooling kernel (odd)", tune=(1, 3, 5, 7, 9))
+    pooling: str = param(
+        "avg", choices=("avg", "max"), help="how scores are pooled over positions", tune=("avg", "max")
+    )
 
     name = "snapkv"
     observes_prefill = True

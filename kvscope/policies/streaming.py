@@ -16,7 +16,7 @@ from .base import FP, CacheSpec, CacheState, Policy, per_unit
 
 @dataclass
 class Streaming(Policy):
-    n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's")
+    n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's", tune=(0, 1, 2, 4, 8, 16))
 
     name = "streaming"
     kind = "eviction"
