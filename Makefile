@@ -46,6 +46,7 @@ study: setup
 	$(PY) analyses/policies.py
 	$(PY) analyses/table2.py
 	$(PY) analyses/presses.py
+	$(PY) analyses/allocation.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache

@@ -1,4 +1,5 @@
-"""Replay speed: the whole policy × budget grid replayed offline vs one decode of the model.
+"""Replay speed: the whole policy × budget grid replayed offline vs one decode of the model,
+each allocation's runs, and a ``kvscope tune`` search.
 
 Records one trace (default model, a 1,024-token prompt of real prose + 128 new tokens, with
 q/k/v), times a plain untraced decode of the same sequence (what re-running the model for
@@ -9,6 +10,11 @@ warm-up replay, as the decode timing drops its first run; medians of ``--repeats
     replay time / decode time      target ≤ 1.0 — the grid costs less than one decode,
                                    where re-decoding would cost 24 of them
     peak RSS of the replay process
+    per allocation                 the policies (full excluded) × budgets under uniform, pyramid,
+                                   adakv and oracle: seconds per run over one decode (the oracle
+                                   replays the policy at each candidate capacity first)
+    tune                           ``tune --trials 50`` (h2o under pyramid at the first budget):
+                                   seconds over re-decoding 5 configurations (target < 1)
 
     python benchmarks/replay_speed.py [--prompt-tokens 1024] [--new-tokens 128] [--budgets 0.2,0.35,0.5]
 """
@@ -47,6 +53,23 @@ hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.st
 print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up, "rss_kib": hwm, "rows": comparison(r)}))
 """
 
+ALLOCATIONS = """
+import json, sys, time
+import kvscope
+from kvscope.tune import tune
+store, policies, budgets, allocations, trials = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4], int(sys.argv[5])
+budgets = [float(b) for b in budgets.split(",")]
+kvscope.replay(store, ["full"], [1.0])  # warm-up
+out = {}
+for allocation in allocations.split(","):
+    t0 = time.perf_counter()
+    kvscope.replay(store, policies, budgets, allocations=[allocation], errors=False)
+    out[allocation] = time.perf_counter() - t0
+t0 = time.perf_counter()
+result = tune(store, "h2o", budgets[0], allocation="pyramid", trials=trials)
+print(json.dumps({"allocations": out, "tune_seconds": time.perf_counter() - t0, "tune_trials": len(result.trials)}))
+"""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,6 +79,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.2,0.35,0.5")
     ap.add_argument("--observe", default="renorm")
     ap.add_argument("--repeats", type=int, default=3, help="plain decodes and grid replays (medians)")
+    ap.add_argument("--allocations", default="uniform,pyramid,adakv,oracle")
+    ap.add_argument("--tune-trials", type=int, default=50)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -108,6 +133,13 @@ def main() -> None:
             "rss_kib": max(r["rss_kib"] for r in runs),
             "rows": runs[-1]["rows"],
         }
+        causal = [p for p in POLICIES if p != "full"]
+        proc = subprocess.run(
+            [sys.executable, "-c", ALLOCATIONS, str(store), ",".join(causal), args.budgets, args.allocations,
+             str(args.tune_trials)],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+        allocated = json.loads(proc.stdout)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -133,6 +165,14 @@ def main() -> None:
         "replay_over_decode_steps_only": replayed["seconds"] / plain_decode,
         "re_decoding_would_cost_s": one_decode * len(POLICIES) * n_budgets,
         "replay_peak_rss_mib": replayed["rss_kib"] / 1024,
+        "allocation_run_over_one_decode": {
+            a: sec / ((len(POLICIES) - 1) * len(args.budgets.split(","))) / (plain_prefill + plain_decode)
+            for a, sec in allocated["allocations"].items()
+        },
+        "allocation_seconds": allocated["allocations"],
+        "tune_seconds": allocated["tune_seconds"],
+        "tune_trials": allocated["tune_trials"],
+        "tune_over_five_decodes": allocated["tune_seconds"] / (5 * (plain_prefill + plain_decode)),
         "rows": replayed["rows"],
     }
     if args.json:
@@ -147,7 +187,11 @@ def main() -> None:
         f"{report['replay_over_one_decode']:.3f}  (target ≤ 1.0; re-decoding: {grid} decodes = "
         f"{report['re_decoding_would_cost_s']:.0f} s)\n"
         f"                        replay / decode steps only = {report['replay_over_decode_steps_only']:.3f}\n"
-        f"  replay peak RSS       {report['replay_peak_rss_mib']:.0f} MiB"
+        f"  replay peak RSS       {report['replay_peak_rss_mib']:.0f} MiB\n"
+        f"  per run (policy × budget, errors off) over one decode, by allocation: "
+        + ", ".join(f"{a} {r:.3f}" for a, r in report["allocation_run_over_one_decode"].items())
+        + f"\n  tune, {report['tune_trials']} configurations: {report['tune_seconds']:.1f} s  →  over re-decoding 5 = "
+        f"{report['tune_over_five_decodes']:.3f}  (target < 1)"
     )
 
 

@@ -106,6 +106,7 @@ def _add_trace(sub) -> None:
     )  # fmt: skip
     p.add_argument("--policy", default=None, help="decode under this live policy cache (e.g. qevict)")
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
+    p.add_argument("--allocation", default=None, help="--policy: how β is split across layers and KV heads")
     p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
     p.add_argument("--resume", action="store_true", help="continue a partial store")
     p.add_argument("--force", action="store_true", help="overwrite an existing store")
@@ -144,8 +145,11 @@ def _prompts(args):
 
 
 def _trace_cache(args):
-    """The live policy cache factory of ``--policy``/``--budget``/``--kv-dtype`` (None without)."""
+    """The live policy cache factory of ``--policy``/``--budget``/``--allocation``/``--kv-dtype``
+    (None without)."""
     if args.policy is None and args.budget is None:
+        if args.allocation is not None:
+            raise KvscopeError("--allocation goes with --policy and --budget")
         return None
     if args.policy is None:
         raise KvscopeError("--budget goes with --policy")
@@ -153,7 +157,7 @@ def _trace_cache(args):
         raise KvscopeError("--policy needs --budget")
     from .live import LivePolicy
 
-    return LivePolicy(args.policy, args.budget, args.kv_dtype)
+    return LivePolicy(args.policy, args.budget, args.kv_dtype, args.allocation or "uniform")
 
 
 def _check_record(args) -> None:
@@ -402,6 +406,62 @@ def _cmd_workloads(args) -> int:
     return 0
 
 
+def _add_policies(sub) -> None:
+    p = sub.add_parser("policies", help="list the policies and allocations, their parameters and ranges")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_policies)
+
+
+def _parameter_rows(cls) -> list[dict]:
+    from .params import specs
+
+    return [
+        {
+            "name": name,
+            "default": default,
+            "none": spec.none or None,  # what the default None means
+            "allowed": spec.requirement(),
+            "tune": None
+            if spec.tune is None
+            else (f"{spec.tune[0]}–{spec.tune[1]}" if kind is float else list(spec.tune)),
+            "help": spec.help,
+        }
+        for name, (spec, kind, _optional, default) in specs(cls).items()
+    ]
+
+
+def _cmd_policies(args) -> int:
+    from .policies import available
+    from .policies.allocation import REGISTRY as ALLOCATIONS
+
+    doc = {
+        "policies": {
+            name: {"kind": str(cls.kind), "parameters": _parameter_rows(cls)} for name, cls in available().items()
+        },
+        "allocations": {name: {"parameters": _parameter_rows(cls)} for name, cls in ALLOCATIONS.items()},
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+        return 0
+    from rich.table import Table
+
+    for what, entries in doc.items():
+        table = Table(what.removesuffix("s").replace("policie", "policy"), "parameter", "default", "allowed",
+                      "tune searches", "meaning", title=what)  # fmt: skip
+        for name, entry in entries.items():
+            for i, row in enumerate(entry["parameters"] or [{"name": "—"}]):
+                default = row.get("default", "")
+                tune = row.get("tune")
+                table.add_row(
+                    name if i == 0 else "", row["name"], f"none: {row['none']}" if row.get("none") else str(default),
+                    row.get("allowed", ""), "" if tune is None else tune if isinstance(tune, str) else ", ".join(map(str, tune)),
+                    row.get("help", ""),
+                )  # fmt: skip
+        print_table(table, 120)
+    print("spell one as name:key=value:… (kvscope replay --policies, --allocation); press:<PressClass> for kvpress")
+    return 0
+
+
 # -- info ---------------------------------------------------------------------------
 
 
@@ -490,6 +550,7 @@ def _add_analyze(sub) -> None:
         _add_param_options(q, cls)
         q.add_argument("--policy", default=None, help="use this policy's replayed selection (e.g. h2o)")
         q.add_argument("--budget", type=float, default=None, help="the budget β of --policy")
+        q.add_argument("--allocation", default="uniform", help="--policy: how β is split across layers and KV heads")
         q.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
         q.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
         q.add_argument("--json", action="store_true")
@@ -577,8 +638,10 @@ def _replayed_inputs(metric, ds, args):
         raise KvscopeError(f"--policy applies to {', '.join(takers[:-1])} and {takers[-1]}, not {metric.name}")
     from .replay import replay, tiers_for
 
-    result = replay(ds, [args.policy], [args.budget], every=metric.every, errors=False)
-    tiers = tiers_for(result, str(result["policy"].values[0]), float(result["budget"].values[0]))
+    result = replay(ds, [args.policy], [args.budget], allocations=[args.allocation], every=metric.every, errors=False)
+    tiers = tiers_for(
+        result, str(result["policy"].values[0]), float(result["budget"].values[0]), str(result["allocation"].values[0])
+    )
     if metric.layers is not None:
         tiers = tiers.sel(layer=list(metric.layers))
     if metric.heads is not None:
@@ -668,7 +731,7 @@ def _add_replay(sub) -> None:
     p.add_argument(
         "--policies",
         required=True,
-        help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see --list)",
+        help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see kvscope policies)",
     )
     p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
     _add_allocation(p, several=True)
@@ -810,7 +873,7 @@ def _cmd_tune(args) -> int:
         bar, task = _progress("check", quiet, "forwards (default, best)")
         with bar:
             result.check = check_live(
-                result, args.store, args.check, model=args.model, progress=lambda: bar.advance(task)
+                result, args.store, args.check, model=args.model, progress=lambda: bar.advance(task), held=held
             )
     doc = result.doc()
     if args.out:
@@ -902,6 +965,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_compare(sub)
     _add_tune(sub)
+    _add_policies(sub)
     _add_run(sub)
     _add_validate(sub)
     _add_workloads(sub)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
-
 import kvscope
 from kvscope.tune import Dimension, Search, default_space, parse_space, tune
 
