@@ -28,6 +28,7 @@ demo: setup
 	$(KVSCOPE) analyze fmm traces/demo.zarr
 	$(KVSCOPE) analyze peaks traces/demo.zarr
 	$(KVSCOPE) replay traces/demo.zarr --policies streaming,h2o,snapkv,kivi,logquant,qevict,oracle --budgets 0.3,0.6
+	$(KVSCOPE) replay traces/demo.zarr --policies h2o,qevict --budgets 0.2 --allocation uniform,pyramid,adakv,oracle
 
 test: setup
 	$(PY) -m pytest -q

@@ -50,7 +50,7 @@ def allocation_tables(name: str, rows: list[dict], budgets: list[float]) -> list
     return out
 
 
-def tuned(path: Path, workload: str, budget: float, trials: int, samples: int) -> dict:
+def tuned(path: Path, workload: str, budget: float, trials: int, samples: int | None) -> dict:
     """``kvscope tune`` of each (policy, allocation) in TUNED, checked live on held-out prompts."""
     from kvscope.tune import check_live, held_out, tune
 
@@ -59,7 +59,7 @@ def tuned(path: Path, workload: str, budget: float, trials: int, samples: int) -
         t0 = time.perf_counter()
         result = tune(path, policy, budget, allocation=allocation, trials=trials)
         seconds = time.perf_counter() - t0
-        source = f"{workload}:samples={samples}"
+        source = workload if samples is None else f"{workload}:samples={samples}"
         held = held_out(path, source, result.allocation)
         result.check = check_live(result, path, source, held=held)
         out[f"{policy}/{allocation}"] = {**result.doc(), "search_seconds": seconds}
@@ -71,8 +71,8 @@ def main() -> None:
     add_arguments(ap)
     ap.add_argument("--budgets", default="0.1,0.2")
     ap.add_argument("--trials", type=int, default=50, help="configurations per kvscope tune")
-    ap.add_argument("--tune-workload", default="prose", help="the trace tune searches on")
-    ap.add_argument("--check-samples", type=int, default=2, help="held-out prompts of the live check")
+    ap.add_argument("--tune-workload", default="niah", help="the trace tune searches on (niah: scored)")
+    ap.add_argument("--check-samples", type=int, default=None, help="held-out prompts (default: as many as the trace)")
     args = ap.parse_args()
 
     import kvscope

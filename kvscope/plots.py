@@ -143,12 +143,18 @@ def plot_allocation(result, policy: str, budget: float, ax=None):
     ax = axes[1]
     allocations, policies = list(result["allocation"].values), list(result["policy"].values)
     width = 0.8 / len(allocations)
+    quantizers = result["policy_kind"].values == "quantization"  # they evict nothing: FMM fp
     for ai, allocation in enumerate(allocations):
-        values = result["fmm_mean"].sel(allocation=allocation, budget=budget).values  # [policy]
+        run = result.sel(allocation=allocation, budget=budget)
+        values = np.where(quantizers, run["fmm_fp_mean"].values, run["fmm_mean"].values)  # [policy]
         x = np.arange(len(policies)) + (ai - (len(allocations) - 1) / 2) * width
-        ax.bar(x, np.nan_to_num(values), width=width * 0.9, label=str(allocation))
-    ax.set_xticks(np.arange(len(policies)), policies, fontsize=7, rotation=30)
+        bars = ax.bar(x, np.nan_to_num(values), width=width * 0.9, label=str(allocation))
+        for bar, reached in zip(bars, run["budget_reached"].values, strict=True):
+            if not reached:
+                bar.set_hatch("//")
+    labels = [f"{p}\n(FMM fp)" if q else p for p, q in zip(policies, quantizers, strict=True)]
+    ax.set_xticks(np.arange(len(policies)), labels, fontsize=7)
     ax.set_ylabel(f"FMM@{result.attrs.get('horizon', 32)}")
-    ax.set_title(f"Future Missed Mass by allocation at β = {budget:g}", fontsize=9)
+    ax.set_title(f"FMM by allocation at β = {budget:g} (hatched: the policy cannot fit β)", fontsize=9)
     ax.legend(fontsize=7)
     return fig

@@ -57,32 +57,29 @@ OBSERVE_MODES = ("renorm", "exact")
 __all__ = ["OBSERVE_MODES", "effective_kv", "open_result", "replay", "resolve_policies", "save_result", "tiers_for"]
 
 
+def _resolved(items, cls, parse_one, what: str) -> list:
+    """Names, ``name:key=value`` strings or ``cls`` objects → objects with distinct labels."""
+    if isinstance(items, (str, cls)):
+        items = [items]
+    out = [x if isinstance(x, cls) else parse_one(x) for x in items]
+    if not out:
+        raise KvscopeError(f"no {what} given")
+    labels = [x.label() for x in out]
+    if len(set(labels)) != len(labels):
+        raise KvscopeError(f"{'an' if what[0] in 'aeiou' else 'a'} {what} is listed twice: {', '.join(labels)}")
+    return out
+
+
 def resolve_policies(policies) -> list[Policy]:
     """Names, ``name:key=value`` strings or policy objects → policy objects (unique labels)."""
-    if isinstance(policies, (str, Policy)):
-        policies = [policies]
-    out = [p if isinstance(p, Policy) else parse(p) for p in policies]
-    if not out:
-        raise KvscopeError("no policy given")
-    labels = [p.label() for p in out]
-    if len(set(labels)) != len(labels):
-        raise KvscopeError(f"a policy is listed twice: {', '.join(labels)}")
-    return out
+    return _resolved(policies, Policy, parse, "policy")
 
 
 def resolve_allocations(allocations) -> list[Allocation]:
-    """Names, ``name:key=value`` strings or allocation objects → allocations (unique labels)."""
-    if allocations is None:
-        allocations = ["uniform"]
-    if isinstance(allocations, (str, Allocation)):
-        allocations = [allocations]
-    out = [allocation_module.parse(a) for a in allocations]
-    if not out:
-        raise KvscopeError("no allocation given")
-    labels = [a.label() for a in out]
-    if len(set(labels)) != len(labels):
-        raise KvscopeError(f"an allocation is listed twice: {', '.join(labels)}")
-    return out
+    """The same for allocations (default: uniform alone)."""
+    return _resolved(
+        ["uniform"] if allocations is None else allocations, Allocation, allocation_module.parse, "allocation"
+    )
 
 
 def resolve_budgets(budgets) -> list[float]:
