@@ -349,6 +349,8 @@ def held_out(trace, source: str, allocation, model: str | None = None):
     from .live.validate import _model_source
     from .store import open_trace
 
+    if not source or not str(source).strip():
+        raise KvscopeError("--check needs held-out prompts: a prompts file or a workload NAME[:seed=S]")
     live_allocation(allocation)  # the oracle has no live split without a trace
     ds = open_trace(trace) if not hasattr(trace, "kvscope") else trace
     source_model = _model_source(trace, ds.attrs.get("model"), model)

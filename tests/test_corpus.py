@@ -130,6 +130,16 @@ CASES = [
     # -- the rest -------------------------------------------------------------------------------
     ("unknown-command", ["explain", "{QKV}"], "invalid choice: 'explain'"),
     ("models-unknown-flag", ["models", "--verbose"], "unrecognized arguments: --verbose"),
+    ("policies-unknown-flag", ["policies", "--verbose"], "unrecognized arguments: --verbose"),
+    # -- allocations and tune -------------------------------------------------------------------
+    ("replay-allocation-unknown", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--allocation", "tilted"], "unknown allocation 'tilted'"),
+    ("replay-pyramid-beta", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--allocation", "pyramid:beta=0.5"], "pyramid parameter beta must be ≥ 1 (got 0.5)"),
+    ("replay-oracle-output-no-qkv", ["replay", "{PLAIN}", "--policies", "h2o", "--budgets", "0.3", "--allocation", "oracle:measure=output"], "needs recorded q/k/v"),
+    ("run-oracle-allocation", ["run", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--policy", "h2o", "--budget", "0.3", "--allocation", "oracle"], "only kvscope validate"),
+    ("tune-unknown-allocation", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--allocation", "nope"], "unknown allocation 'nope'"),
+    ("tune-output-error-no-qkv", ["tune", "{PLAIN}", "--policy", "h2o", "--budget", "0.3", "--objective", "output-error"], "needs recorded q/k/v"),
+    ("tune-check-empty", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--check", ""], "--check needs held-out prompts"),
+    ("tune-space-range", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--space", "recent_frac=2:3"], "h2o parameter recent_frac must lie in [0, 1] (got 2.0)"),
     ("workloads-unknown-flag", ["workloads", "--all"], "unrecognized arguments: --all"),
 ]  # fmt: skip
 
@@ -151,7 +161,16 @@ def places(tmp_path_factory, tiny_models) -> dict:
     half.write_text('{"context": "a context without its question"}\n')
     tmp = base / "scratch"
     tmp.mkdir()
-    return {"QKV": qkv, "WIN": win, "PLAIN": plain, "RESULT": result, "FILE": file, "HALF": half, "TMP": tmp, "TINY": model}
+    return {
+        "QKV": qkv,
+        "WIN": win,
+        "PLAIN": plain,
+        "RESULT": result,
+        "FILE": file,
+        "HALF": half,
+        "TMP": tmp,
+        "TINY": model,
+    }
 
 
 def refused(ran, needle: str) -> bool:

@@ -79,7 +79,7 @@ def test_cli_tune_writes_json_and_checks_live(small_qkv_trace, tmp_path):
     out = tmp_path / "tune.json"
     proc = run_cli(
         "tune", small_qkv_trace, "--policy", "h2o", "--budget", "0.3", "--allocation", "adakv", "--trials", "6",
-        "--out", out, "--check", "prose:samples=1:context=200",
+        "--out", out, "--check", "prose:samples=1:context=80",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "tune · h2o at β = 0.3 under adakv" in proc.stdout and "live check on 1 held-out prompts" in proc.stdout
