@@ -55,8 +55,8 @@ def test_spaces_come_from_the_fields_and_the_command_line():
 
 
 def test_tune_on_a_real_trace(qkv_trace):
-    result = tune(qkv_trace, "h2o", 0.3, allocation="pyramid", trials=10, seed=0)
-    assert len(result.trials) == 10 and result.default.policy == "h2o" and result.default.allocation == "pyramid"
+    result = tune(qkv_trace, "h2o", 0.3, allocation="pyramid", trials=6, seed=0)
+    assert len(result.trials) == 6 and result.default.policy == "h2o" and result.default.allocation == "pyramid"
     assert result.best.value <= result.default.value
     values = [t.value for t in result.trials]
     assert values == sorted(values)
@@ -64,12 +64,12 @@ def test_tune_on_a_real_trace(qkv_trace):
     best = result.best
     r = kvscope.replay(qkv_trace, [best.policy], [0.3], allocations=[best.allocation], errors=False, n_boot=1)
     assert float(r["fmm_mean"].sel(policy=best.policy, allocation=best.allocation, budget=0.3)) == best.value
-    again = tune(qkv_trace, "h2o", 0.3, allocation="pyramid", trials=10, seed=0)
+    again = tune(qkv_trace, "h2o", 0.3, allocation="pyramid", trials=6, seed=0)
     assert [t.doc() for t in again.trials] == [t.doc() for t in result.trials]
 
 
 def test_a_configuration_that_cannot_fit_is_never_best(qkv_trace):
-    result = tune(qkv_trace, "qevict", 0.15, space=["local=16,512"], trials=10)
+    result = tune(qkv_trace, "qevict", 0.15, space=["local=16,512"], trials=6)
     floors = [t for t in result.trials if not t.reached]
     assert floors and all(math.isinf(t.value) for t in floors)
     assert result.best.reached and "local=512" not in result.best.policy
