@@ -446,7 +446,7 @@ def _cmd_policies(args) -> int:
     from rich.table import Table
 
     for what, entries in doc.items():
-        table = Table(what.removesuffix("s").replace("policie", "policy"), "parameter", "default", "allowed",
+        table = Table({"policies": "policy", "allocations": "allocation"}[what], "parameter", "default", "allowed",
                       "tune searches", "meaning", title=what)  # fmt: skip
         for name, entry in entries.items():
             for i, row in enumerate(entry["parameters"] or [{"name": "—"}]):

@@ -242,15 +242,18 @@ def parse_indices(text: str) -> tuple[int, ...] | None:
 _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: parse_bool, tuple: parse_indices}
 
 
+def field_values(obj) -> dict:
+    """``{field: value}`` of a dataclass (a policy's or an allocation's parameters)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def spelled(obj) -> str:
     """``name`` or ``name:key=value:…`` for the fields of ``obj`` that differ from their defaults,
     spelled as the command line takes them (``evict=true``), so that :func:`parse_spelled` gives
     the object back (policies, allocations)."""
-    defaults = type(obj)()
+    defaults = field_values(type(obj)())
     changed = [
-        f"{f.name}={str(v).lower() if isinstance(v, bool) else v}"
-        for f in dataclasses.fields(obj)
-        if (v := getattr(obj, f.name)) != getattr(defaults, f.name)
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in field_values(obj).items() if v != defaults[k]
     ]
     return ":".join([obj.name, *changed])
 

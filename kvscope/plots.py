@@ -121,19 +121,16 @@ def plot_tiers(
 def plot_allocation(result, policy: str, budget: float, ax=None):
     """How each allocation split β's bytes over the layers for one policy (bytes per layer as
     a multiple of the uniform split; the band: the smallest to the largest KV head), and every
-    policy's FMM (and output error, with q/k/v) under each allocation. Returns the Figure
-    (``ax``: a sequence of 2 axes)."""
-    from .report import layer_shares
+    policy's FMM under each allocation (FMM fp for a policy that never evicts; hatched where it
+    cannot fit β). Returns the Figure (``ax``: a sequence of 2 axes)."""
+    from .report import unit_shares
 
     fig, axes = figure_axes(ax, width=12, height=4.2, ncols=2)
     ax = axes[0]
-    even = result["budget_bytes"].sel(budget=budget) / (result.sizes["layer"] * result.sizes["kv_head"])
     layers = result["layer"].values
     for allocation in result["allocation"].values:
-        shares = (result["allocated"].sel(policy=policy, allocation=allocation, budget=budget) / even).mean("sample")
-        line = ax.plot(
-            layers, layer_shares(result, policy, str(allocation), budget), marker=".", label=str(allocation)
-        )[0]
+        shares = unit_shares(result, policy, str(allocation), budget)  # [layer, kv_head]
+        line = ax.plot(layers, shares.mean("kv_head"), marker=".", label=str(allocation))[0]
         ax.fill_between(layers, shares.min("kv_head"), shares.max("kv_head"), color=line.get_color(), alpha=0.15)
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("layer")

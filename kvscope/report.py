@@ -32,12 +32,17 @@ def runs(result: xr.Dataset):
                 yield str(policy), str(allocation), float(budget)
 
 
-def layer_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> list[float]:
-    """``[layer]`` the bytes a run gave each layer as a multiple of the uniform split (mean over
-    samples and KV heads): 1 everywhere under ``uniform``."""
+def unit_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> xr.DataArray:
+    """``[layer, kv_head]`` the bytes a run gave each unit as a multiple of the uniform split,
+    mean over samples: 1 everywhere under ``uniform``."""
     allocated = result["allocated"].sel(policy=policy, allocation=allocation, budget=budget)  # [sample, layer, kv_head]
     even = result["budget_bytes"].sel(budget=budget) / (result.sizes["layer"] * result.sizes["kv_head"])  # [sample]
-    return [round(float(x), 4) for x in (allocated / even).mean(("sample", "kv_head")).values]
+    return (allocated / even).mean("sample")
+
+
+def layer_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> list[float]:
+    """``[layer]`` :func:`unit_shares` averaged over KV heads, rounded."""
+    return [round(float(x), 4) for x in unit_shares(result, policy, allocation, budget).mean("kv_head").values]
 
 
 def comparison(result: xr.Dataset) -> list[dict]:

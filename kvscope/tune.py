@@ -133,6 +133,11 @@ class Trial:
         return {**dataclasses.asdict(self), "value": None if not math.isfinite(self.value) else self.value}
 
 
+def config_key(config: dict) -> str:
+    """One configuration as text: what identifies it among the trials, and breaks ties."""
+    return json.dumps(config, sort_keys=True, default=str)
+
+
 @dataclass
 class Search:
     """The search of the module docstring over ``dims`` with ``evaluate(configs) → values``
@@ -162,23 +167,20 @@ class Search:
             self._batch(configs)
         else:
             self._evolve()
-        ranked = sorted(self.seen.values(), key=lambda cv: (cv[1], json.dumps(cv[0], sort_keys=True, default=str)))
+        ranked = sorted(self.seen.values(), key=lambda cv: (cv[1], config_key(cv[0])))
         return ranked
-
-    def _key(self, config: dict) -> str:
-        return json.dumps(config, sort_keys=True, default=str)
 
     def _batch(self, configs: list[dict]) -> list[float]:
         """Values of ``configs``, evaluating only the ones not seen, while trials remain."""
-        new = []
+        new: dict[str, dict] = {}
         for c in configs:
-            k = self._key(c)
-            if k not in self.seen and k not in {self._key(n) for n in new} and len(self.seen) + len(new) < self.trials:
-                new.append(c)
+            k = config_key(c)
+            if k not in self.seen and k not in new and len(self.seen) + len(new) < self.trials:
+                new[k] = c
         if new:
-            for c, v in zip(new, self.evaluate(new), strict=True):
-                self.seen[self._key(c)] = (c, float(v))
-        return [self.seen[self._key(c)][1] if self._key(c) in self.seen else math.inf for c in configs]
+            for (k, c), v in zip(new.items(), self.evaluate(list(new.values())), strict=True):
+                self.seen[k] = (c, float(v))
+        return [self.seen[k][1] if (k := config_key(c)) in self.seen else math.inf for c in configs]
 
     def _evolve(self) -> None:
         from scipy.optimize import differential_evolution
@@ -282,7 +284,7 @@ def tune(
         out = []
         for c, (p, a) in zip(configs, pairs, strict=True):
             value, reached = values[(p.label(), a.label())]
-            made[json.dumps(c, sort_keys=True, default=str)] = Trial(c, p.label(), a.label(), value, reached)
+            made[config_key(c)] = Trial(c, p.label(), a.label(), value, reached)
             out.append(value)
         return out
 
@@ -290,8 +292,8 @@ def tune(
     search = Search(dims, evaluate, trials=trials, seed=seed)
     search._batch([defaults])  # the default first: always evaluated, always in the table
     ranked = search.run()
-    trials_out = [made[json.dumps(c, sort_keys=True, default=str)] for c, _ in ranked]
-    default = made[json.dumps(defaults, sort_keys=True, default=str)]
+    trials_out = [made[config_key(c)] for c, _ in ranked]
+    default = made[config_key(defaults)]
     return TuneResult(policy, allocation, budget, objective, default, trials_out)
 
 

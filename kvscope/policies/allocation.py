@@ -33,14 +33,19 @@ fit) every allocation gives the uniform split and the policy reports its floor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from ..errors import KvscopeError
-from ..params import check_params, param, parse_spelled, spelled
+from ..params import check_params, field_values, param, parse_spelled, spelled
 from .base import CacheSpec, top_k_mask
+
+
+def room_above(spec: CacheSpec, floor: float) -> float:
+    """``R = B − L·H·floor``: the bytes an allocation splits (negative: the floor does not fit)."""
+    return spec.total_capacity - spec.n_layers * spec.n_kv * floor
 
 
 @dataclass
@@ -73,11 +78,11 @@ class Allocation:
         return self
 
     def params(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return field_values(self)
 
     def split(self, spec: CacheSpec, floor: float, *, scores=None, gains=None) -> np.ndarray:
         """Capacities ``[layer, kv_head]`` in bytes, summing to at most ``spec.total_capacity``."""
-        room = spec.total_capacity - spec.n_layers * spec.n_kv * floor
+        room = room_above(spec, floor)
         even = np.full((spec.n_layers, spec.n_kv), spec.uniform_capacity)
         if room < 0:
             return even
@@ -177,7 +182,7 @@ class Oracle(Allocation):
         """``[candidate, layer, kv_head]`` capacities whose loss the replay measures: every unit
         at ``floor + level · R/(L·H)`` for each of :attr:`LEVELS` (at most every position of the
         final length), then the whole ``splits`` of the other allocations."""
-        room = spec.total_capacity - spec.n_layers * spec.n_kv * floor
+        room = room_above(spec, floor)
         most = spec.final_len * spec.fp_bytes
         shape = (spec.n_layers, spec.n_kv)
         levels = [np.full(shape, min(floor + m * room / (shape[0] * shape[1]), most)) for m in self.LEVELS]
@@ -187,8 +192,7 @@ class Oracle(Allocation):
         if gains is None:
             raise KvscopeError("the oracle allocation reads the trace's future attention (replay or validate only)")
         capacities, loss = gains  # [candidate, layer, kv_head] bytes and the policy's loss there
-        room = spec.total_capacity - spec.n_layers * spec.n_kv * floor
-        if room < 0:
+        if room_above(spec, floor) < 0:
             return np.full(capacities.shape[1:], spec.uniform_capacity)
         return cheapest_split(capacities, loss, spec.total_capacity, spec.fp_bytes / 2)
 

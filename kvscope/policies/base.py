@@ -18,14 +18,14 @@ Shapes: ``colsum [layer, kv_head, P]`` (mass each prompt key got from all prompt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..params import check_params, spelled
+from ..params import check_params, field_values, spelled
 from ..rope import Rope, apply_rope, undo_rope
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
@@ -408,7 +408,7 @@ class Policy:
         check_params(self)
 
     def params(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return field_values(self)
 
     def label(self) -> str:
         """``name`` or ``name:key=value:…`` for fields that differ from the defaults, spelled as

@@ -28,8 +28,8 @@ class PolicyDriver:
 
     ``allocation`` splits the budget across layers and KV heads (default uniform: the state
     keeps its even share); one that reads the policy's scores splits at the prefill, the
-    clairvoyant oracle from ``gains`` (:func:`kvscope.policies.allocation.split_tokens`), which
-    only a trace can give."""
+    clairvoyant oracle from ``gains`` (the policy's loss at candidate capacities, measured by the
+    replay: :meth:`kvscope.replay.sample.SampleReplay.oracle_probes`), which only a trace can give."""
 
     def __init__(
         self,

@@ -160,8 +160,7 @@ class LogQuant(AsEviction, Policy):
     def _smallest(self, spec: CacheSpec, ledger: Ledger) -> int:
         """The cheapest ``W`` among small ones (bytes fall with ``W`` while per-flush key groups
         are tiny, then grow)."""
-        w_max = max(1, spec.final_len // 3 + 1)
-        return min(range(1, min(w_max, 64) + 1), key=lambda W: self.max_bytes(spec, W, ledger))
+        return min(range(1, min(_w_max(spec), 64) + 1), key=lambda W: self.max_bytes(spec, W, ledger))
 
     def unit_floor(self, spec: CacheSpec) -> float:
         ledger = self._ledger(spec)
@@ -173,7 +172,7 @@ class LogQuant(AsEviction, Policy):
         fits = lambda W: spec.fits(self.max_bytes(spec, W, ledger), capacity)
         if not fits(cheapest):
             return cheapest  # the floor
-        lo, hi = cheapest, max(1, spec.final_len // 3 + 1)
+        lo, hi = cheapest, _w_max(spec)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(mid):
@@ -181,6 +180,11 @@ class LogQuant(AsEviction, Policy):
             else:
                 hi = mid - 1
         return lo
+
+
+def _w_max(spec: CacheSpec) -> int:
+    """The largest ``W`` worth trying: ``3W`` covers the final length."""
+    return max(1, spec.final_len // 3 + 1)
 
 
 @dataclass

@@ -54,11 +54,13 @@ class QEvict(Policy):
         )
         return _QEvictState(self, spec, ledger, w)
 
+    def sinks(self, spec: CacheSpec) -> int:
+        return spec.n_sink if self.n_sink is None else self.n_sink
+
     def protected(self, spec: CacheSpec) -> int:
         """Tokens always at full precision: the sinks, the local windows and the one being filled."""
         w = self.w or spec.w
-        n_sink = spec.n_sink if self.n_sink is None else self.n_sink
-        return n_sink + (math.ceil(self.local / w) + 1) * w
+        return self.sinks(spec) + (math.ceil(self.local / w) + 1) * w
 
     def unit_floor(self, spec: CacheSpec) -> float:
         return self.protected(spec) * spec.fp_bytes
@@ -68,7 +70,7 @@ class _QEvictState(CacheState):
     def __init__(self, policy: QEvict, spec: CacheSpec, ledger: Ledger, w: int):
         super().__init__(policy, spec, ledger)
         self.w = w
-        self.n_sink = spec.n_sink if policy.n_sink is None else policy.n_sink
+        self.n_sink = policy.sinks(spec)
         self.n_local_windows = math.ceil(policy.local / w)
         self.scores = np.zeros(self.tiers.shape, dtype=np.float64)  # [layer, kv_head, pos]
         self.promotions = 0

@@ -42,7 +42,7 @@ from ..integrity import (
     is_int,
     read_metas,
 )
-from .store import CHECKSUM_ATTR, TIER_DIMS, attributes_checksum
+from .store import CHECKSUM_ATTR, RUN, TIER_DIMS, attributes_checksum
 
 KIND = "kvscope replay"
 TIERS = ("FP", "Q", "EVICTED")
@@ -57,7 +57,6 @@ class Variable:
     optional: bool = False  # attn_l1, output_rel_l2 and their means: present when q/k/v were recorded
 
 
-RUN = ("policy", "allocation", "budget")
 SAMPLE = RUN + ("sample",)
 EVENT = SAMPLE + ("event", "layer", "kv_head")
 UNIT = SAMPLE + ("layer", "kv_head")
@@ -202,11 +201,8 @@ def check_attrs(path, attrs: dict) -> dict:
     for name, (ok, want) in ATTRIBUTES.items():
         if not ok(attrs.get(name)):
             raise StoreError(f"{path}: attribute {name} must be {want} (got {attrs.get(name)!r})")
-    try:
-        policies = json.loads(attrs["policies"])
-    except ValueError:
-        policies = None
-    if not isinstance(policies, dict) or not all(isinstance(p, dict) for p in policies.values()):
+    policies = _json_object(attrs["policies"])
+    if policies is None or not all(isinstance(p, dict) for p in policies.values()):
         raise StoreError(f"{path}: attribute policies is not a JSON object of policy settings")
     return policies
 

@@ -18,10 +18,9 @@ import xarray as xr
 from ..analysis.churn import ChurnStream, valid_events
 from ..analysis.common import selection_codes
 from ..analysis.lir import LIR, LirStream
-from .store import TIER_DIMS, TierStore
+from .store import RUN, TIER_DIMS, TierStore
 
 TIERS = ("FP", "Q", "EVICTED")
-RUN = ("policy", "allocation", "budget")
 
 
 class NoTiers:
@@ -57,7 +56,7 @@ class Outputs:
     n_valid: np.ndarray  # [sample] events inside each sample's steps
     n_sink: int
     lir: LIR  # m, H_lir, δ
-    settings: dict = field(default_factory=dict)  # (policy, budget, sample) → a state's setting
+    settings: dict = field(default_factory=dict)  # (policy, allocation, budget, sample) → a state's setting
 
     def record(self, pi: int, ai: int, bi: int, s: int, shape: tuple[int, ...]) -> RunRecord:
         return RunRecord(self, (pi, ai, bi, s), shape)

@@ -36,8 +36,9 @@ import xarray as xr
 from ..errors import KvscopeError
 from ..store import compressors
 
-TIER_DIMS = ("policy", "allocation", "budget", "sample", "event", "layer", "kv_head", "pos")
-SNAPSHOT_INDEX = 5  # (policy, allocation, budget, sample, event) name one snapshot
+RUN = ("policy", "allocation", "budget")  # one run of a replay result: the leading dims of its arrays
+TIER_DIMS = (*RUN, "sample", "event", "layer", "kv_head", "pos")
+SNAPSHOT_INDEX = len(RUN) + 2  # (…run, sample, event) name one snapshot
 CHECKSUM_ATTR = "attributes_crc32c"
 RENAME_REFUSED = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
