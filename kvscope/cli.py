@@ -746,6 +746,15 @@ def _add_replay(sub) -> None:
     p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--dask", default=None,
+        help="run the tasks on local:N (a LocalCluster) or tcp://host:port (a scheduler whose workers see the trace "
+        "and the --out folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--layers-per-task", type=int, default=None, metavar="N",
+        help="layers of one sample per task (default: as many as 2 GiB holds, fewer to keep dask workers busy)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_replay)
 
 
@@ -768,10 +777,10 @@ def _cmd_replay(args) -> int:
         figure_path(args.plot)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
     bar, task = _progress(f"replay {len(policies)}×{len(allocations)}×{len(budgets)}", quiet, "steps")
-    with bar:
+    with bar, _DaskContext(args.dask) as client:
         result = replay(
             args.store, policies, budgets, allocations=allocations, observe=args.observe, horizon=args.horizon, every=args.every,
-            question_agnostic=args.question_agnostic,
+            question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task, client=client,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
     if args.plot:

@@ -21,3 +21,4 @@ PEAKS_TOP_K = 8  # peaks per row
 LOGQUANT_W = 32  # LogQuant's W (§5.1)
 N_BOOT = 1000  # bootstrap resamples
 N_BOOT_PEAKS = 200  # α refits are costlier: fewer resamples
+REPLAY_TASK_BYTES = 2 * 2**30  # what one replay task may hold (auto layers per task, kvscope.replay.pieces)

@@ -44,8 +44,10 @@ from .base import CacheSpec, top_k_mask
 
 
 def room_above(spec: CacheSpec, floor: float) -> float:
-    """``R = B − L·H·floor``: the bytes an allocation splits (negative: the floor does not fit)."""
-    return spec.total_capacity - spec.n_layers * spec.n_kv * floor
+    """``r = R/(L·H) = B/(L·H) − floor``: the mean room per unit an allocation splits (negative:
+    the floor does not fit). Per unit, so that a replay task of some layers splits its layers
+    exactly as the whole model's split does there."""
+    return spec.uniform_capacity - floor
 
 
 @dataclass
@@ -86,13 +88,14 @@ class Allocation:
         even = np.full((spec.n_layers, spec.n_kv), spec.uniform_capacity)
         if room < 0:
             return even
-        shares = self.shares(spec, floor, room, scores=scores, gains=gains)  # [layer, kv_head], Σ = 1
+        shares = self.shares(spec, floor, room, scores=scores, gains=gains)  # [layer, kv_head], mean 1
         if shares is None:
             return even
         return floor + room * shares
 
     def shares(self, spec: CacheSpec, floor: float, room: float, *, scores=None, gains=None) -> np.ndarray | None:
-        """``[layer, kv_head]`` shares of the room above the floor (Σ = 1), None for even."""
+        """``[layer, kv_head]`` each unit's room as a multiple of the mean room ``room`` (mean 1
+        over the model), None for even."""
         raise NotImplementedError
 
 
@@ -124,11 +127,10 @@ class Pyramid(Allocation):
         return top - np.arange(n_layers) * (top - bottom) / (n_layers - 1)
 
     def shares(self, spec, floor, room, *, scores=None, gains=None):
-        per_layer = self.layer_shares(spec.n_layers)
-        units = spec.n_layers * spec.n_kv
-        if floor + room / units * per_layer[0] > spec.final_len * spec.fp_bytes:
+        schedule = self.layer_shares(spec.all_layers)  # [model layer]: the schedule of the whole model
+        if floor + room * schedule[0] > spec.final_len * spec.fp_bytes:
             return None  # PyramidKV's own fallback: the schedule does not fit the sequence
-        return np.repeat(per_layer[:, None], spec.n_kv, axis=1) / units
+        return np.repeat(schedule[spec.layers, None], spec.n_kv, axis=1)
 
 
 @dataclass
@@ -144,14 +146,14 @@ class AdaKV(Allocation):
         if scores is None:
             raise KvscopeError("the adakv allocation needs the policy's scores of the prompt")
         n_layers, n_kv, n_pos = scores.shape  # [layer, kv_head, P']
-        m = min(int(room / n_layers / n_kv / spec.fp_bytes), n_pos)  # tokens per head the room buys
+        m = min(int(room / spec.fp_bytes), n_pos)  # tokens per head the room buys
         if m < 1:
             return None
         forced = top_k_mask(scores, np.ones(scores.shape, dtype=bool), int(self.alpha * m))
         ranked = np.where(forced, np.inf, scores).reshape(n_layers, n_kv * n_pos)  # [layer, kv_head·pos]
         chosen = top_k_mask(ranked, np.ones(ranked.shape, dtype=bool), n_kv * m)
         counts = chosen.reshape(n_layers, n_kv, n_pos).sum(-1)  # [layer, kv_head] k_h, Σ_h = H·m
-        return counts / (n_kv * m) / n_layers
+        return counts / m
 
 
 @dataclass
@@ -185,7 +187,7 @@ class Oracle(Allocation):
         room = room_above(spec, floor)
         most = spec.final_len * spec.fp_bytes
         shape = (spec.n_layers, spec.n_kv)
-        levels = [np.full(shape, min(floor + m * room / (shape[0] * shape[1]), most)) for m in self.LEVELS]
+        levels = [np.full(shape, min(floor + m * room, most)) for m in self.LEVELS]
         return np.stack(levels + [np.broadcast_to(c, shape) for c in splits])
 
     def split(self, spec, floor, *, scores=None, gains=None):

@@ -76,12 +76,29 @@ class CacheSpec:
     w: int = 8
     fp_itemsize: int = 2  # bytes per element of a full-precision K/V entry (16-bit by default)
     tail_rows: int = defaults.OBS_WINDOW  # last prefill rows the policy can observe
+    first_layer: int = 0  # the model's index of this cache's first layer (a replay task of some layers)
+    model_layers: int = 0  # layers of the whole model (0: n_layers, this cache holds them all)
     unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
 
     @property
     def fp_bytes(self) -> float:
         """Bytes of one full-precision token: ``2·D·fp_itemsize``."""
         return fp_token_bytes(self.head_dim) * self.fp_itemsize / 2
+
+    @property
+    def layers(self) -> slice:
+        """The model's layers this cache holds (a replay task may hold some: SPEC §5)."""
+        return slice(self.first_layer, self.first_layer + self.n_layers)
+
+    @property
+    def all_layers(self) -> int:
+        """Layers of the whole model."""
+        return self.model_layers or self.n_layers
+
+    @property
+    def whole_model(self) -> bool:
+        """This cache holds every layer of the model (``B`` is the model's budget)."""
+        return self.all_layers == self.n_layers
 
     @property
     def uniform_capacity(self) -> float:

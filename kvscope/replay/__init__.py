@@ -43,13 +43,13 @@ from .. import defaults
 from ..analysis.fmm import FMM
 from ..analysis.lir import LIR
 from ..errors import KvscopeError
-from ..policies import Allocation, Policy, check_budget, parse
+from ..policies import Allocation, CacheSpec, Policy, check_budget, parse
 from ..policies import allocation as allocation_module
 from ..policies.allocation import check_allocatable
+from . import pieces
 from . import result as _result
 from .check import open_result
 from .output_error import effective_kv
-from .sample import SampleReplay
 from .store import result_folder, write_variables, written_in_place
 
 OBSERVE_MODES = ("renorm", "exact")
@@ -109,6 +109,7 @@ class ReplaySetup:
     with_errors: bool
     validate: bool
     kv_itemsize: int
+    source: str | None = None  # the trace's path (a dask worker opens it there)
 
     @classmethod
     def of(
@@ -124,6 +125,7 @@ class ReplaySetup:
         validate,
         kv_itemsize,
         question_agnostic,
+        source=None,
         **metric,
     ) -> ReplaySetup:
         acc = ds.kvscope
@@ -156,7 +158,7 @@ class ReplaySetup:
             raise KvscopeError(f"the {needs_qkv[0]} allocation needs recorded q/k/v (trace with --record qkv)")
         return cls(
             ds, policies, allocations, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
-            with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize,
+            with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize, source=source,
         )  # fmt: skip
 
     @property
@@ -210,8 +212,30 @@ class ReplaySetup:
         return self.ds.sizes["step"]
 
     @property
+    def whole_model(self) -> bool:
+        """Every layer of the model is replayed here (not a task of some layers)."""
+        return self.n_layers == self.ds.kvscope.model.n_layers
+
+    def spec(self, s: int, budget: float) -> CacheSpec:
+        """Sample ``s``'s cache at ``budget`` over the layers replayed here."""
+        acc = self.ds.kvscope
+        prompt_len = int(acc.prompt_len[s])
+        return CacheSpec(
+            self.n_layers, self.n_kv, self.head_dim, prompt_len, prompt_len + int(acc.n_steps[s]), budget, self.n_sink,
+            self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=acc.model.n_layers,
+        )  # fmt: skip
+
+    @property
+    def layers(self) -> np.ndarray:
+        """``[layer]`` the model's indices of the layers replayed (a task may hold some)."""
+        return np.asarray(self.ds["layer"].values, dtype=np.int64)
+
+    @property
     def rules(self):
-        return self.ds.kvscope.model.rules()
+        """The attention rules of the layers replayed."""
+        from ..attention import LayerRules
+
+        return LayerRules(tuple(self.ds.kvscope.model.rule(int(layer)) for layer in self.layers))
 
     @property
     def rope(self):
@@ -239,6 +263,8 @@ def replay(
     resample: str = "samples",
     kv_itemsize: int = 2,
     question_agnostic: bool = False,
+    layers_per_task: int | None = None,
+    client=None,
     progress=None,
     out=None,
 ) -> xr.Dataset:
@@ -258,7 +284,14 @@ def replay(
     compares with a live cache of an fp32 model). ``question_agnostic``: refuse a trace whose
     prefill held the question (the protocol is fixed when a trace is recorded: on a trace made
     with ``trace --question-agnostic`` every policy first compresses at the end of the context,
-    and the question's steps are decode steps). ``progress(done, total)`` is called per step.
+    and the question's steps are decode steps). ``progress(done, total)`` is called per step
+    (per task on a cluster).
+
+    The replay runs as tasks of one sample and a block of ``layers_per_task`` layers (default:
+    as many as :data:`kvscope.defaults.REPLAY_TASK_BYTES` hold — all of them for a small trace;
+    :mod:`kvscope.replay.pieces`), in this process or, given a ``dask.distributed`` ``client``,
+    on its workers (the trace given by its path; workers and this process share the result's
+    folder). The numbers are the same either way.
 
     The tiers are streamed to a Zarr store as they are taken (memory never holds them all),
     and the result's ``tiers`` is a dask array reading that store, every other variable in
@@ -271,15 +304,19 @@ def replay(
     from ..store import open_trace
 
     started = time.perf_counter()
-    ds = open_trace(trace) if isinstance(trace, (str, os.PathLike)) else trace
+    path = os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else None
+    ds = open_trace(path) if path is not None else trace
     setup = ReplaySetup.of(
         ds, policies, allocations, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
         m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
-        resample=resample, question_agnostic=question_agnostic,
+        resample=resample, question_agnostic=question_agnostic, source=path,
     )  # fmt: skip
+    if client is not None and path is None:
+        raise KvscopeError("a replay on a dask cluster takes the trace as a store path (its workers open it)")
+    layers = _layers_per_task(setup, layers_per_task, client)
     with result_folder(out) as root:
-        outputs = _result.Outputs.allocate(setup, root)
-        _run_samples(setup, outputs, threads, progress)
+        outputs = _result.Outputs.allocate(setup, root, layers=layers)
+        _run(setup, outputs, layers, client, threads, progress)
         outputs.tiers.complete()
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
@@ -291,15 +328,30 @@ def replay(
     return open_result(out) if out is not None else result
 
 
-def _run_samples(setup: ReplaySetup, outputs, threads: int | None, progress) -> None:
-    """Every sample with steps through :class:`SampleReplay`, runs advanced by ``threads``."""
-    done, total = [0], int(setup.ds.kvscope.n_steps.sum())
+def _layers_per_task(setup: ReplaySetup, layers: int | None, client) -> int:
+    """``layers_per_task`` checked, or chosen (:func:`kvscope.replay.pieces.layers_per_task`)."""
+    if layers is None:
+        workers = sum(client.nthreads().values()) if client is not None else 0
+        return pieces.layers_per_task(setup, workers)
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= setup.n_layers:
+        raise KvscopeError(f"layers per task must be an integer in 1..{setup.n_layers} (got {layers!r})")
+    return int(layers)
 
-    def step_done() -> None:
-        done[0] += 1
+
+def _run(setup: ReplaySetup, outputs, layers: int, client, threads: int | None, progress) -> None:
+    """Every task (:mod:`kvscope.replay.pieces`); in this process, the runs of a step advanced by
+    ``threads`` (default: up to 2; numpy releases the GIL inside its loops)."""
+    pieces_of = pieces.plan(setup, layers)
+    done, total = [0], sum(int(setup.ds.kvscope.n_steps[p.sample]) for p in pieces_of)
+
+    def advanced(k: int) -> None:
+        done[0] += k
         if progress is not None:
             progress(done[0], total)
 
+    if client is not None:
+        pieces.run_pieces(setup, outputs, layers=layers, client=client, progress=advanced)
+        return
     threads = threads if threads is not None else min(2, os.cpu_count() or 1)
     pool = None
     if threads > 1 and len(setup.grid) > 1:
@@ -307,9 +359,7 @@ def _run_samples(setup: ReplaySetup, outputs, threads: int | None, progress) -> 
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
     try:
-        for s in range(setup.n_samples):
-            if setup.ds.kvscope.n_steps[s] > 0:
-                SampleReplay(setup, s, outputs).run(pool, step_done)
+        pieces.run_pieces(setup, outputs, layers=layers, pool=pool, progress=advanced)
     finally:
         if pool is not None:
             pool.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import xarray as xr
@@ -61,15 +62,43 @@ class Outputs:
     def record(self, pi: int, ai: int, bi: int, s: int, shape: tuple[int, ...]) -> RunRecord:
         return RunRecord(self, (pi, ai, bi, s), shape)
 
+    # per-unit records: (the axis of their policy dim, of their layer dim)
+    UNIT_AXES: ClassVar[dict[str, tuple[int, int]]] = {
+        "mass": (0, 5), "l1": (0, 5), "out": (0, 5), "churn": (0, 5), "curve": (1, 7),
+        "eligible": (0, 4), "reactivated": (0, 4), "allocated": (0, 4),
+    }  # fmt: skip
+
+    def absorb(self, part: Outputs, policies: tuple[int, ...], sample: int, layers: slice) -> None:
+        """The record of a task (its ``policies``, its one sample, the model's ``layers``) into
+        these arrays: per-unit values in place, bytes, quantized counts and LIR transitions summed
+        over the layers, ``reached`` only where every layer reached the budget."""
+        for j, pi in enumerate(policies):
+            for name, (run_axis, layer_axis) in self.UNIT_AXES.items():
+                to, src = [slice(None)] * layer_axis, [slice(None)] * layer_axis
+                to[run_axis], to[run_axis + 3], src[run_axis], src[run_axis + 3] = pi, sample, j, 0
+                getattr(self, name)[(*to, layers)] = getattr(part, name)[tuple(src)]
+            to, src = (pi, slice(None), slice(None), sample), (j, slice(None), slice(None), 0)
+            held, add = self.bytes[to], part.bytes[src]  # [allocation, budget, step]
+            self.bytes[to] = np.where(np.isnan(held), add, held + add)
+            self.transitions[to] += part.transitions[src]
+            self.n_quantized[to] += part.n_quantized[src]
+            self.reached[to] &= part.reached[src]
+            for (pj, ai, bi, _), setting in part.settings.items():
+                if pj == j:
+                    self.settings[pi, ai, bi, sample] = setting
+
     @classmethod
-    def allocate(cls, setup, root) -> Outputs:
+    def allocate(cls, setup, root, tiers=None, layers: int | None = None) -> Outputs:
         """Arrays for ``setup`` (a :class:`kvscope.replay.ReplaySetup`); the tiers go to a new
-        store in the folder ``root`` (None: they are not kept, as for the oracle's probes)."""
+        store in the folder ``root``, chunked by ``layers`` (None: they are not kept, as for the
+        oracle's probes), or to ``tiers`` (a task's window on that store)."""
         lead = (len(setup.policies), len(setup.allocations), len(setup.budgets), setup.n_samples)
         per_event = lead + (len(setup.steps), setup.n_layers, setup.n_kv)
         per_unit = lead + (setup.n_layers, setup.n_kv)
+        if tiers is None:
+            tiers = TierStore(root, per_event + (setup.n_pos,), layers) if root is not None else NoTiers()
         return cls(
-            TierStore(root, per_event + (setup.n_pos,)) if root is not None else NoTiers(),
+            tiers,
             np.full(lead + (setup.n_step_total,), np.nan),
             np.full(per_event + (3,), np.nan),
             np.full((2,) + lead + (len(setup.horizons),) + per_event[4:], np.nan),

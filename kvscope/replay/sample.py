@@ -74,8 +74,9 @@ class SampleReplay:
     """Sample ``s`` of ``setup`` (a :class:`kvscope.replay.ReplaySetup`) under every run of the
     grid, recorded into ``outputs``."""
 
-    def __init__(self, setup, s: int, outputs: Outputs):
+    def __init__(self, setup, s: int, outputs: Outputs | None, splits: dict | None = None):
         self.setup, self.s, self.outputs = setup, s, outputs
+        self.splits = splits or {}  # (policy, allocation, budget) → the oracle's split [layer, kv_head] bytes
         self.reader = SampleReader(setup.ds, s, setup.group)
         r = self.reader
         self.colsum, self.tail = r.prefill()
@@ -88,18 +89,10 @@ class SampleReplay:
             self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
             self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
-        self.runs = [self._start(gi, *run) for gi, run in enumerate(setup.grid)]
-        for bi, budget in enumerate(setup.budgets):
-            outputs.budget_bytes[bi, s] = self.spec(budget).total_capacity
-        outputs.full_bytes[s] = self.spec(1.0).full_bytes
-        horizons = sorted({run.state.policy.horizon for run in self.runs if run.state.policy.clairvoyant})
-        self.futures = {h: r.future(h) for h in horizons}  # only the oracle may look ahead
+        self.runs: list[Run] = []
 
     def spec(self, budget: float) -> CacheSpec:
-        st, r = self.setup, self.reader
-        return CacheSpec(
-            st.n_layers, st.n_kv, st.head_dim, r.prompt_len, r.final_len, budget, st.n_sink, st.w, st.kv_itemsize
-        )
+        return self.setup.spec(self.s, budget)
 
     def _start(self, gi: int, policy, allocation, budget) -> Run:
         allocation = allocation.for_sample(self.s)
@@ -113,8 +106,9 @@ class SampleReplay:
         pi, rest = divmod(gi, len(st.allocations) * len(st.budgets))
         ai, bi = divmod(rest, len(st.budgets))
         record = self.outputs.record(pi, ai, bi, self.s, state.tiers.shape)
-        gains = self.oracle_probes(policy, allocation, budget) if allocation.clairvoyant else None
-        driver = PolicyDriver(state, allocation=allocation, gains=gains, where=f" of sample {self.s}")
+        if allocation.clairvoyant:  # the oracle's split, decided over every unit of the sample (replay.pieces)
+            allocation = Given.of(self.splits[pi, ai, bi], whole=st.whole_model)
+        driver = PolicyDriver(state, allocation=allocation, where=f" of sample {self.s}")
         return Run(driver, record, st.horizons[-1])
 
     def oracle_probes(self, policy, oracle, budget) -> tuple[np.ndarray, np.ndarray]:
@@ -153,6 +147,12 @@ class SampleReplay:
 
     def run(self, pool: ThreadPoolExecutor | None, progress) -> None:
         setup, r = self.setup, self.reader
+        self.runs = [self._start(gi, *run) for gi, run in enumerate(setup.grid)]
+        for bi, budget in enumerate(setup.budgets):
+            self.outputs.budget_bytes[bi, self.s] = self.spec(budget).total_capacity
+        self.outputs.full_bytes[self.s] = self.spec(1.0).full_bytes
+        horizons = sorted({run.state.policy.horizon for run in self.runs if run.state.policy.clairvoyant})
+        self.futures = {h: r.future(h) for h in horizons}  # only the oracle may look ahead
         stream = FutureMassStream(setup.horizons, (setup.n_layers, setup.n_kv, r.final_len))
         event_of = {int(t): e for e, t in enumerate(setup.steps) if t < r.n_steps}
         error_at = {int(t) + 1: e for e, t in enumerate(setup.steps) if t + 1 < r.n_steps}

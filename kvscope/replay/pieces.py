@@ -1,0 +1,215 @@
+"""Replay as independent tasks: each sample's runs split by layers (SPEC §5, docs/replay.md).
+
+A task (:class:`Piece`) replays one sample, a block of the model's layers and some policies;
+its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy decides
+each (layer, kv_head) from that unit's rows and capacity alone, and every allocation but one
+splits per layer (uniform; pyramid, the whole model's schedule at the task's layers; adakv,
+each layer's room by its own scores), so a task of some layers gives exactly the numbers of
+the whole replay there. Two things cross layers, and are handled so:
+
+    a policy that splits its budget itself   kvpress's presses (one compression ratio solved over
+    (Policy.splits_itself)                   every layer): its runs take all layers in one task
+    the oracle allocation                    a knapsack over every unit of the sample: the tasks
+                                             first measure their units' losses at the candidate
+                                             capacities (probes), the split is chosen here over all
+                                             of them, then the tasks replay with their part of it
+
+:func:`run_pieces` runs the tasks in this process (runs of a step advanced by a thread pool),
+or on a ``dask.distributed`` client: each worker opens the trace by its path and writes its
+snapshots into the result store's chunks of its own layers (chunked by the task's block), and
+sends back only its small per-unit records, which :meth:`Outputs.absorb` puts in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .. import defaults
+from .result import Outputs
+from .sample import SampleReplay
+from .store import TierStore
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One task: ``sample``, the model's layers ``start..stop−1`` and the ``policies``
+    (indices into the replay's) it runs under every allocation and budget."""
+
+    sample: int
+    start: int
+    stop: int
+    policies: tuple[int, ...]
+
+    @property
+    def layers(self) -> slice:
+        return slice(self.start, self.stop)
+
+
+def layer_bytes(setup) -> int:
+    """What a task holds per layer, estimated: two blocks of float32 rows, K/V as recorded
+    plus their float32 copies and buffers, every run's state and pending snapshots, the
+    future-mass stream — each ``[kv_head, pos]`` wide."""
+    acc = setup.ds.kvscope
+    per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
+    if setup.has_qkv:
+        per_position += 2 * setup.head_dim * (setup.ds["k"].dtype.itemsize + 8)
+    per_position += len(setup.grid) * 40 + len(setup.horizons) * 16
+    return int(setup.n_kv * setup.n_pos * per_position)
+
+
+def layers_per_task(setup, workers: int = 0, memory: int = defaults.REPLAY_TASK_BYTES) -> int:
+    """Layers per task: as many as ``memory`` holds (all of them for a small trace) — and,
+    with ``workers`` to keep busy, few enough that every sample gives 2·workers tasks in all."""
+    fit = max(1, min(setup.n_layers, memory // max(layer_bytes(setup), 1)))
+    if workers:
+        samples = max(1, int((setup.ds.kvscope.n_steps > 0).sum()))
+        fit = min(fit, max(1, math.ceil(setup.n_layers / math.ceil(2 * workers / samples))))
+    return fit
+
+
+def plan(setup, layers: int) -> list[Piece]:
+    """The tasks of a replay: per sample with steps, blocks of ``layers`` layers for the
+    policies that decide per unit, all layers at once for those that split their budget."""
+    local = tuple(i for i, p in enumerate(setup.policies) if not p.splits_itself)
+    whole = tuple(i for i, p in enumerate(setup.policies) if p.splits_itself)
+    pieces = []
+    for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0):
+        if local:
+            starts = range(0, setup.n_layers, layers)
+            pieces += [Piece(int(s), a, min(a + layers, setup.n_layers), local) for a in starts]
+        if whole:
+            pieces.append(Piece(int(s), 0, setup.n_layers, whole))
+    return pieces
+
+
+def restricted(setup, piece: Piece):
+    """The replay setup of one task: its sample and layers of the trace, its policies."""
+    ds = setup.ds.isel(sample=[piece.sample], layer=piece.layers)
+    return replace(setup, ds=ds, policies=[setup.policies[i] for i in piece.policies])
+
+
+def probe(setup, piece: Piece) -> dict:
+    """Phase 1 of the oracle allocation: ``{(policy, allocation, budget): (capacities, loss)}``
+    ``[candidate, layer, kv_head]`` over the task's layers
+    (:meth:`~kvscope.replay.sample.SampleReplay.oracle_probes`)."""
+    oracles = [(ai, a) for ai, a in enumerate(setup.allocations) if a.clairvoyant]
+    sample = SampleReplay(restricted(setup, piece), 0, None)
+    return {
+        (pi, ai, bi): sample.oracle_probes(setup.policies[pi], oracle, budget)
+        for pi in piece.policies
+        for ai, oracle in oracles
+        for bi, budget in enumerate(setup.budgets)
+    }
+
+
+def oracle_splits(setup, pieces: list[Piece], probes: list[dict]) -> dict:
+    """``{sample: {(policy, allocation, budget): capacities [layer, kv_head]}}``: each oracle's
+    split chosen over every unit of the sample from the probes of all its tasks."""
+    gathered: dict = {}
+    for piece, found in sorted(zip(pieces, probes, strict=True), key=lambda x: x[0].start):
+        for key, gains in found.items():
+            gathered.setdefault((piece.sample, key), []).append(gains)
+    splits: dict = {}
+    for (s, (pi, ai, bi)), parts in gathered.items():
+        # [candidate, layer, kv_head] over the sample's layers
+        capacities, loss = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+        spec, policy = setup.spec(s, setup.budgets[bi]), setup.policies[pi]
+        split = setup.allocations[ai].split(spec, policy.unit_floor(spec), gains=(capacities, loss))
+        splits.setdefault(s, {})[pi, ai, bi] = split
+    return splits
+
+
+class TierWindow:
+    """A task's view of the result's tiers: a snapshot of its run ``(j, allocation, budget,
+    0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event, layers)``."""
+
+    def __init__(self, store: TierStore, piece: Piece):
+        self.store, self.piece = store, piece
+        self.taken: list[tuple[int, ...]] = []
+
+    def write(self, index: tuple[int, ...], tiers: np.ndarray) -> None:
+        j, ai, bi, _, event = index
+        at = (self.piece.policies[j], ai, bi, self.piece.sample, event)
+        self.store.write(at, tiers, self.piece.layers)
+        self.taken.append(at)
+
+    def complete(self) -> None:
+        pass
+
+
+def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None, progress=None):
+    """Phase 2: the task's runs, their snapshots written to ``store``; returns its record (an
+    :class:`Outputs` of one sample and its layers, tiers dropped) and the snapshots taken."""
+    sub = restricted(setup, piece)
+    window = TierWindow(store, piece)
+    part = Outputs.allocate(sub, None, tiers=window)
+    local = {
+        (j, ai, bi): split[piece.layers]
+        for (pi, ai, bi), split in splits.get(piece.sample, {}).items()
+        for j in [piece.policies.index(pi)] if pi in piece.policies
+    }  # fmt: skip
+    SampleReplay(sub, 0, part, local).run(pool, progress)
+    part.tiers = None
+    return part, window.taken
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: str):
+    from ..store import open_trace
+
+    return open_trace(path)
+
+
+def _remote(function, setup_state: dict, *args):
+    """A task on a dask worker: the setup with its trace opened there (once per process)."""
+    setup = replace(setup_state["setup"], ds=_opened(setup_state["source"]))
+    args = [TierStore.opened(a) if isinstance(a, _StorePath) else a for a in args]
+    return function(setup, *args)
+
+
+class _StorePath(str):
+    """The result store's folder, opened as a :class:`TierStore` by the worker."""
+
+
+def run_pieces(setup, outputs: Outputs, *, layers: int, client=None, pool=None, progress=None) -> None:
+    """Every task of ``setup`` (:func:`plan` with ``layers`` per task), in this process or on
+    the dask ``client``, their records absorbed into ``outputs`` and the sample's budgets set."""
+    pieces = plan(setup, layers)
+    oracle = any(a.clairvoyant for a in setup.allocations)
+    if client is None:
+        splits = oracle_splits(setup, pieces, [probe(setup, p) for p in pieces]) if oracle else {}
+        steps_done = (lambda: progress(1)) if progress is not None else None
+        results = [replay_piece(setup, p, outputs.tiers, splits, pool, steps_done) for p in pieces]
+    else:
+        state = {"setup": replace(setup, ds=None), "source": setup.source}
+        splits = oracle_splits(setup, pieces, _gather(client, probe, state, pieces)) if oracle else {}
+        store = _StorePath(outputs.tiers.root)
+        results = _gather(client, replay_piece, state, pieces, store, splits, progress=progress, setup=setup)
+    for piece, (part, taken) in zip(pieces, results, strict=True):
+        outputs.absorb(part, piece.policies, piece.sample, piece.layers)
+        for at in taken:
+            outputs.tiers.taken[at] = True
+    for s in {p.sample for p in pieces}:
+        for bi, budget in enumerate(setup.budgets):
+            outputs.budget_bytes[bi, s] = setup.spec(s, budget).total_capacity
+        outputs.full_bytes[s] = setup.spec(s, 1.0).full_bytes
+
+
+def _gather(client, function, state, pieces, *args, progress=None, setup=None) -> list:
+    """``function(setup, piece, *args)`` per piece on the cluster, results in the pieces' order
+    (``progress(k)`` with a finished task's steps)."""
+    from distributed import as_completed
+
+    futures = [client.submit(_remote, function, state, piece, *args, pure=False) for piece in pieces]
+    index = {f.key: i for i, f in enumerate(futures)}
+    results: list = [None] * len(pieces)
+    for future in as_completed(futures):
+        i = index[future.key]
+        results[i] = future.result()
+        if progress is not None:
+            progress(int(setup.ds.kvscope.n_steps[pieces[i].sample]))
+    return results

@@ -1,0 +1,157 @@
+"""Replay as tasks of one sample and some layers (kvscope.replay.pieces): the same numbers
+whatever the blocks, in this process, on a LocalCluster and on a scheduler the CLI did not start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from .conftest import one_line_error, run_cli, run_main
+
+POLICIES = ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle", "press:KnormPress"]
+LOCAL = POLICIES[:-1]  # the press splits its budget itself: it runs whole
+ALLOCATIONS = ["uniform", "pyramid", "adakv", "oracle"]
+
+
+def assert_same(a: xr.Dataset, b: xr.Dataset) -> None:
+    """Every variable and coordinate equal (NaN where NaN), attributes but the timing; ``a``
+    may hold more policies and allocations than ``b`` (compared on ``b``'s)."""
+    a = a.sel(policy=b["policy"].values, allocation=b["allocation"].values)
+    assert set(a.data_vars) == set(b.data_vars)
+    for name in a.variables:
+        x, y = np.asarray(a[name].values), np.asarray(b[name].values)
+        assert x.shape == y.shape, name
+        if x.dtype.kind == "f":
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        else:
+            assert (x == y).all(), name
+    drop = {"replay_seconds", "trace", "policies", "allocations"}
+    assert {k: v for k, v in a.attrs.items() if k not in drop} == {k: v for k, v in b.attrs.items() if k not in drop}
+
+
+@pytest.fixture(scope="module")
+def whole(small_qkv_trace):
+    from kvscope.replay import replay
+
+    return replay(small_qkv_trace, POLICIES, [0.3], allocations=["uniform"]).load()
+
+
+@pytest.fixture(scope="module")
+def whole_allocated(small_qkv_trace):
+    from kvscope.replay import replay
+
+    return replay(small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=ALLOCATIONS).load()
+
+
+def test_blocks_of_layers_give_the_whole_replay(small_qkv_trace, whole):
+    """Every policy (the press whole, the others by blocks of 7 of 30 layers, the last 2):
+    tiers, metrics, bytes, errors identical."""
+    from kvscope.replay import replay
+
+    assert_same(whole, replay(small_qkv_trace, POLICIES, [0.3], layers_per_task=7).load())
+
+
+def test_allocations_by_blocks_of_three_layers(small_qkv_trace, whole_allocated):
+    """Pyramid (the model's schedule at the task's layer), adakv (per layer), and the oracle
+    (probes per task, one knapsack over all units) split exactly as the whole replay does."""
+    from kvscope.replay import replay
+
+    parts = replay(small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=ALLOCATIONS, layers_per_task=3)
+    assert_same(whole_allocated, parts.load())
+    allocated = whole_allocated["allocated"].sel(budget=0.3).isel(sample=0)  # [policy, allocation, layer, kv_head]
+    assert not np.allclose(allocated.sel(allocation="pyramid"), allocated.sel(allocation="uniform"))
+    assert not np.allclose(allocated.sel(allocation="oracle"), allocated.sel(allocation="uniform"))
+
+
+def test_local_cluster_gives_the_same(small_qkv_trace, whole):
+    """Two worker processes, tasks of some layers each (the press whole), snapshots written by
+    the workers."""
+    from distributed import Client, LocalCluster
+
+    from kvscope.replay import replay
+
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, silence_logs=50)
+    with cluster, Client(cluster) as client:
+        result = replay(small_qkv_trace, ["h2o", "qevict", "press:KnormPress"], [0.3], client=client).load()
+    assert_same(whole, result)
+
+
+def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp_path):
+    """``kvscope replay --dask tcp://…`` against a scheduler and worker started apart: the result
+    store equals the in-process one."""
+    from kvscope.replay import open_result
+
+    port = 8786 + (time.time_ns() // 1000) % 1000
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+         "--dashboard-address", ":0", "--no-show"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2", "--nthreads", "1",
+         "--no-dashboard"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out = tmp_path / "result.zarr"
+        run_cli(
+            "replay", small_qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--allocation", "pyramid,oracle",
+            "--dask", address, "--layers-per-task", "4", "--out", out,
+            "--quiet", check=True,
+        )  # fmt: skip
+        assert_same(whole_allocated, open_result(out).load())
+    finally:
+        for process in (worker, scheduler):
+            process.terminate()
+            process.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--layers-per-task", "0"], "layers per task must be an integer in 1..30 (got 0)"),
+        (["--layers-per-task", "31"], "layers per task must be an integer in 1..30 (got 31)"),
+        (["--dask", "local:x"], "--dask local:N needs a worker count"),
+        (["--dask", "ftp://x"], "--dask takes local:N or tcp://host:port"),
+    ],
+)
+def test_bad_task_options(small_qkv_trace, args, needle):
+    proc = run_main("replay", small_qkv_trace, "--policies", "h2o", "--budgets", "0.3", *args)
+    one_line_error(proc, needle)
+
+
+def test_a_cluster_needs_the_trace_by_path(small_qkv_trace):
+    from kvscope.errors import KvscopeError
+    from kvscope.replay import replay
+    from kvscope.store import open_trace
+
+    with pytest.raises(KvscopeError, match="takes the trace as a store path"):
+        replay(open_trace(small_qkv_trace), ["h2o"], [0.3], client=object())
+
+
+def test_pyramid_split_of_some_layers_is_the_whole_split_there():
+    from kvscope.policies import CacheSpec
+    from kvscope.policies.allocation import AdaKV, Oracle, Pyramid
+
+    whole = CacheSpec(12, 2, 64, 300, 364, 0.3)
+    floor = 1000.0
+    for first, n in [(0, 5), (5, 4), (9, 3)]:
+        part = CacheSpec(n, 2, 64, 300, 364, 0.3, first_layer=first, model_layers=12)
+        np.testing.assert_array_equal(
+            Pyramid(beta=5).split(part, floor), Pyramid(beta=5).split(whole, floor)[first : first + n]
+        )
+        scores = np.random.default_rng(first).random((12, 2, 300))
+        np.testing.assert_array_equal(
+            AdaKV().split(part, floor, scores=scores[first : first + n]),
+            AdaKV().split(whole, floor, scores=scores)[first : first + n],
+        )
+        np.testing.assert_array_equal(
+            Oracle().candidates(part, floor, []), Oracle().candidates(whole, floor, [])[:, first : first + n]
+        )
+    assert Pyramid(beta=5).split(whole, floor).sum() == pytest.approx(whole.total_capacity)
