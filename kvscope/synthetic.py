@@ -164,3 +164,102 @@ def _write_prompt(g, rng, n_samples: int, n_steps: int, n_layers: int, n_kv: int
             tail[o, : r + 1] = 1.0 / (r + 1)
     g["prefill_tail"][:] = np.broadcast_to(tail, (n_samples, n_layers, n_kv, obs, T))
     g["prefill_tail_qpos"][:] = np.broadcast_to(np.where(qpos >= 0, qpos, -1), (n_samples, obs)).astype(np.int32)
+
+
+def write_geometry_store(
+    path: str | Path,
+    *,
+    prompt_len: int,
+    n_steps: int,
+    n_layers: int = 32,
+    n_heads: int = 32,
+    n_kv: int = 8,
+    head_dim: int = 128,
+    window: int = 16,
+    n_sink: int = 4,
+    block_steps: int = 32,
+    rope_theta: float = 500000.0,
+    seed: int = 0,
+) -> Path:
+    """A complete window-resolution store with q/k/v at a model's geometry (default
+    Llama-3.1-8B: 32 layers, 32 query / 8 KV heads, head_dim 128), one sample, for the scale
+    benchmark. q, k, v are random normal (fp16) with a shared direction ``u`` per (layer,
+    kv_head) added to every query (×3) and to the sinks' keys (×12), so the attention a replay
+    recomputes from them has sinks; the stored window rows are random masses (``attn`` and
+    ``attn_sink``, each row summing to 1), not q·k's — the benchmark times their reading."""
+    import zarr
+
+    from .schema import SCHEMA_VERSION, Layout
+    from .store import consolidate, create
+
+    rng = np.random.default_rng(seed)
+    T = prompt_len + n_steps
+    block_steps = min(block_steps, n_steps)
+    layout = Layout(
+        n_samples=1, n_steps=n_steps, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        heads="kv", resolution="window", n_pos=T, obs_window=32, n_sink=n_sink, window=window,
+        block_steps=block_steps, record_qkv=True, dtype="float16", rope_freqs=head_dim // 2,
+    )  # fmt: skip
+    config = {
+        "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim,
+        "architecture": "LlamaForCausalLM", "model_type": "llama", "sliding_window": None, "layer_types": [],
+        "attn_logit_softcapping": None, "attention_scaling": [head_dim**-0.5] * n_layers,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+    }  # fmt: skip
+    attrs = {
+        "schema_version": SCHEMA_VERSION, "kvscope_version": "synthetic", "status": "partial",
+        "steps_committed": [0], "samples_done": [False], "model": {"name": "synthetic-geometry", "config": config},
+        "heads": "kv", "head_dim_name": "kv_head", "resolution": "window", "n_sink": n_sink, "w": window,
+        "obs_window": 32, "block_steps": block_steps, "record_qkv": True, "dtype": "float16",
+    }  # fmt: skip
+    path = Path(path)
+    create(path, layout, attrs)
+    g = zarr.open_group(str(path), mode="r+")
+    _write_prompt(g, rng, 1, n_steps, n_layers, n_kv, prompt_len, layout.obs_window)
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
+    g["rope_inv_freq"][:] = np.broadcast_to(inv_freq.astype(np.float32), (n_layers, head_dim // 2))
+    g["rope_attention_scaling"][:] = np.ones(n_layers, dtype=np.float32)
+    u = rng.standard_normal((n_layers, n_kv, head_dim)).astype(np.float32)
+    u /= np.linalg.norm(u, axis=-1, keepdims=True)  # [layer, kv_head, D]
+    _write_qkv(g, rng, u, T, n_sink, layout.pos_block, n_heads // n_kv)
+    _write_window_rows(g, rng, prompt_len, n_steps, layout, block_steps)
+    g.attrs.update({"status": "complete", "steps_committed": [n_steps], "samples_done": [True]})
+    consolidate(path)
+    return path
+
+
+def _write_qkv(g, rng, u: np.ndarray, T: int, n_sink: int, pos_block: int, group: int) -> None:
+    """q ``[1, qpos, layer, head, D]`` and k, v ``[1, layer, kv_head, pos, D]``, a block of positions
+    at a time; the last position (the last token decoded, never fed back) is NaN, as in a trace."""
+    n_layers, n_kv, D = u.shape
+    lift = np.repeat(u, group, axis=1)  # [layer, head, D]
+    for p0 in range(0, T, pos_block):
+        p1 = min(T, p0 + pos_block)
+        q = rng.standard_normal((p1 - p0, n_layers, n_kv * group, D), dtype=np.float32) + 3 * lift
+        q[T - 1 - p0 :] = np.nan
+        g["q"][0, p0:p1] = q.astype(np.float16)
+        for name in ("k", "v"):
+            x = rng.standard_normal((n_layers, n_kv, p1 - p0, D), dtype=np.float32)
+            if name == "k" and p0 < n_sink:
+                x[:, :, : n_sink - p0] += 12 * u[:, :, None, :]
+            x[:, :, T - 1 - p0 :] = np.nan
+            g[name][0, :, :, p0:p1] = x.astype(np.float16)
+
+
+def _write_window_rows(g, rng, P: int, n_steps: int, layout, block_steps: int) -> None:
+    """``attn [1, step, layer, kv_head, window]`` and ``attn_sink``: random masses over the
+    windows a query sees and the sinks, each row summing to 1 (NaN beyond the query)."""
+    n_win, w, n_sink = layout.n_windows, layout.window, layout.n_sink
+    shape = (layout.n_layers, layout.n_kv_heads)
+    for t0 in range(0, n_steps, block_steps):
+        t1 = min(n_steps, t0 + block_steps)
+        rows = np.full((1, t1 - t0) + shape + (n_win,), np.nan, dtype=np.float32)
+        sinks = np.zeros((1, t1 - t0) + shape + (n_sink,), dtype=np.float32)
+        for t in range(t0, t1):
+            seen = -(-(P + t - n_sink) // w)  # windows holding a position ≤ the query's
+            mass = rng.exponential(1.0, shape + (seen + n_sink,)).astype(np.float32)
+            mass[..., :n_sink] *= 20
+            mass /= mass.sum(-1, keepdims=True)
+            sinks[0, t - t0], rows[0, t - t0, ..., :seen] = mass[..., :n_sink], mass[..., n_sink:]
+        g["attn"][0:1, t0:t1] = rows.astype(np.float16)
+        g["attn_sink"][0:1, t0:t1] = sinks.astype(np.float16)

@@ -347,7 +347,7 @@ def _values(report: Report, ctx: Context, arrays: dict, spec, index, data: np.nd
 def _deep(report: Report, checked, n_rows: int) -> None:
     """Rows of up to ``n_rows`` steps per sample recomputed from q/k (every layer) and compared
     with the stored ones (token resolution): max |Δ| within what the stored dtype allows."""
-    from .analysis.recompute import _layer_rows
+    from .analysis.recompute import layer_rows
     from .store import open_trace
 
     if not checked.attrs["record_qkv"]:
@@ -364,7 +364,7 @@ def _deep(report: Report, checked, n_rows: int) -> None:
         for layer in range(checked.layout.n_layers):
             q = ds["q"].isel(sample=s, layer=layer).values  # [qpos, head, D]
             k = ds["k"].isel(sample=s, layer=layer).values  # [kv_head, pos, D]
-            again = _layer_rows(q, k, qpos, model.rule(layer), "all" if heads == "all" else "kv")[0, :, 0]
+            again = layer_rows(q, k, qpos, model.rule(layer), "all" if heads == "all" else "kv")[0, :, 0]
             if heads == "mean":
                 again = again.mean(1, keepdims=True)
             stored = ds["attn"].isel(sample=s, layer=layer, step=steps).values.astype(np.float32)

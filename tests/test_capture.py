@@ -236,7 +236,9 @@ def test_recorded_qkv_reproduce_rows(tmp_path, tiny_models):
 
 def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
     folder = str(tiny_models["llama"])
-    kvscope.trace(PROMPT, tmp_path / "tok.zarr", model=folder, max_new_tokens=6, dtype="float32", stop_at_eos=False)
+    kvscope.trace(
+        PROMPT, tmp_path / "tok.zarr", model=folder, max_new_tokens=6, dtype="float32", stop_at_eos=False, n_sink=2
+    )
     kvscope.trace(
         PROMPT,
         tmp_path / "win.zarr",
@@ -247,9 +249,11 @@ def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
         window=4,
         n_sink=2,
         stop_at_eos=False,
+        record_qkv=True,
     )
     tok = kvscope.open_trace(tmp_path / "tok.zarr")
     win = kvscope.open_trace(tmp_path / "win.zarr")
+    check_window_store_analyses(tok, win)
     assert win.attrs["w"] == 4 and win.attrs["n_sink"] == 2
     rows = np.nan_to_num(tok.attn.values[0])  # [step, layer, kv, pos]
     np.testing.assert_allclose(win.attn_sink.values[0], rows[..., :2], atol=1e-6)
@@ -260,6 +264,24 @@ def test_window_resolution_sums_token_rows(tmp_path, tiny_models):
         got = win.attn.values[0, ..., j]
         np.testing.assert_allclose(got[exists], expect[exists], atol=1e-6)
         assert np.isnan(got[~exists]).all()
+
+
+def check_window_store_analyses(tok, win) -> None:
+    """The analyses of a window store (its last window partial: a unit the prefill's window sums
+    must count too) equal those of the token store at the same windows, and a replay of the
+    window store (rows recomputed from q/k) equals the token store's."""
+    from kvscope.analysis import FMM, Churn
+
+    assert (win.sizes["pos"] - 2) % 4, "the store's last window must be partial"
+    for metric in (FMM(w=4, n_sink=2, n_boot=10), Churn(w=4, n_sink=2, n_boot=10)):
+        a, b = metric(tok), metric(win)
+        for name in a.data_vars:
+            np.testing.assert_allclose(b[name].values, a[name].values, atol=1e-6, err_msg=name)
+    a = kvscope.replay(tok, ["h2o", "qevict"], [0.5], errors=False, every=2, horizon=2)
+    b = kvscope.replay(win, ["h2o", "qevict"], [0.5], errors=False, every=2, horizon=2)
+    assert np.isfinite(a["fmm"].values).sum() > 8
+    for name in ("fmm", "churn", "bytes_used"):
+        np.testing.assert_allclose(b[name].values, a[name].values, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow

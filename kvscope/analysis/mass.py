@@ -139,6 +139,9 @@ def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> 
         return col.fillna(0)
     col = col.transpose(..., "pos")
     n_units = units.count(col.sizes["pos"])
+    if ds.attrs.get("resolution") == "window":  # as many units as the stored rows: the last may be partial
+        n_units = ds.sizes["window"] // (units.w // int(ds.attrs["w"]))
+        col = col.pad(pos=(0, max(0, units.n_sink + n_units * units.w - col.sizes["pos"])))  # NaN: nothing there
     args = (None, units.n_sink, n_units, units.w)
     if isinstance(col.data, dsa.Array):
         data = col.data.rechunk({-1: -1})

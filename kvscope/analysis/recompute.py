@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # torch is imported by the recomputation only: reading a trac
 STEP_BLOCK = 64  # steps whose logits are computed together: [steps, head, pos] float32 at a time
 
 
-def _layer_rows(q, k, qpos, rule: AttentionRule, heads: str) -> np.ndarray:
-    """q [qpos, head, D], k [kv_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos] float32."""
+def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0) -> np.ndarray:
+    """q [qpos − q_first, head, D], k [kv_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos] float32."""
     import torch
 
     from ..attention import grouped
@@ -42,7 +42,7 @@ def _layer_rows(q, k, qpos, rule: AttentionRule, heads: str) -> np.ndarray:
     for b0 in range(0, len(steps), STEP_BLOCK):
         block = steps[b0 : b0 + STEP_BLOCK]
         rows = np.asarray(qpos)[block]
-        queries = torch.from_numpy(np.asarray(q[rows], dtype=np.float32))  # [n, head, D]
+        queries = torch.from_numpy(np.asarray(q[rows - q_first], dtype=np.float32))  # [n, head, D]
         qg = grouped(queries[:, :, None, :], n_kv)  # [n, kv, g, D]
         q_at = torch.from_numpy(rows)[:, None, None, None]
         probs = rule.probs(qg, keys, q_at, k_pos)  # [n, kv, g, pos]
@@ -65,7 +65,7 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     for s in range(n_samples):
         row = []
         for layer in range(n_layers):
-            task = dask.delayed(_layer_rows)(
+            task = dask.delayed(layer_rows)(
                 ds["q"].data[s, :, layer] if hasattr(ds["q"].data, "dask") else ds["q"][s, :, layer].values,
                 ds["k"].data[s, layer] if hasattr(ds["k"].data, "dask") else ds["k"][s, layer].values,
                 qpos[s],

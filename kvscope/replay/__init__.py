@@ -141,8 +141,10 @@ class ReplaySetup:
         lir = LIR(**metric, **stats)
         if every is not None and every < 1:
             raise KvscopeError(f"every must be ≥ 1 (got {every})")
-        if acc.resolution != "token":
-            raise KvscopeError("replay needs token-resolution rows; this store holds window sums")
+        if acc.resolution != "token" and not acc.has_qkv:
+            raise KvscopeError(
+                "replay needs token-resolution rows, or q/k to recompute them from; this store holds window sums only"
+            )
         acc.require_steps()
         if observe == "exact" and not acc.has_qkv:
             raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")

@@ -21,8 +21,10 @@ class SampleReader:
         self.n_steps = int(acc.n_steps[s])
         self.final_len = self.prompt_len + self.n_steps
         self.query_pos = acc.query_pos[s]  # [step]
+        self.recomputed = acc.resolution != "token"  # window sums stored: rows recomputed from q/k
         self._rows: dict[int, np.ndarray] = {}
         self._queries: dict[int, np.ndarray] = {}
+        self._kv: tuple[np.ndarray, np.ndarray] | None = None
 
     def _kv_groups(self, x: np.ndarray, axis: int) -> np.ndarray:
         """Rows of the query heads of a KV group averaged (``--heads all`` stores)."""
@@ -41,11 +43,31 @@ class SampleReader:
         if b not in self._rows:
             for old in [k for k in self._rows if k < b - 1]:  # the oracle's look-ahead reads one block ahead
                 del self._rows[old]
-            a = self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
+            a = (
+                self._recompute(steps)
+                if self.recomputed
+                else self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
+            )
             where = f"attn rows of sample {self.s}, steps {steps.start}–{steps.stop - 1}"
             refuse_bad_rows(row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps]), where)
             self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
         return self._rows[b][t - steps.start]
+
+    def _recompute(self, steps: slice) -> np.ndarray:
+        """Rows ``[step, layer, stored head, final_len]`` of ``steps`` from the recorded q and k,
+        by the model's attention rule of each layer (:func:`kvscope.analysis.recompute.layer_rows`)."""
+        from ..analysis.recompute import layer_rows
+
+        qpos = self.query_pos[steps]
+        first = int(qpos.min())
+        q = self.ds["q"].isel(sample=self.s, qpos=slice(first, int(qpos.max()) + 1)).values  # [n, layer, head, D]
+        k = self.kv()[0]  # [layer, kv_head, final_len, D]
+        model, heads = self.ds.kvscope.model, "all" if self.group > 1 else "kv"
+        rows = [
+            layer_rows(q[:, i], k[i], qpos, model.rule(int(layer)), heads, first)[0, :, 0]
+            for i, layer in enumerate(self.ds["layer"].values)
+        ]
+        return np.stack(rows, axis=1)
 
     def query(self, t: int) -> np.ndarray:
         """Recorded query of step ``t``: ``[layer, head, D]`` float32."""
@@ -71,10 +93,12 @@ class SampleReader:
         return self.ds["q"].isel(sample=self.s, qpos=slice(0, self.final_len)).values.astype(np.float32)
 
     def kv(self) -> tuple[np.ndarray, np.ndarray]:
-        """Recorded ``k, v [layer, kv_head, final_len, D]`` in the stored dtype."""
-        k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values
-        v = self.ds["v"].isel(sample=self.s, pos=slice(0, self.final_len)).values
-        return np.ascontiguousarray(k), np.ascontiguousarray(v)
+        """Recorded ``k, v [layer, kv_head, final_len, D]`` in the stored dtype (read once)."""
+        if self._kv is None:
+            k = self.ds["k"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+            v = self.ds["v"].isel(sample=self.s, pos=slice(0, self.final_len)).values
+            self._kv = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        return self._kv
 
     def future(self, h: int) -> FutureSum:
         return FutureSum(self, h)
