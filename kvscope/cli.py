@@ -109,7 +109,7 @@ def _add_trace(sub) -> None:
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
     p.add_argument("--allocation", default=None, help="--policy: how β is split across layers and KV heads")
     p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
-    p.add_argument("--resume", action="store_true", help="continue a partial store (with --shard: that shard's samples)")
+    p.add_argument("--resume", action="store_true", help="continue a partial store (--shard: the shard's samples)")
     p.add_argument("--force", action="store_true", help="overwrite an existing store")
     p.add_argument(
         "--shard", default=None, metavar="I/N",
@@ -219,8 +219,9 @@ def _cmd_trace(args) -> int:
             bar.update(task, completed=p.steps_done, total=p.steps_total, tps=p.tokens_per_s, written=written)
 
         result = trace(
-            prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step, cache=cache, shard=shard
-        )
+            prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step, cache=cache,
+            shard=shard,
+        )  # fmt: skip
     label = f"shard {shard.label}: " if shard is not None else ""
     _print_traced([result], result.seconds, label, prompts, workload)
     return 0
@@ -241,9 +242,10 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
     """``trace --dask``: one shard per worker, then the store is complete."""
     import time
 
-    from .tracing.distributed import trace_dask
+    from .tracing.distributed import refuse_early, trace_dask
 
     started = time.perf_counter()
+    refuse_early(prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache)  # before the cluster
     with _DaskContext(args.dask) as client:
         bar, task = _progress("trace", args.quiet, "shards")
         with bar:
@@ -726,6 +728,7 @@ class _DaskContext:
     def __init__(self, spec: str | None):
         self.spec = spec
         self.client = self.cluster = None
+        self.environ: dict = {}
 
     def __enter__(self):
         if not self.spec:
@@ -739,6 +742,7 @@ class _DaskContext:
                 raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
             if n < 1:
                 raise KvscopeError("--dask local:N needs N ≥ 1")
+            self.environ = dict(os.environ)  # the nanny sets OMP_NUM_THREADS=1 … here too, for its workers
             self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None, silence_logs=50)
             self.client = Client(self.cluster)
         elif self.spec.startswith(("tcp://", "tls://")):
@@ -755,6 +759,8 @@ class _DaskContext:
             self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+            os.environ.clear()
+            os.environ.update(self.environ)
 
 
 def _save_figure(fig, path) -> None:

@@ -236,8 +236,12 @@ def store_info(path: str | os.PathLike) -> dict:
 
 
 def _stored_bytes(folder: Path) -> int:
+    """Bytes of the chunks under ``folder``; while other shards write the store, a chunk zarr is
+    replacing (``*.partial``, renamed over the chunk) is not counted."""
     total = 0
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            total += os.path.getsize(os.path.join(root, name))
+            if not name.endswith(".partial"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(root, name))
     return total

@@ -40,14 +40,11 @@ def trace_dask(
     import torch
     from distributed import as_completed
 
-    settings.check()
-    check_cache(settings, cache)
-    prompts = as_prompts(prompts)
-    out = output_path(out, "--out")
+    prompts, out = as_prompts(prompts), output_path(out, "--out")
+    existing = refuse_early(prompts, out, settings, resume=resume, force=force, cache=cache)
     workers = sorted(client.scheduler_info()["workers"])
     if not workers:
         raise KvscopeError("the dask cluster has no workers")
-    existing = _prepare_out(out, _settings_doc(settings, resolve(settings.model), prompts, cache), resume, force)
     n = _shard_count(out, existing, len(workers))
     if force and out.exists():  # before any shard starts
         remove_store(out)
@@ -71,6 +68,18 @@ def trace_dask(
         raise
     finalize(out)  # the last shard did; a sample not done would be named here
     return [results[i] for i in range(n)]
+
+
+def refuse_early(prompts, out, settings: TraceSettings, *, resume=False, force=False, cache=None) -> dict | None:
+    """What :func:`trace_dask` refuses before any worker loads the model (the command line calls
+    it before it starts a cluster); the store's attrs when resuming."""
+    settings.check()
+    check_cache(settings, cache)
+    prompts, out = as_prompts(prompts), output_path(out, "--out")
+    existing = _prepare_out(out, _settings_doc(settings, resolve(settings.model), prompts, cache), resume, force)
+    if existing is not None:
+        _shard_count(out, existing, 1)
+    return existing
 
 
 def _shard_count(out: Path, existing: dict | None, n_workers: int) -> int:
