@@ -13,9 +13,9 @@ import pytest
 import zarr
 
 import kvscope
-from kvscope.errors import KvscopeError
+from kvscope.errors import KvscopeError, StoreError
 from kvscope.tracing.runner import _create_store, finalize
-from kvscope.tracing.shard import Shard, batches
+from kvscope.tracing.shard import Shard, batches, owner
 
 from .conftest import ROOT, one_line_error, run_main, tree_digest
 
@@ -67,6 +67,7 @@ def test_shards_take_batches_round_robin():
     assert Shard(0, 3).samples(7, 2) == [0, 1, 6]
     assert sorted(s for i in range(3) for s in Shard(i, 3).samples(7, 2)) == list(range(7))
     assert Shard.parse("1/2") == Shard(1, 2)
+    assert [owner(s, 2, 3) for s in range(7)] == [0, 0, 1, 1, 2, 2, 0]
 
 
 def test_local_cluster_equals_one_process(tmp_path, single, tiny_models, prompts_file):
@@ -110,7 +111,7 @@ def test_two_shard_processes_equal_one_process(tmp_path, single, tiny_models, pr
     assert run_main("verify", out).returncode == 0
 
 
-def test_a_shard_that_finds_the_store_made_by_another_joins_it(tmp_path, tiny_models):
+def test_a_shard_that_loses_the_creation_race_leaves_the_store_as_it_is(tmp_path, tiny_models):
     """The race of two shards creating the store at once: the rename of the second one's
     temporary store fails (``out`` is not empty), it gets None, and no temporary is left."""
     out = tmp_path / "race.zarr"
@@ -215,3 +216,18 @@ def test_a_single_process_store_is_not_joined_by_a_shard(tmp_path, single, tiny_
             "was begun by a single process (no --shard)",
         )  # fmt: skip
     assert tree_digest(partial) == before
+    zarr.open_group(str(partial), mode="r+", use_consolidated=False).attrs.update({"shards": "two"})
+    with pytest.raises(StoreError, match="attribute shards must be an integer ≥ 1"):
+        kvscope.open_trace(partial)
+
+
+def test_batches_and_sampling_equal_one_process(tmp_path, tiny_models):
+    """With ``--batch-size 2`` a shard decodes whole batches (the same left padding and seeds
+    as one process): shards 1/2 then 0/2, sampling at temperature 0.7, equal one process."""
+    kwargs = {"model": str(tiny_models["llama"]), **SETTINGS, "batch_size": 2, "temperature": 0.7}
+    prompts = PROMPTS[:3]  # batches [0, 1] and [2]
+    kvscope.trace(prompts, tmp_path / "one.zarr", **kwargs)
+    first = kvscope.trace(prompts, tmp_path / "two.zarr", shard=Shard(1, 2), **kwargs)
+    assert first.samples == [2] and not first.complete
+    assert kvscope.trace(prompts, tmp_path / "two.zarr", shard=Shard(0, 2), **kwargs).samples == [0, 1]
+    assert_same_store(tmp_path / "two.zarr", tmp_path / "one.zarr")

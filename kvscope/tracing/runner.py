@@ -45,7 +45,7 @@ from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
 from .capture import HEAD_MODES, KERNELS, implementation_name, register
 from .decode import decode_all
-from .shard import Shard, batches
+from .shard import Shard, batches, owner
 from .writer import StoreLock, StoreWriter, commit_lock
 
 
@@ -385,9 +385,8 @@ def _refuse_undone(out: Path, attrs: dict) -> None:
         return
     where = ""
     if is_int(attrs.get("shards"), 1):
-        size = attrs.get("generation", {}).get("batch_size", 1)
-        owners = sorted({(s // size) % attrs["shards"] for s in undone})
-        n = attrs["shards"]
+        n, size = attrs["shards"], attrs.get("generation", {}).get("batch_size", 1)
+        owners = sorted({owner(s, size, n) for s in undone})
         where = f" (shard {', '.join(f'{i}/{n}' for i in owners)}; run it with --resume)"
     raise KvscopeError(f"cannot finalize {out}: sample(s) {_listed(undone)} not done{where}")
 

@@ -46,10 +46,15 @@ class Shard:
 
     def batches(self, n_samples: int, batch_size: int) -> list[list[int]]:
         """The sample indices of every batch this shard decodes."""
-        return batches(n_samples, batch_size)[self.index :: self.count]
+        return [b for b in batches(n_samples, batch_size) if owner(b[0], batch_size, self.count) == self.index]
 
     def samples(self, n_samples: int, batch_size: int) -> list[int]:
         return [s for batch in self.batches(n_samples, batch_size) for s in batch]
+
+
+def owner(sample: int, batch_size: int, count: int) -> int:
+    """The shard of ``count`` that decodes ``sample``: its batch ``b = sample // batch_size``, mod ``count``."""
+    return (sample // batch_size) % count
 
 
 def batches(n_samples: int, batch_size: int, shard: Shard | None = None) -> list[list[int]]:
