@@ -14,7 +14,8 @@ import zarr
 
 import kvscope
 from kvscope.errors import KvscopeError, StoreError
-from kvscope.tracing.runner import _create_store, finalize
+from kvscope.tracing.distributed import worker_device
+from kvscope.tracing.runner import _create_store, _device_kind, finalize
 from kvscope.tracing.shard import Shard, batches, owner
 
 from .conftest import ROOT, one_line_error, run_main, tree_digest
@@ -68,6 +69,12 @@ def test_shards_take_batches_round_robin():
     assert sorted(s for i in range(3) for s in Shard(i, 3).samples(7, 2)) == list(range(7))
     assert Shard.parse("1/2") == Shard(1, 2)
     assert [owner(s, 2, 3) for s in range(7)] == [0, 0, 1, 1, 2, 2, 0]
+    # --dask on a machine with GPUs: a worker that sees several spreads the shards over them
+    assert [worker_device("cuda", Shard(i, 3), 2) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert worker_device("cuda", Shard(1, 3), 1) == "cuda" and worker_device("cuda:1", Shard(0, 3), 4) == "cuda:1"
+    assert worker_device("cpu", Shard(1, 2), 0) == "cpu"
+    # shards on cuda:0 and cuda:1 join one store
+    assert _device_kind({"device": "cuda:1", "seed": 0}) == {"device": "cuda", "seed": 0}
 
 
 def test_local_cluster_equals_one_process(tmp_path, single, tiny_models, prompts_file):

@@ -5,13 +5,15 @@
 Task ``i`` runs :func:`kvscope.tracing.runner.trace` with ``shard=Shard(i, n)`` — the code path
 of ``trace --shard i/n``: it loads the model once and decodes its batches; the first task to
 arrive creates the store. Each task is placed on its own worker (``n`` = the cluster's workers;
-on ``--resume`` the ``n`` the store was begun with). Every task runs torch with this process's
+on ``--resume`` the ``n`` the store was begun with); with ``--device cuda`` a worker that sees
+several GPUs decodes on ``cuda:(i mod GPUs)`` (:func:`worker_device`). Every task runs torch with this process's
 thread count, so that a cluster's store equals a single-process trace's bit for bit (CPU
 kernels' sums depend on the thread count; dask starts its workers with one thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -97,4 +99,13 @@ def _shard_task(prompts, out, settings, shard: Shard, resume: bool, cache, threa
     import torch
 
     torch.set_num_threads(threads)
+    count = torch.cuda.device_count() if settings.device == "cuda" else 0
+    settings = dataclasses.replace(settings, device=worker_device(settings.device, shard, count))
     return trace(prompts, out, settings, resume=resume, shard=shard, cache=cache)
+
+
+def worker_device(device: str, shard: Shard, n_gpus: int) -> str:
+    """The device of ``shard``: ``--device cuda`` on a worker that sees several GPUs (a
+    LocalCluster on a multi-GPU machine) spreads the shards, ``cuda:(i mod n_gpus)``; a worker
+    that sees one (dask-cuda gives each worker its own) or a device with an index keeps it."""
+    return f"cuda:{shard.index % n_gpus}" if device == "cuda" and n_gpus > 1 else device

@@ -249,12 +249,20 @@ def _prepare_out(
 
 
 def _same_settings(out: Path, attrs: dict, settings_doc: dict, flag: str) -> None:
-    """The store passes its checks and was traced with exactly ``settings_doc``."""
+    """The store passes its checks and was traced with exactly ``settings_doc`` — but for the
+    index of a CUDA device: shards run on ``cuda:0``, ``cuda:1``, …, and a resumed trace may
+    continue on another GPU (it checks the tokens it regenerates)."""
     check_store(out)
-    theirs = attrs.get("settings", {})
-    diff = sorted(k for k in set(theirs) | set(settings_doc) if theirs.get(k) != settings_doc.get(k))
+    theirs, ours = _device_kind(attrs.get("settings", {})), _device_kind(settings_doc)
+    diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if diff:
         raise KvscopeError(f"{flag}: {out} was traced with different {', '.join(diff)}")
+
+
+def _device_kind(doc: dict) -> dict:
+    """``doc`` with its ``device`` as ``cpu`` or ``cuda`` (no index)."""
+    device = doc.get("device")
+    return {**doc, "device": device.split(":")[0]} if isinstance(device, str) else doc
 
 
 def _join(out: Path, attrs: dict, settings_doc: dict, resume: bool, shard: Shard) -> dict:
