@@ -63,9 +63,10 @@ def _human_bytes(n: float) -> str:
 # -- trace --------------------------------------------------------------------------
 
 
-def _add_prompt_sources(p) -> None:
-    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`_prompts`)."""
-    src = p.add_mutually_exclusive_group(required=True)
+def _add_prompt_sources(p, required: bool = True) -> None:
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`_prompts`;
+    ``required=False``: the command checks that one is given, where it needs one)."""
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument(
         "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
@@ -77,10 +78,10 @@ def _add_prompt_sources(p) -> None:
 
 def _add_trace(sub) -> None:
     p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
-    _add_prompt_sources(p)
+    _add_prompt_sources(p, required=False)  # not with --finalize
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
-    p.add_argument("--out", required=True, help="store path (*.zarr)")
+    p.add_argument("--out", default=None, help="store path (*.zarr); required")
     p.add_argument("--heads", default="kv", help="all | kv | mean (default kv: kv-group rows)")
     p.add_argument("--resolution", default="token", help="token | window")
     p.add_argument("--window", type=int, default=defaults.W, help="window size w, a multiple of 4")
@@ -108,8 +109,14 @@ def _add_trace(sub) -> None:
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
     p.add_argument("--allocation", default=None, help="--policy: how β is split across layers and KV heads")
     p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
-    p.add_argument("--resume", action="store_true", help="continue a partial store")
+    p.add_argument("--resume", action="store_true", help="continue a partial store (--shard: the shard's samples)")
     p.add_argument("--force", action="store_true", help="overwrite an existing store")
+    p.add_argument(
+        "--shard", default=None, metavar="I/N",
+        help="decode shard I of N (the batches b with b mod N = I) into a store N shards write together",
+    )  # fmt: skip
+    p.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port: one shard per worker")
+    p.add_argument("--finalize", default=None, metavar="STORE", help="mark a store whose shards all finished complete")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_trace)
 
@@ -190,10 +197,19 @@ def _progress(label: str, quiet: bool, what: str = "", fields: dict | None = Non
 def _cmd_trace(args) -> int:
     from .tracing.runner import trace
 
+    if args.finalize is not None:
+        return _finalize(args)
+    shard = _shard(args)
+    if args.prompt is None and args.prompts is None and args.workload is None:
+        raise KvscopeError("one of the arguments --prompt --prompts --workload is required")
+    if args.out is None:
+        raise KvscopeError("the following arguments are required: --out")
     cache = _trace_cache(args)
     _check_record(args)
     prompts, workload = _prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
     settings = _trace_settings(args)
+    if args.dask is not None:
+        return _trace_dask(args, prompts, workload, settings, cache)
     what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
     bar, task = _progress("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
     with bar:
@@ -202,21 +218,77 @@ def _cmd_trace(args) -> int:
             written = _human_bytes(p.bytes_written)
             bar.update(task, completed=p.steps_done, total=p.steps_total, tps=p.tokens_per_s, written=written)
 
-        result = trace(prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step, cache=cache)
+        result = trace(
+            prompts, args.out, settings, resume=args.resume, force=args.force, progress=on_step, cache=cache,
+            shard=shard,
+        )  # fmt: skip
+    label = f"shard {shard.label}: " if shard is not None else ""
+    _print_traced([result], result.seconds, label, prompts, workload)
+    return 0
+
+
+def _shard(args):
+    """The ``--shard I/N`` of the command line (None without), checked before any work."""
+    if args.shard is None:
+        return None
+    from .tracing.shard import Shard
+
+    if args.dask is not None:
+        raise KvscopeError("--shard and --dask do not go together: --dask runs one shard per worker itself")
+    return Shard.parse(args.shard)
+
+
+def _trace_dask(args, prompts, workload, settings, cache) -> int:
+    """``trace --dask``: one shard per worker, then the store is complete."""
+    import time
+
+    from .tracing.distributed import refuse_early, trace_dask
+
+    started = time.perf_counter()
+    refuse_early(prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache)  # before the cluster
+    with _DaskContext(args.dask) as client:
+        bar, task = _progress("trace", args.quiet, "shards")
+        with bar:
+            results = trace_dask(
+                client, prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache,
+                on_shard=lambda r: bar.advance(task),
+            )  # fmt: skip
+    label = f"{len(results)} shards on {args.dask}: "
+    _print_traced(results, time.perf_counter() - started, label, prompts, workload)
+    return 0
+
+
+def _print_traced(results, seconds: float, label: str, prompts, workload) -> None:
+    """What a trace (or its shards) decoded: steps, speed, the store, each sample's text."""
     from .store import store_info
 
-    info = store_info(result.path)
-    steps = sum(result.steps)
+    path = results[0].path
+    info = store_info(path)
+    rows = sorted((s, n, text) for r in results for s, n, text in zip(r.samples, r.steps, r.texts))
+    steps = sum(n for _, n, _ in rows)
+    state = "" if info["status"] == "complete" else ", the store is partial until every shard is done"
     print(
-        f"traced {result.n_samples} sample(s), {steps} steps in {result.seconds:.1f} s "
-        f"({steps / result.seconds if result.seconds else 0:.1f} steps/s) → {result.path} "
-        f"[{_human_bytes(info['stored_bytes'])} on disk, compression {info['compression_ratio'] or 0:.2f}×]"
+        f"traced {label}{len(rows)} sample(s), {steps} steps in {seconds:.1f} s "
+        f"({steps / seconds if seconds else 0:.1f} steps/s) → {path} "
+        f"[{_human_bytes(info['stored_bytes'])} on disk, compression {info['compression_ratio'] or 0:.2f}×{state}]"
     )
-    for n, text in enumerate(result.texts):
+    for n, _, text in rows:
         graded = ""
         if workload is not None and workload.scorer is not None:
             graded = f" score {workload.scorer(text, prompts[n].expected):.2f} (expected {prompts[n].expected})"
         print(f"  sample {n}: {text[:120]!r}{graded}")
+
+
+def _finalize(args) -> int:
+    """``trace --finalize STORE``: mark a store whose samples are all done complete."""
+    from .tracing.runner import finalize
+
+    given = [f for f in ("prompt", "prompts", "workload", "out", "shard", "dask") if getattr(args, f) is not None]
+    given += [f for f in ("resume", "force") if getattr(args, f)]
+    if given:
+        raise KvscopeError(f"--finalize STORE takes no other trace options (got --{', --'.join(given)})")
+    done = finalize(args.finalize)
+    print(f"{args.finalize} {'is now complete' if done else 'was complete already'}")
     return 0
 
 
@@ -656,6 +728,7 @@ class _DaskContext:
     def __init__(self, spec: str | None):
         self.spec = spec
         self.client = self.cluster = None
+        self.environ: dict = {}
 
     def __enter__(self):
         if not self.spec:
@@ -669,6 +742,7 @@ class _DaskContext:
                 raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
             if n < 1:
                 raise KvscopeError("--dask local:N needs N ≥ 1")
+            self.environ = dict(os.environ)  # the nanny sets OMP_NUM_THREADS=1 … here too, for its workers
             self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None, silence_logs=50)
             self.client = Client(self.cluster)
         elif self.spec.startswith(("tcp://", "tls://")):
@@ -685,6 +759,8 @@ class _DaskContext:
             self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+            os.environ.clear()
+            os.environ.update(self.environ)
 
 
 def _save_figure(fig, path) -> None:

@@ -5,7 +5,8 @@ On open (:func:`check_store`), in order, each failure one :class:`~kvscope.error
 line naming what and where:
 
 1. the group's attributes: types and ranges (status, committed steps per sample, heads,
-   resolution, dtype, ``w``, sinks, observation window, block of steps, the model's sizes);
+   resolution, dtype, ``w``, sinks, observation window, block of steps, the model's sizes,
+   the number of shards of a store written by shards);
 2. every array of the schema that the attributes imply (:func:`kvscope.store.schema`): present,
    with its dims, dtype, shape, chunks, fill value, and a CRC32C checksum on every data array;
 3. the small arrays that say which rows exist: coordinates are their indices, prompt lengths
@@ -94,6 +95,8 @@ def check_attrs(path, attrs) -> None:
     policy = attrs.get("policy")
     if policy is not None:
         need(isinstance(policy, dict) and is_int(policy.get("every"), 1), "policy.every", "an integer ≥ 1", policy)
+    shards = attrs.get("shards")  # a store begun by trace --shard / --dask
+    need(shards is None or is_int(shards, 1), "shards", "an integer ≥ 1", shards)
     questions = attrs.get("question_tokens")
     if questions is not None:
         ok = isinstance(questions, list) and len(questions) == len(committed) and all(is_int(q, 1) for q in questions)

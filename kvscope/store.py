@@ -45,18 +45,22 @@ from .schema import SCHEMA_VERSION, Layout, schema
 
 @contextlib.contextmanager
 def walking_members():
-    """zarr warns about the writer's lock file when it lists a group's members; the file is
-    ours, not a stray object. Silenced only around the calls that walk a store."""
+    """zarr warns about the writer's lock files (``.kvscope-lock``, and the shards'
+    ``.kvscope-lock.*``) when it lists a group's members; the files are ours, not stray objects.
+    Silenced only around the calls that walk a store."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Object at \.kvscope-lock is not recognized")
+        warnings.filterwarnings("ignore", message=r"Object at \.kvscope-lock(\.[\w-]+)? is not recognized")
         yield
 
 
 def consolidate(path) -> None:
-    """Consolidate a store's metadata (only once it is complete: SPEC §2)."""
+    """Consolidate a store's metadata (only once it is complete: SPEC §2). zarr's note that
+    consolidated metadata is not part of the v3 specification is kvscope's to know, not the
+    user's (a shard of ``trace --dask`` consolidates inside a worker, whose stderr is the CLI's)."""
     import zarr
 
-    with walking_members():
+    with walking_members(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
         zarr.consolidate_metadata(str(path))
 
 
@@ -232,8 +236,12 @@ def store_info(path: str | os.PathLike) -> dict:
 
 
 def _stored_bytes(folder: Path) -> int:
+    """Bytes of the chunks under ``folder``; while other shards write the store, a chunk zarr is
+    replacing (``*.partial``, renamed over the chunk) is not counted."""
     total = 0
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            total += os.path.getsize(os.path.join(root, name))
+            if not name.endswith(".partial"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(root, name))
     return total

@@ -38,6 +38,9 @@ CASES = [
     ("trace-context-without-workload", ["trace", "--model", "{TINY}", "--prompt", "hi", "--context", "64", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "--context and --samples go with --workload"),
     ("trace-workload-unknown", ["trace", "--workload", "poetry", "--out", "{TMP}/a.zarr"], "unknown workload 'poetry'"),
     ("trace-no-max-new-tokens", ["trace", "--model", "{TINY}", "--prompt", "hi", "--out", "{TMP}/a.zarr"], "--max-new-tokens is required"),
+    ("trace-shard-3-of-2", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--shard", "3/2", "--out", "{TMP}/a.zarr"], "--shard takes i/n with 0 ≤ i < n"),
+    ("trace-shard-with-dask", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--shard", "0/2", "--dask", "local:2", "--out", "{TMP}/a.zarr"], "--shard and --dask do not go together"),
+    ("trace-finalize-missing", ["trace", "--finalize", "{TMP}/missing.zarr"], "no trace store at"),
     ("trace-empty-prompt", ["trace", "--model", "{TINY}", "--prompt", "  ", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "--prompt is empty"),
     # -- info, verify ---------------------------------------------------------------------------
     ("info-missing", ["info", "{TMP}/missing.zarr"], "no trace store at"),

@@ -163,11 +163,13 @@ class BatchDecode:
 
 
 def decode_all(
-    model, encoded, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
+    model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
 ) -> None:
-    """Every unfinished batch of ``encoded``, in turn; ``progress(steps_done, steps_total, tokens, seconds)``;
-    ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
-    steps_total = sum(layout.n_steps - c for c, d in zip(writer.committed, writer.done) if not d)
+    """Every unfinished batch of ``batches`` (lists of consecutive sample indices of ``encoded``:
+    :func:`kvscope.tracing.shard.batches`), in turn; ``progress(steps_done, steps_total, tokens,
+    seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
+    todo = [s for batch in batches for s in batch if not writer.done[s]]
+    steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
 
     def step_done(live_tokens: int) -> None:
@@ -176,8 +178,7 @@ def decode_all(
         if progress is not None:
             progress(counter["done"], steps_total, counter["tokens"], time.perf_counter() - counter["t0"])
 
-    for b0 in range(0, len(encoded), settings.batch_size):
-        batch = list(range(b0, min(len(encoded), b0 + settings.batch_size)))
+    for batch in batches:
         if all(writer.done[s] for s in batch):
             continue
         cache = cache_factory(model, layout, batch)

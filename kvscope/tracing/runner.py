@@ -8,6 +8,12 @@ or an openable store); the decode loop (:mod:`kvscope.tracing.decode`) hands blo
 to a background writer that commits each block once it is durable. ``resume=True`` continues
 a partial store made with the same settings.
 
+``shard=Shard(i, n)`` (``trace --shard i/n``) decodes only the batches of shard ``i``
+(:mod:`kvscope.tracing.shard`) into a store that ``n`` shards write together: the first shard
+to arrive creates it (under a temporary name, renamed into place: a shard that loses the race
+opens the winner's), every shard commits its own samples, and the shard that commits the last
+sample marks the store complete (:func:`finalize` does it later if that shard died first).
+
 A *cache factory* (``cache=``) decides the KV cache each batch decodes with: by default a
 plain ``DynamicCache``; :class:`kvscope.live.LivePolicy` makes a recording policy cache, whose
 tiers and bytes are written with each block (``trace --policy``). A factory is called as
@@ -16,6 +22,7 @@ tiers and bytes are written with each block (``trace --policy``). A factory is c
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -27,6 +34,7 @@ import numpy as np
 
 from .. import __version__, defaults
 from ..errors import KvscopeError, StoreError
+from ..integrity import is_int
 from ..model_spec import ModelSpec
 from ..models import DEFAULT_MODEL, ModelSource, load, resolve
 from ..params import ParamSpec, check_value
@@ -37,7 +45,8 @@ from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
 from .capture import HEAD_MODES, KERNELS, implementation_name, register
 from .decode import decode_all
-from .writer import StoreLock, StoreWriter
+from .shard import Shard, batches, owner
+from .writer import StoreLock, StoreWriter, commit_lock
 
 
 @dataclass
@@ -141,12 +150,17 @@ class Progress:
 
 @dataclass
 class TraceResult:
+    """What a trace decoded: ``steps`` and ``texts`` of ``samples`` (all of the store's
+    ``n_samples``, or a shard's); ``complete``: the store is complete now."""
+
     path: Path
     n_samples: int
     steps: list[int]
     seconds: float
     bytes_written: int
     texts: list[str] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    complete: bool = True
 
 
 def trace(
@@ -158,12 +172,13 @@ def trace(
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
     cache=None,
+    shard: Shard | None = None,
     **overrides,
 ) -> TraceResult:
     """Decode ``prompts`` with attention capture and write a trace store at ``out``.
 
     ``overrides`` set fields of :class:`TraceSettings` (e.g. ``max_new_tokens=64``);
-    ``cache``: a cache factory (module docstring)."""
+    ``cache``: a cache factory; ``shard``: decode that shard's samples only (module docstring)."""
     settings = settings or TraceSettings()
     for key, value in overrides.items():
         if not hasattr(settings, key):
@@ -174,11 +189,13 @@ def trace(
     prompts = as_prompts(prompts)
     out = output_path(out, "--out")
     source = resolve(settings.model)
-    _prepare_out(out, _settings_doc(settings, source, prompts, cache), resume, force)  # refuse early, before loading
+    doc = _settings_doc(settings, source, prompts, cache)
+    _prepare_out(out, doc, resume, force, shard=shard)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
     return trace_loaded(
-        model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache
-    )
+        model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache,
+        shard=shard,
+    )  # fmt: skip
 
 
 def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache) -> dict:
@@ -196,15 +213,20 @@ def check_out(out: str | Path, force: bool, flag: str = "--out") -> None:
     _prepare_out(Path(out), {}, resume=False, force=force, flag=flag)
 
 
-def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool, flag: str = "--out") -> dict | None:
-    """Decide what to do with ``out``; returns the existing attrs when resuming."""
+def _prepare_out(
+    out: Path, settings_doc: dict, resume: bool, force: bool, flag: str = "--out", shard: Shard | None = None
+) -> dict | None:
+    """Decide what to do with ``out``; returns the existing attrs when resuming (or when
+    ``shard`` joins a store another shard created)."""
+    if shard is not None and force:
+        raise KvscopeError("--force cannot go with --shard: it would remove the other shards' samples")
     if out.is_symlink():
         raise KvscopeError(f"{flag} {out} is a symbolic link; kvscope writes a store only at its real path")
     if not out.exists():
         if resume:
             raise KvscopeError(f"--resume: no store at {out}")
         return None
-    if StoreLock.held_by_other(out):
+    if StoreLock.held_by_other(out, shared=shard is not None):
         raise StoreError(f"{out} is being written by another kvscope process")
     if not (out / "zarr.json").is_file():
         if out.is_dir() and not any(out.iterdir()):
@@ -214,18 +236,57 @@ def _prepare_out(out: Path, settings_doc: dict, resume: bool, force: bool, flag:
     status = attrs.get("status")
     if force:
         return None
+    if shard is not None:
+        return _join(out, attrs, settings_doc, resume, shard)
     if resume:
         if status == "complete":
             raise KvscopeError(f"{out} is already complete; nothing to resume")
-        check_store(out)
-        theirs = attrs.get("settings", {})
-        diff = sorted(k for k in set(theirs) | set(settings_doc) if theirs.get(k) != settings_doc.get(k))
-        if diff:
-            raise KvscopeError(f"--resume: {out} was traced with different {', '.join(diff)}")
+        _same_settings(out, attrs, settings_doc, "--resume")
         return attrs
     if status == "complete":
         raise KvscopeError(f"{flag} {out} holds a complete trace; pass --force to overwrite it or choose another path")
     raise KvscopeError(f"{flag} {out} holds a partial trace; pass --resume to continue it or --force to start over")
+
+
+def _same_settings(out: Path, attrs: dict, settings_doc: dict, flag: str) -> None:
+    """The store passes its checks and was traced with exactly ``settings_doc`` — but for the
+    index of a CUDA device: shards run on ``cuda:0``, ``cuda:1``, …, and a resumed trace may
+    continue on another GPU (it checks the tokens it regenerates)."""
+    check_store(out)
+    theirs, ours = _device_kind(attrs.get("settings", {})), _device_kind(settings_doc)
+    diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if diff:
+        raise KvscopeError(f"{flag}: {out} was traced with different {', '.join(diff)}")
+
+
+def _device_kind(doc: dict) -> dict:
+    """``doc`` with its ``device`` as ``cpu`` or ``cuda`` (no index)."""
+    device = doc.get("device")
+    return {**doc, "device": device.split(":")[0]} if isinstance(device, str) else doc
+
+
+def _join(out: Path, attrs: dict, settings_doc: dict, resume: bool, shard: Shard) -> dict:
+    """The attrs of the partial store that ``shard`` joins: made for as many shards, with the
+    same settings, and none of the shard's samples begun unless ``resume``."""
+    flag = f"--shard {shard.label}"
+    if attrs.get("status") == "complete":
+        raise KvscopeError(f"{flag}: {out} is already complete")
+    if attrs.get("shards") != shard.count:
+        made = f"{attrs['shards']} shards" if "shards" in attrs else "a single process (no --shard)"
+        raise KvscopeError(f"{flag}: {out} was begun by {made}; every shard of a store has the same n")
+    _same_settings(out, attrs, settings_doc, flag)
+    mine = shard.samples(len(attrs["steps_committed"]), settings_doc["batch_size"])
+    begun = [s for s in mine if attrs["steps_committed"][s] > 0]
+    if begun and not resume:
+        raise KvscopeError(
+            f"{flag}: {out} holds committed steps of its sample(s) {_listed(begun)}; pass --resume to continue them"
+        )
+    return attrs
+
+
+def _listed(samples: list[int], at_most: int = 10) -> str:
+    more = f" and {len(samples) - at_most} more" if len(samples) > at_most else ""
+    return ", ".join(map(str, samples[:at_most])) + more
 
 
 def trace_loaded(
@@ -240,13 +301,14 @@ def trace_loaded(
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
     cache=None,
+    shard: Shard | None = None,
 ) -> TraceResult:
     """:func:`trace` with a model that is already loaded (benchmarks reuse one model)."""
     started = time.perf_counter()
     out = Path(out)
     check_cache(settings, cache)
     settings_doc = _settings_doc(settings, source, prompts, cache)
-    existing = _prepare_out(out, settings_doc, resume, force)
+    existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
     register()
     model.set_attn_implementation(implementation_name(settings.attn))
     spec = ModelSpec.from_model(model)
@@ -254,35 +316,96 @@ def trace_loaded(
     check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
     rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
     layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
+    locks = None
     if existing is None:
         attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, settings_doc, cache)
         if settings.question_agnostic:
             attrs["question_tokens"] = [len(q) for q in questions]
-        lock = _create_store(out, layout, attrs, encoded, rope)
-        committed, done = [0] * len(prompts), [False] * len(prompts)
-    else:
-        lock = StoreLock(out).acquire()
-        committed, done = list(existing["steps_committed"]), list(existing["samples_done"])
+        if shard is not None:
+            attrs["shards"] = shard.count
+        locks = _create_store(out, layout, attrs, encoded, rope, shard)
+        if locks is None:  # another shard created the store first: join it
+            existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
+    if locks is None:
+        locks = _writer_locks(out, shard)
+        existing = read_attrs(out) if shard is not None else existing  # read again under the locks
+    committed = list(existing["steps_committed"]) if existing is not None else [0] * len(prompts)
+    done = list(existing["samples_done"]) if existing is not None else [False] * len(prompts)
+    mine = batches(len(encoded), settings.batch_size, shard)
     writer = None
     try:
-        writer = StoreWriter(out, committed, done)
+        writer = StoreWriter(out, committed, done, shared=shard is not None)
         eos = set(eos_ids(model, tokenizer)) if settings.stop_at_eos else set()
 
         def on_step(done_steps: int, total: int, tokens: int, seconds: float) -> None:
             if progress is not None:
                 progress(Progress(done_steps, total, tokens / seconds if seconds > 0 else 0.0, writer.bytes_written))
 
-        decode_all(model, encoded, layout, settings, writer, cache or _dynamic_cache, eos, on_step, questions)
+        decode_all(model, encoded, mine, layout, settings, writer, cache or _dynamic_cache, eos, on_step, questions)
         writer.close()
-        _complete(out)
-        texts, steps = _texts(out, tokenizer, [len(q) for q in questions])
-        return TraceResult(out, len(encoded), steps, time.perf_counter() - started, writer.bytes_written, texts)
+        complete = _complete(out) if shard is None else _complete_if_done(out)
+        samples = [s for batch in mine for s in batch]
+        texts, steps = _texts(out, tokenizer, [len(q) for q in questions], samples)
+        seconds = time.perf_counter() - started
+        return TraceResult(out, len(encoded), steps, seconds, writer.bytes_written, texts, samples, complete)
     except BaseException:
-        if existing is None:
+        if existing is None and shard is None:
             _discard_uncommitted(out, writer)
+        elif writer is not None:
+            writer.abandon()  # the blocks already handed over are written and committed
         raise
     finally:
-        lock.release()
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _writer_locks(out: Path, shard: Shard | None) -> list[StoreLock]:
+    """The locks a writer of an existing store holds: the store's (exclusive; shared by shards)
+    and a shard's own (module docstring of :mod:`kvscope.tracing.writer`)."""
+    if shard is None:
+        return [StoreLock(out).acquire()]
+    store = StoreLock(out, shared=True).acquire()
+    try:
+        return [store, StoreLock(out, shard.lock_name).acquire()]
+    except StoreError:
+        store.release()
+        raise StoreError(f"shard {shard.label} of {out} is being written by another kvscope process") from None
+
+
+def finalize(out: str | Path) -> bool:
+    """Mark a partial store whose samples are all done complete (what the shard that commits
+    the last sample does itself); False if it was complete already. A sample not done is one
+    line naming it (and its shard)."""
+    out = Path(out)
+    checked = check_store(out)
+    if checked.attrs["status"] == "complete":
+        return False
+    if StoreLock.held_by_other(out, shared=True):
+        raise StoreError(f"{out} is being written by another kvscope process")
+    _refuse_undone(out, checked.attrs)
+    return _complete_if_done(out)
+
+
+def _refuse_undone(out: Path, attrs: dict) -> None:
+    done = attrs.get("samples_done") or [False] * len(attrs["steps_committed"])
+    undone = [s for s, d in enumerate(done) if not d]
+    if not undone:
+        return
+    where = ""
+    if is_int(attrs.get("shards"), 1):
+        n, size = attrs["shards"], attrs.get("generation", {}).get("batch_size", 1)
+        owners = sorted({owner(s, size, n) for s in undone})
+        where = f" (shard {', '.join(f'{i}/{n}' for i in owners)}; run it with --resume)"
+    raise KvscopeError(f"cannot finalize {out}: sample(s) {_listed(undone)} not done{where}")
+
+
+def _complete_if_done(out: Path) -> bool:
+    """Under the commit lock: mark the store complete if every sample is done; whether it is."""
+    with commit_lock(out):
+        attrs = read_attrs(out)
+        if attrs["status"] != "complete" and all(attrs["samples_done"]):
+            _complete(out)
+        return all(attrs["samples_done"])
 
 
 def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
@@ -324,26 +447,27 @@ def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None
     )
 
 
-def _complete(out: Path) -> None:
+def _complete(out: Path) -> bool:
     """Mark the store complete and consolidate its metadata (only now: SPEC §2)."""
     import zarr
 
     group = zarr.open_group(str(out), mode="r+")
     group.attrs.update({"status": "complete", "completed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     consolidate(out)
+    return True
 
 
-def _texts(out: Path, tokenizer, n_question: list[int]) -> tuple[list[str], list[int]]:
-    """The generated text (after any forced question) and the number of steps of every sample."""
+def _texts(out: Path, tokenizer, n_question: list[int], samples: list[int]) -> tuple[list[str], list[int]]:
+    """The generated text (after any forced question) and the number of steps of each of ``samples``."""
     import zarr
 
     group = zarr.open_group(str(out), mode="r")
-    tokens, prompt_len, n_steps = group["tokens"][:], group["prompt_len"][:], group["n_steps"][:]
+    tokens, prompt_len, n_steps = group["tokens"], group["prompt_len"][:], group["n_steps"][:]
     texts = []
-    for s in range(len(n_steps)):
+    for s in samples:
         gen = tokens[s, prompt_len[s] + n_question[s] : prompt_len[s] + n_steps[s]]
         texts.append(tokenizer.decode([int(t) for t in gen if t >= 0]))
-    return texts, [int(n) for n in n_steps]
+    return texts, [int(n_steps[s]) for s in samples]
 
 
 def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, prompts, settings_doc, cache) -> dict:
@@ -396,30 +520,42 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
     }
 
 
-def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | None) -> StoreLock:
+def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | None, shard: Shard | None = None):
     """Create the store under a temporary name and rename it into place, so that ``out`` is
-    either absent or an openable store (status ``partial``); returns the held writer lock."""
-    if out.exists():  # --force over a store, or an empty folder
-        old = StoreLock(out).acquire()
-        shutil.rmtree(out)
-        old.release()
+    either absent or an openable store (status ``partial``); returns the held writer locks.
+    A shard that finds ``out`` made by another shard meanwhile (the rename fails: ``out`` is not
+    empty) gets None and joins that store."""
+    if out.exists() and shard is None:  # --force over a store, or an empty folder
+        remove_store(out)
     tmp = out.with_name(f".{out.name}.creating-{os.getpid()}")
-    lock = StoreLock(tmp)
+    locks = [StoreLock(tmp)] if shard is None else [StoreLock(tmp, shared=True), StoreLock(tmp, shard.lock_name)]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         create(tmp, layout, attrs)
         _write_static(tmp, layout, encoded, rope)
-        lock.acquire()
+        for lock in locks:
+            lock.acquire()
         os.rename(tmp, out)
     except BaseException as exc:
-        lock.release()
+        for lock in locks:
+            lock.release()
         shutil.rmtree(tmp, ignore_errors=True)
+        if shard is not None and isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return None
         if isinstance(exc, OSError):
             raise StoreError(f"cannot create {out}: {exc.strerror or exc}") from exc
         raise
-    lock.path = out
-    return lock
+    for lock in locks:
+        lock.path = out
+    return locks
+
+
+def remove_store(out: Path) -> None:
+    """Remove the store at ``out`` (``--force``), refused while another process writes it."""
+    lock = StoreLock(out).acquire()
+    shutil.rmtree(out)
+    lock.release()
 
 
 def _write_static(out: Path, layout: Layout, encoded: list[list[int]], rope: Rope | None) -> None:

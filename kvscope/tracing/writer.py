@@ -8,6 +8,14 @@ and always leaves a store that opens. Metadata is consolidated only when the tra
 complete. An exclusive ``flock`` on ``STORE/.kvscope-lock`` refuses a second writer; the
 kernel drops it when the writer dies, even on SIGKILL. The lock file is opened with
 ``O_NOFOLLOW``: a lock that is a symbolic link is refused, never followed.
+
+Shards (``trace --shard i/n``) write one store together: each holds ``.kvscope-lock`` *shared*
+(an exclusive writer is refused while any shard runs, and a shard while one writes) and its
+own ``.kvscope-lock.shard-i`` exclusively (one process per shard). A shard's writer
+(``shared=True``) commits under ``.kvscope-lock.commit``: it reads the attributes again,
+changes only its own samples' entries of ``steps_committed``/``samples_done``, and writes the
+arrays whose chunks hold several samples (``n_steps``) there too; every other chunk holds one
+sample, so shards never write the same chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import fcntl
 import os
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,13 +34,14 @@ import numpy as np
 from ..errors import StoreError
 
 LOCK_NAME = ".kvscope-lock"
+COMMIT_LOCK = f"{LOCK_NAME}.commit"
 
 
-def _open_lock(folder: Path, create: bool) -> int:
+def _open_lock(folder: Path, create: bool, name: str = LOCK_NAME) -> int:
     """A descriptor of ``folder/.kvscope-lock`` (read-write and created when ``create``, else
     read-only), never opened through a symbolic link (a crafted store must not make kvscope
     truncate or write the file a link points to)."""
-    path = folder / LOCK_NAME
+    path = folder / name
     flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
     try:
         return os.open(path, flags, 0o644)
@@ -42,37 +52,42 @@ def _open_lock(folder: Path, create: bool) -> int:
 
 
 class StoreLock:
-    """Exclusive writer lock on a store folder."""
+    """A writer lock on a store folder: ``folder/name`` held exclusively, or shared (the shards
+    of one store), never waiting unless ``wait``."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, name: str = LOCK_NAME, shared: bool = False):
         self.path = Path(path)
+        self.name, self.shared = name, shared
         self.handle = None
 
-    def acquire(self) -> StoreLock:
+    def acquire(self, wait: bool = False) -> StoreLock:
         self.path.mkdir(parents=True, exist_ok=True)
-        handle = os.fdopen(_open_lock(self.path, create=True), "r+")
+        handle = os.fdopen(_open_lock(self.path, create=True, name=self.name), "r+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+            fcntl.flock(handle, mode if wait else mode | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             owner = handle.read().strip() or "another process"
             handle.close()
             raise StoreError(f"{self.path} is being written by another kvscope process (pid {owner})") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
+        if not self.shared:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
         self.handle = handle
         return self
 
     @staticmethod
-    def held_by_other(path: Path) -> bool:
-        """Another process holds the writer lock of the store at ``path``."""
+    def held_by_other(path: Path, shared: bool = False) -> bool:
+        """Another process holds the writer lock of the store at ``path`` (``shared``: holds it
+        exclusively, so that a shard may not join)."""
         if not os.path.lexists(Path(path) / LOCK_NAME):
             return False
         with os.fdopen(_open_lock(Path(path), create=False)) as handle:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
                 return True
             fcntl.flock(handle, fcntl.LOCK_UN)
@@ -83,6 +98,16 @@ class StoreLock:
             fcntl.flock(self.handle, fcntl.LOCK_UN)
             self.handle.close()
             self.handle = None
+
+
+@contextmanager
+def commit_lock(path: Path):
+    """The short exclusive lock under which shards change the attributes they share."""
+    lock = StoreLock(path, COMMIT_LOCK).acquire(wait=True)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @dataclass
@@ -103,10 +128,12 @@ class StoreWriter:
     unless a block is already queued (back-pressure), so a killed run loses at most
     the block being written besides the steps not yet handed over."""
 
-    def __init__(self, path: Path, committed: list[int], done: list[bool], max_queue: int = 1):
+    def __init__(self, path: Path, committed: list[int], done: list[bool], max_queue: int = 1, shared: bool = False):
         import zarr
 
         self.path = Path(path)
+        self.shared = shared  # a shard's writer: commits under the commit lock (module docstring)
+        self._spanning: dict[str, bool] = {}
         self.group = zarr.open_group(str(path), mode="r+")
         self.committed = list(committed)
         self.done = list(done)
@@ -152,12 +179,39 @@ class StoreWriter:
                 self._queue.task_done()
 
     def _write(self, block: Block) -> None:
-        for name, region, data in block.writes:
-            self.group[name][region] = data
-            self.bytes_written += data.nbytes
-        if block.commit or block.done:
-            for sample, steps in block.commit.items():
-                self.committed[sample] = int(steps)
-            for sample, flag in block.done.items():
-                self.done[sample] = bool(flag)
+        own, common = [], []
+        for w in block.writes:
+            (common if self.shared and self._spans_samples(w[0]) else own).append(w)
+        for name, region, data in own:
+            self._put(self.group, name, region, data)
+        if not (common or block.commit or block.done):
+            return
+        for sample, steps in block.commit.items():
+            self.committed[sample] = int(steps)
+        for sample, flag in block.done.items():
+            self.done[sample] = bool(flag)
+        if not self.shared:
             self.group.attrs.update({"steps_committed": self.committed, "samples_done": self.done})
+            return
+        import zarr
+
+        with commit_lock(self.path):
+            group = zarr.open_group(str(self.path), mode="r+")  # read again: the other shards' commits
+            for name, region, data in common:
+                self._put(group, name, region, data)
+            committed, done = list(group.attrs["steps_committed"]), list(group.attrs["samples_done"])
+            for sample in block.commit:
+                committed[sample] = self.committed[sample]
+            for sample in block.done:
+                done[sample] = self.done[sample]
+            group.attrs.update({"steps_committed": committed, "samples_done": done})
+
+    def _put(self, group, name: str, region: tuple, data: np.ndarray) -> None:
+        group[name][region] = data
+        self.bytes_written += data.nbytes
+
+    def _spans_samples(self, name: str) -> bool:
+        """A chunk of ``name`` holds several samples (``n_steps``): shards write it in turn."""
+        if name not in self._spanning:
+            self._spanning[name] = self.group[name].chunks[0] > 1
+        return self._spanning[name]
