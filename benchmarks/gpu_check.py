@@ -155,7 +155,7 @@ def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict
     t0 = time.perf_counter()
     result = kvscope.replay(store, POLICIES, [0.2, 0.5], n_boot=100)
     seconds = time.perf_counter() - t0
-    fmm = {str(p): round(float(result["fmm_mean"].sel(policy=p, budget=0.2)), 4) for p in result["policy"].values}
+    fmm = {str(p): round(float(result["fmm_mean"].sel(policy=p, budget=0.2, allocation="uniform")), 4) for p in result["policy"].values}
     return {"seconds": seconds, "runs": len(POLICIES) * 2, "over_one_decode": seconds / decode_s, "fmm_at_0.2": fmm}
 
 
