@@ -40,6 +40,7 @@ import numpy as np
 
 from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .errors import StoreError, first_line
+from .rowformat import RowFormat
 from .schema import SCHEMA_VERSION, Layout, schema
 
 
@@ -93,7 +94,7 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
             chunks=a.chunks,
             dimension_names=a.dims,
             fill_value=a.fill,
-            filters=[zarr.codecs.TransposeCodec(order=a.transpose)] if a.transpose else None,
+            filters=([zarr.codecs.TransposeCodec(order=a.transpose)] if a.transpose else []) + a.format.filters(),
             compressors=comp,
         )
 
@@ -221,6 +222,7 @@ def store_info(path: str | os.PathLike) -> dict:
         "heads": attrs.get("heads"),
         "resolution": attrs.get("resolution"),
         "dtype": attrs.get("dtype"),
+        "rows": RowFormat.of(attrs).attrs(),
         "attn_kernel": attrs.get("attn_kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),

@@ -1,0 +1,96 @@
+"""``kvscope compact IN OUT --rows FORMAT``: a copy of a complete trace whose probability rows
+are stored in a lossy row format (:mod:`kvscope.rowformat`), everything else as it was.
+
+    summary = compact("traces/demo.zarr", "traces/demo-round4.zarr", "round4")
+
+The input is read through the checks of :func:`kvscope.store.check_store` (every chunk's
+CRC32C, chunks missing inside the committed steps refused); only a complete trace stored
+exactly is converted (rounding a rounded store would add a second error). The copy is written
+chunk by chunk (memory: one chunk) under a temporary name beside ``OUT``, checked with
+:func:`kvscope.verify.verify` (the rows against the format's widened tolerance) and only then
+renamed to ``OUT``; on any failure nothing is left. ``OUT`` must not exist.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from .errors import KvscopeError
+from .paths import output_path
+from .rowformat import RowFormat, row_format
+from .store import check_store, consolidate, create, walking_members
+
+
+def compact(src, dst, rows: str) -> dict:
+    """Write ``dst``, the trace ``src`` with its rows in format ``rows``; returns
+    ``{"rows", "in_bytes", "out_bytes", "attn_in_bytes", "attn_out_bytes", "attn_raw_bytes"}``
+    (``attn_raw_bytes``: the committed rows' values × their itemsize, uncompressed)."""
+    fmt = row_format(rows)
+    src, dst = Path(src), output_path(dst, "OUT", inputs=[src])
+    checked = check_store(src)
+    if checked.attrs["status"] != "complete":
+        raise KvscopeError(f"{src} is a partial trace; compact a complete one (kvscope trace --resume finishes it)")
+    have = RowFormat.of(checked.attrs)
+    if have.lossy:
+        raise KvscopeError(f"{src} already stores its rows as {have.name} (lossy); compact the exact original")
+    if os.path.lexists(dst):
+        raise KvscopeError(f"OUT {dst} exists; choose another path (compact never overwrites)")
+    tmp = dst.with_name(f".{dst.name}.compacting-{os.getpid()}")
+    try:
+        _write(checked, tmp, fmt)
+        from .verify import refuse_if_damaged, verify
+
+        refuse_if_damaged(verify(tmp))
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"rows": fmt.name, **_sizes(src, "in"), **_sizes(dst, "out"), "attn_raw_bytes": _raw_rows(checked)}
+
+
+def _write(checked, tmp: Path, fmt: RowFormat) -> None:
+    """Every array of ``checked`` copied into a new store at ``tmp`` in format ``fmt``."""
+    import zarr
+
+    attrs = dict(checked.attrs)
+    attrs["rows"] = fmt.attrs()
+    attrs["compacted"] = {"from": str(checked.path), "at": datetime.datetime.now(datetime.UTC).isoformat()}
+    create(tmp, replace(checked.layout, rows=fmt.name), attrs)
+    source = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
+    target = zarr.open_group(str(tmp), mode="r+", zarr_format=3)
+    with walking_members():
+        names = [name for name, _ in source.arrays()]
+    for name in names:
+        a, b = source[name], target[name]
+        for region in _chunk_regions(a.shape, a.chunks):
+            b[region] = a[region]
+    consolidate(tmp)
+
+
+def _chunk_regions(shape, chunks):
+    """The slices of every chunk of an array (row-major)."""
+    ranges = [range(0, n, c) for n, c in zip(shape, chunks, strict=True)]
+    for origin in itertools.product(*ranges):
+        yield tuple(slice(o, min(o + c, n)) for o, c, n in zip(origin, chunks, shape, strict=True))
+
+
+def _sizes(path: Path, side: str) -> dict:
+    """Bytes on disk of a whole store and of its ``attn`` chunks."""
+    from .store import _stored_bytes
+
+    return {f"{side}_bytes": _stored_bytes(path), f"attn_{side}_bytes": _stored_bytes(path / "attn" / "c")}
+
+
+def _raw_rows(checked) -> int:
+    """Bytes of the committed ``attn`` rows, uncompressed: committed steps × the rest of a row's
+    shape × the stored itemsize."""
+    import numpy as np
+
+    L = checked.layout
+    per_step = L.n_layers * L.n_stored_heads * (L.n_pos if L.resolution == "token" else L.n_windows)
+    return int(checked.committed.sum()) * per_step * np.dtype(L.dtype).itemsize
