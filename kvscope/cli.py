@@ -479,7 +479,7 @@ def _add_compact(sub) -> None:
     )
     p.add_argument("store", metavar="IN", help="a complete trace stored exactly")
     p.add_argument("out", metavar="OUT", help="the new store (must not exist)")
-    p.add_argument("--rows", required=True, metavar="FORMAT", help="round5, round4, round3, round2 (or exact: a copy)")
+    p.add_argument("--rows", required=True, metavar="FORMAT", help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_compact)
 
@@ -643,7 +643,7 @@ def _cmd_analyze(args) -> int:
     with _DaskContext(args.dask):
         result = metric(ds, **given)
     doc = metric.summary(result)
-    doc["rows"] = ds.kvscope.rows.attrs()  # how the rows these numbers come from were stored
+    doc["rows"] = ds.kvscope.rows.attrs(ds.kvscope.n_sink)  # how the rows these numbers come from were stored
     if args.plot:
         save(metric.plot(result), args.plot)
         doc["plot"] = args.plot

@@ -1,5 +1,6 @@
 """``kvscope compact IN OUT --rows FORMAT``: a copy of a complete trace whose probability rows
-are stored in a lossy row format (:mod:`kvscope.rowformat`), everything else as it was.
+are stored in a lossy row format (:mod:`kvscope.rowformat`: rounded once here, then written
+through the store's usual lossless codecs), everything else as it was, bit for bit.
 
     summary = compact("traces/demo.zarr", "traces/demo-round4.zarr", "round4")
 
@@ -17,12 +18,11 @@ import datetime
 import itertools
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 from .errors import KvscopeError
 from .paths import output_path
-from .rowformat import RowFormat, row_format
+from .rowformat import ROW_ARRAYS, RowFormat, row_format
 from .store import check_store, consolidate, create, walking_members
 
 
@@ -57,10 +57,11 @@ def _write(checked, tmp: Path, fmt: RowFormat) -> None:
     """Every array of ``checked`` copied into a new store at ``tmp`` in format ``fmt``."""
     import zarr
 
+    n_sink = checked.layout.n_sink
     attrs = dict(checked.attrs)
-    attrs["rows"] = fmt.attrs()
+    attrs["rows"] = fmt.attrs(n_sink)
     attrs["compacted"] = {"from": str(checked.path), "at": datetime.datetime.now(datetime.UTC).isoformat()}
-    create(tmp, replace(checked.layout, rows=fmt.name), attrs)
+    create(tmp, checked.layout, attrs)
     source = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
     target = zarr.open_group(str(tmp), mode="r+", zarr_format=3)
     with walking_members():
@@ -68,7 +69,8 @@ def _write(checked, tmp: Path, fmt: RowFormat) -> None:
     for name in names:
         a, b = source[name], target[name]
         for region in _chunk_regions(a.shape, a.chunks):
-            b[region] = a[region]
+            block = a[region]
+            b[region] = fmt.round(block, n_sink) if name in ROW_ARRAYS else block
     consolidate(tmp)
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from .errors import KvscopeError, StoreError, first_line
-from .rowformat import EXACT, RowFormat
+from .rowformat import RowFormat
 from .schema import Layout, schema
 
 CRC_BYTES = 4
@@ -166,8 +166,7 @@ def _same_fill(a, b) -> bool:
 
 
 def check_array(
-    path, name: str, meta: dict, shape, dims, dtype: str, chunks=None, fill=None, *, transpose=None, crc: bool = True,
-    fmt: RowFormat = EXACT,
+    path, name: str, meta: dict, shape, dims, dtype: str, chunks=None, fill=None, *, transpose=None, crc: bool = True
 ) -> None:
     """One array's metadata against what the schema says (one line naming the difference):
     its dims, shape, dtype, chunks and fill value, then how its chunks are encoded."""
@@ -186,7 +185,7 @@ def check_array(
         raise differs("chunks", grid_shape, list(chunks))
     if fill is not None and not _same_fill(meta.get("fill_value"), fill):
         raise differs("fill value", meta.get("fill_value"), fill)
-    check_encoding(path, name, meta, transpose, crc, fmt=fmt)
+    check_encoding(path, name, meta, transpose, crc)
 
 
 def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
@@ -202,30 +201,23 @@ def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
 CODECS = ["bytes", "blosc", "crc32c"]  # kvscope.store.compressors() after the bytes serializer
 
 
-def check_encoding(
-    path, name: str, meta: dict, transpose, crc: bool, attributes: frozenset = frozenset(), fmt: RowFormat = EXACT
-) -> None:
+def check_encoding(path, name: str, meta: dict, transpose, crc: bool, attributes: frozenset = frozenset()) -> None:
     """How the chunks of one array decode: the codec pipeline kvscope writes (an optional
-    transpose, the rounding of a lossy row format ``fmt`` with exactly its settings,
-    little-endian bytes, blosc, CRC32C last) and nothing else that changes what a chunk
-    decodes to — then zarr's own parse of the whole document. Blosc's settings are not
+    transpose, little-endian bytes, blosc, CRC32C last) and nothing else that changes what a
+    chunk decodes to — then zarr's own parse of the whole document. Blosc's settings are not
     compared: a blosc frame carries its own. ``attributes``: the array attributes allowed
     (their keys; xarray's ``coordinates`` and ``_FillValue`` in a replay result)."""
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
         raise StoreError(f"{path}: array {name} has codecs {codecs!r}, not a list of codecs")
     names = [c.get("name") for c in codecs]
-    rounding = fmt.codec_doc()
-    want = (["transpose"] if transpose else []) + ([rounding["name"]] if rounding else []) + (CODECS if crc else ["bytes"])
+    want = (["transpose"] if transpose else []) + (CODECS if crc else ["bytes"])
     if crc and names[-1:] != ["crc32c"]:
         raise StoreError(f"{path}: array {name} carries no CRC32C checksum (codecs {names})")
     if names != want:
         raise StoreError(f"{path}: array {name} has codecs {names}, the schema says {want}")
     if transpose and _config(codecs[0]).get("order") != list(transpose):
         raise StoreError(f"{path}: array {name} has a transpose codec other than the schema's {list(transpose)}")
-    if rounding and codecs[names.index(rounding["name"])] != rounding:
-        got = codecs[names.index(rounding["name"])]
-        raise StoreError(f"{path}: array {name} has codec {got}, the row format {fmt.name} says {rounding}")
     endian = _config(codecs[names.index("bytes")]).get("endian", "little")
     if endian != "little":
         raise StoreError(f"{path}: array {name} has codec bytes with endian {endian!r}, the schema says 'little'")
@@ -279,7 +271,6 @@ def expected_layout(path, attrs: dict, metas: dict):
         n_sink=attrs["n_sink"], window=attrs["w"], block_steps=attrs["block_steps"], record_qkv=attrs["record_qkv"],
         dtype=attrs["dtype"], rope_freqs=int(rope[1]) if attrs["record_qkv"] and len(rope) == 2 else 0,
         policy_events=len(range(0, attn[1], policy["every"])) if policy else 0,
-        rows=RowFormat.of(attrs).name,
     )  # fmt: skip
 
 
@@ -303,9 +294,7 @@ def check_schema(path, attrs: dict, metas: dict):
     for name, n in coords:
         check_array(path, name, metas[name], (n,), (name,), "int32", crc=False)
     for a in arrays:
-        check_array(
-            path, a.name, metas[a.name], a.shape, a.dims, a.dtype, a.chunks, a.fill, transpose=a.transpose, fmt=a.format
-        )
+        check_array(path, a.name, metas[a.name], a.shape, a.dims, a.dtype, a.chunks, a.fill, transpose=a.transpose)
     return layout, arrays
 
 

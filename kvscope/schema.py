@@ -5,9 +5,7 @@ store against them before anything is read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-from .rowformat import EXACT, ROW_ARRAYS, RowFormat, row_format
+from dataclasses import dataclass
 
 SCHEMA_VERSION = 1
 
@@ -33,7 +31,6 @@ class Layout:
     dtype: str  # float16 | float32
     rope_freqs: int = 0
     policy_events: int = 0  # > 0: traced under a live policy cache (tier snapshots)
-    rows: str = "exact"  # how the probability rows are stored (kvscope.rowformat)
 
     @property
     def head_dim_name(self) -> str:
@@ -63,7 +60,6 @@ class ArraySpec:
     chunks: tuple[int, ...]
     fill: float | int
     written: str  # which chunks exist once steps are committed (kvscope.integrity.ChunkRules)
-    format: RowFormat = EXACT  # how the values are encoded: lossy only for the probability rows
 
     @property
     def transpose(self) -> tuple[int, ...] | None:
@@ -130,6 +126,4 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
             _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample, "sample"),
             _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, "sample", -1),
         ]
-    fmt = row_format(L.rows)
-    arrays = [replace(a, format=fmt) if a.name in ROW_ARRAYS else a for a in arrays]
     return [(name, sizes[name]) for name in coords], arrays

@@ -94,7 +94,7 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
             chunks=a.chunks,
             dimension_names=a.dims,
             fill_value=a.fill,
-            filters=([zarr.codecs.TransposeCodec(order=a.transpose)] if a.transpose else []) + a.format.filters(),
+            filters=[zarr.codecs.TransposeCodec(order=a.transpose)] if a.transpose else None,
             compressors=comp,
         )
 
@@ -222,7 +222,7 @@ def store_info(path: str | os.PathLike) -> dict:
         "heads": attrs.get("heads"),
         "resolution": attrs.get("resolution"),
         "dtype": attrs.get("dtype"),
-        "rows": RowFormat.of(attrs).attrs(),
+        "rows": RowFormat.of(attrs).attrs(attrs.get("n_sink")),
         "attn_kernel": attrs.get("attn_kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),
