@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import tempfile
@@ -29,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvscope  # noqa: E402
-from kvscope import analysis as A  # noqa: E402
-from kvscope.compact import compact  # noqa: E402
-from kvscope.rowformat import FORMATS  # noqa: E402
+import kvscope
+from kvscope import analysis as A
+from kvscope.compact import compact
+from kvscope.rowformat import FORMATS
 
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 HEADLINE = {  # metric column → (summary, keys) whose numbers it covers
@@ -71,8 +72,8 @@ def largest_change(a: dict, b: dict) -> float:
     worst = 0.0
     for k in a.keys() & b.keys():
         x, y = a[k], b[k]
-        if x != x or y != y:
-            worst = max(worst, 0.0 if (x != x and y != y) else float("inf"))
+        if math.isnan(x) or math.isnan(y):
+            worst = max(worst, 0.0 if (math.isnan(x) and math.isnan(y)) else float("inf"))
         else:
             worst = max(worst, abs(x - y))
     return worst

@@ -475,11 +475,17 @@ def _add_info(sub) -> None:
 
 def _add_compact(sub) -> None:
     p = sub.add_parser(
-        "compact", help="copy a complete trace with its attention rows in a smaller, lossy format (docs/trace-format.md)"
+        "compact",
+        help="copy a complete trace with its attention rows in a smaller, lossy format (docs/trace-format.md)",
     )
     p.add_argument("store", metavar="IN", help="a complete trace stored exactly")
     p.add_argument("out", metavar="OUT", help="the new store (must not exist)")
-    p.add_argument("--rows", required=True, metavar="FORMAT", help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)")
+    p.add_argument(
+        "--rows",
+        required=True,
+        metavar="FORMAT",
+        help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_compact)
 

@@ -79,7 +79,9 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
     return float(-np.dot(N_D[ok], np.log(D[ok])))
 
 
-def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, slack: float, block_info=None) -> np.ndarray:
+def _block_rows(
+    x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, slack: float, block_info=None
+) -> np.ndarray:
     """Everything peaks needs from one block of rows, in one pass, summed over the block's
     steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
