@@ -25,6 +25,8 @@ from .paths import output_path
 from .rowformat import ROW_ARRAYS, RowFormat, row_format
 from .store import check_store, consolidate, create, walking_members
 
+CLEVEL = 9  # zstd's level for the rows: written once, offline; on rounded rows ~4% smaller than level 1
+
 
 def compact(src, dst, rows: str) -> dict:
     """Write ``dst``, the trace ``src`` with its rows in format ``rows``; returns
@@ -61,7 +63,7 @@ def _write(checked, tmp: Path, fmt: RowFormat) -> None:
     attrs = dict(checked.attrs)
     attrs["rows"] = fmt.attrs(n_sink)
     attrs["compacted"] = {"from": str(checked.path), "at": datetime.datetime.now(datetime.UTC).isoformat()}
-    create(tmp, checked.layout, attrs)
+    create(tmp, checked.layout, attrs, row_clevel=CLEVEL)
     source = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
     target = zarr.open_group(str(tmp), mode="r+", zarr_format=3)
     with walking_members():
