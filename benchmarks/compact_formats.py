@@ -106,7 +106,7 @@ def changes(base: dict, other: dict) -> dict:
     return out
 
 
-def run(traces: list[Path], formats: list[str], budgets: list[float], work: Path) -> list[dict]:
+def run(traces: list[Path], formats: list[str], budgets: list[float], work: Path, level: int) -> list[dict]:
     rows = []
     for trace in traces:
         t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def run(traces: list[Path], formats: list[str], budgets: list[float], work: Path
         for fmt in formats:
             out = work / f"{trace.stem}-{fmt}.zarr"
             t0 = time.perf_counter()
-            sizes = compact(trace, out, fmt)
+            sizes = compact(trace, out, fmt, level=level)
             t_compact = time.perf_counter() - t0
             other = metrics(out, budgets)
             row = {
@@ -153,11 +153,12 @@ def main() -> None:
     p.add_argument("traces", nargs="+", type=Path)
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--budgets", default="0.2,0.5")
+    p.add_argument("--level", type=int, default=9, help="zstd level of the compacted rows")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvscope-compact-") as work:
-        rows = run(args.traces, args.formats.split(","), budgets, Path(work))
+        rows = run(args.traces, args.formats.split(","), budgets, Path(work), args.level)
     doc = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))

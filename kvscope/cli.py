@@ -486,6 +486,7 @@ def _add_compact(sub) -> None:
         metavar="FORMAT",
         help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)",
     )
+    p.add_argument("--level", type=int, default=9, help="zstd level of the rows, 1-9 (default 9: smallest, slowest)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_compact)
 
@@ -494,7 +495,7 @@ def _cmd_compact(args) -> int:
     from .compact import compact
     from .rowformat import row_format
 
-    summary = compact(args.store, args.out, args.rows)
+    summary = compact(args.store, args.out, args.rows, level=args.level)
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0

@@ -28,11 +28,14 @@ from .store import check_store, consolidate, create, walking_members
 CLEVEL = 9  # zstd's level for the rows: written once, offline; on rounded rows ~4% smaller than level 1
 
 
-def compact(src, dst, rows: str) -> dict:
-    """Write ``dst``, the trace ``src`` with its rows in format ``rows``; returns
+def compact(src, dst, rows: str, level: int = CLEVEL) -> dict:
+    """Write ``dst``, the trace ``src`` with its rows in format ``rows``, compressed with zstd at
+    ``level`` (blosc's 1–9; 9: ~2% smaller than 6 on rounded rows and ~25× slower); returns
     ``{"rows", "in_bytes", "out_bytes", "attn_in_bytes", "attn_out_bytes", "attn_raw_bytes"}``
     (``attn_raw_bytes``: the committed rows' values × their itemsize, uncompressed)."""
     fmt = row_format(rows)
+    if not (isinstance(level, int) and not isinstance(level, bool) and 1 <= level <= 9):
+        raise KvscopeError(f"--level must be an integer in 1..9 (got {level!r})")
     src, dst = Path(src), output_path(dst, "OUT", inputs=[src])
     checked = check_store(src)
     if checked.attrs["status"] != "complete":
@@ -44,7 +47,7 @@ def compact(src, dst, rows: str) -> dict:
         raise KvscopeError(f"OUT {dst} exists; choose another path (compact never overwrites)")
     tmp = dst.with_name(f".{dst.name}.compacting-{os.getpid()}")
     try:
-        _write(checked, tmp, fmt)
+        _write(checked, tmp, fmt, level)
         from .verify import refuse_if_damaged, verify
 
         refuse_if_damaged(verify(tmp))
@@ -52,18 +55,25 @@ def compact(src, dst, rows: str) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"rows": fmt.name, **_sizes(src, "in"), **_sizes(dst, "out"), "attn_raw_bytes": _raw_rows(checked)}
+    return {
+        "rows": fmt.name,
+        "level": level,
+        **_sizes(src, "in"),
+        **_sizes(dst, "out"),
+        "attn_raw_bytes": _raw_rows(checked),
+    }
 
 
-def _write(checked, tmp: Path, fmt: RowFormat) -> None:
+def _write(checked, tmp: Path, fmt: RowFormat, level: int) -> None:
     """Every array of ``checked`` copied into a new store at ``tmp`` in format ``fmt``."""
     import zarr
 
     n_sink = checked.layout.n_sink
     attrs = dict(checked.attrs)
     attrs["rows"] = fmt.attrs(n_sink)
-    attrs["compacted"] = {"from": str(checked.path), "at": datetime.datetime.now(datetime.UTC).isoformat()}
-    create(tmp, checked.layout, attrs, row_clevel=CLEVEL)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    attrs["compacted"] = {"from": str(checked.path), "at": now, "zstd_level": level}
+    create(tmp, checked.layout, attrs, row_clevel=level)
     source = zarr.open_group(store=checked.store, mode="r", zarr_format=3, use_consolidated=False)
     target = zarr.open_group(str(tmp), mode="r+", zarr_format=3)
     with walking_members():

@@ -47,6 +47,7 @@ CASES = [
     # -- compact --------------------------------------------------------------------------------
     ("compact-unknown-format", ["compact", "{PLAIN}", "{TMP}/c.zarr", "--rows", "log8"], "'log8' is not a row format"),
     ("compact-no-format", ["compact", "{PLAIN}", "{TMP}/c.zarr"], "--rows"),
+    ("compact-level-range", ["compact", "{PLAIN}", "{TMP}/c.zarr", "--rows", "round4", "--level", "12"], "--level must be an integer in 1..9 (got 12)"),
     ("compact-missing", ["compact", "{TMP}/missing.zarr", "{TMP}/c.zarr", "--rows", "round4"], "no trace store at"),
     ("compact-onto-its-input", ["compact", "{PLAIN}", "{PLAIN}", "--rows", "round4"], "overlaps the input store"),
     ("compact-a-replay-result", ["compact", "{RESULT}", "{TMP}/c.zarr", "--rows", "round4"], "is not a kvscope trace"),
