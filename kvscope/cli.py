@@ -554,7 +554,7 @@ def _cmd_info(args) -> int:
         f"heads={info['heads']}, resolution={info['resolution']}, dtype={info['dtype']}"
     )
     print("dims " + ", ".join(f"{k}={v}" for k, v in info["dims"].items()))
-    print(row_format(info["rows"]["format"]).line())
+    print(row_format(info["row_format"]["format"]).line())
     print(f"steps committed {info['steps_committed']}")
     ratio = info["compression_ratio"]
     print(
@@ -650,7 +650,7 @@ def _cmd_analyze(args) -> int:
     with _DaskContext(args.dask):
         result = metric(ds, **given)
     doc = metric.summary(result)
-    doc["rows"] = ds.kvscope.rows.attrs(ds.kvscope.n_sink)  # how the rows these numbers come from were stored
+    doc["row_format"] = ds.kvscope.rows.attrs(ds.kvscope.n_sink)  # how the rows these numbers come from were stored
     if args.plot:
         save(metric.plot(result), args.plot)
         doc["plot"] = args.plot
@@ -658,7 +658,7 @@ def _cmd_analyze(args) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     print_rows(metric.table(doc), f"{args.analysis} · {args.store}")
-    _say_lossy_rows(args)
+    _say_lossy_rows(ds.attrs)
     if args.plot:
         print(f"figure written to {args.plot}")
     return 0
@@ -818,17 +818,19 @@ def _cmd_replay(args) -> int:
         _save_figure(plot_compare(result), args.plot)
     protocol = " · question-agnostic" if result.attrs.get("protocol") == "question-agnostic" else ""
     code = _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
-    _say_lossy_rows(args)
+    if not args.json:
+        from .store import read_attrs
+
+        _say_lossy_rows(read_attrs(args.store))
     return code
 
 
-def _say_lossy_rows(args) -> None:
+def _say_lossy_rows(attrs: dict) -> None:
     """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
     from .rowformat import RowFormat
-    from .store import read_attrs
 
-    rows = RowFormat.of(read_attrs(args.store))
-    if rows.lossy and not args.json:
+    rows = RowFormat.of(attrs)
+    if rows.lossy:
         print(rows.line())
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import KvscopeError
 from .paths import output_path
-from .rowformat import ROW_ARRAYS, RowFormat, row_format
+from .rowformat import ATTR, ROW_ARRAYS, RowFormat, row_format
 from .store import check_store, consolidate, create, walking_members
 
 CLEVEL = 9  # zstd's level for the rows: written once, offline; on rounded rows ~4% smaller than level 1
@@ -70,7 +70,7 @@ def _write(checked, tmp: Path, fmt: RowFormat, level: int) -> None:
 
     n_sink = checked.layout.n_sink
     attrs = dict(checked.attrs)
-    attrs["rows"] = fmt.attrs(n_sink)
+    attrs[ATTR] = fmt.attrs(n_sink)
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     attrs["compacted"] = {"from": str(checked.path), "at": now, "zstd_level": level}
     create(tmp, checked.layout, attrs, row_clevel=level)

@@ -5,7 +5,7 @@ or with fewer mantissa bits (opt-in, lossy; ``kvscope compact``, docs/trace-form
     fmt.round(rows, n_sink)           # rows [..., pos] as this format stores them
     fmt.bound(p)                      # |stored − exact| ≤ 2^-(K+1) · max(p, smallest normal)
     fmt.line()                        # "rows: round4-peaks (lossy, ≤ 3.12% relative, …)"
-    RowFormat.of(attrs)               # what a store's ``rows`` attribute says (exact when absent)
+    RowFormat.of(attrs)               # what a store's ``row_format`` attribute says (exact when absent)
 
 ``roundK`` keeps ``K`` of the stored dtype's mantissa bits of every value, rounding to nearest
 (ties to even: numcodecs' ``BitRound`` arithmetic). ``roundK-peaks`` does the same except for
@@ -38,6 +38,7 @@ from . import defaults
 from .errors import KvscopeError
 
 ROW_ARRAYS = ("attn", "attn_sink", "prefill_tail")  # the probability rows a format applies to
+ATTR = "row_format"  # the group attribute that records a store's format
 FORMATS = ("exact", *(f"round{k}{p}" for k in (5, 4, 3, 2) for p in ("", "-peaks")))
 
 
@@ -86,7 +87,7 @@ class RowFormat:
         return np.where((filled >= low) | (d >= low), x, d)
 
     def attrs(self, n_sink: int | None = None) -> dict:
-        """The group attribute ``rows`` of a store in this format (``-peaks``: ``n_sink`` of the store)."""
+        """The group attribute ``row_format`` of a store in this format (``-peaks``: ``n_sink`` of the store)."""
         doc = {"format": self.name, "lossy": self.lossy}
         if self.lossy:
             doc |= {"keepbits": self.keepbits, "relative_error": self.slack}
@@ -108,15 +109,15 @@ class RowFormat:
     def of(cls, attrs: dict) -> RowFormat:
         """The format a store's attributes record (``exact`` when they name none); one line for
         anything else, naming the attribute."""
-        doc = attrs.get("rows")
+        doc = attrs.get(ATTR)
         if doc is None:
             return EXACT
         if not isinstance(doc, dict) or doc.get("format") not in FORMATS:
-            raise KvscopeError(f"attribute rows must name a row format ({', '.join(FORMATS)}); got {doc!r}")
+            raise KvscopeError(f"attribute {ATTR} must name a row format ({', '.join(FORMATS)}); got {doc!r}")
         fmt = row_format(doc["format"])
         want = fmt.attrs(attrs.get("n_sink"))
         if doc != want:
-            raise KvscopeError(f"attribute rows {doc!r} disagrees with format {fmt.name} ({want!r})")
+            raise KvscopeError(f"attribute {ATTR} {doc!r} disagrees with format {fmt.name} ({want!r})")
         return fmt
 
 

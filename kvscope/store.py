@@ -222,7 +222,7 @@ def store_info(path: str | os.PathLike) -> dict:
         "heads": attrs.get("heads"),
         "resolution": attrs.get("resolution"),
         "dtype": attrs.get("dtype"),
-        "rows": RowFormat.of(attrs).attrs(attrs.get("n_sink")),
+        "row_format": RowFormat.of(attrs).attrs(attrs.get("n_sink")),
         "attn_kernel": attrs.get("attn_kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),

@@ -146,7 +146,7 @@ def test_format_recorded_and_reported(compacted):
     out, _ = compacted
     ds = kvscope.open_trace(out)
     assert ds.kvscope.rows == row_format("round4-peaks")
-    assert ds.attrs["rows"] == {
+    assert ds.attrs["row_format"] == {
         "format": "round4-peaks", "lossy": True, "keepbits": 4, "relative_error": 2.0**-5, "kept_exact_per_row": 13,
     }  # fmt: skip
     line = "rows: round4-peaks (lossy, ≤ 3.12% relative"
@@ -154,8 +154,10 @@ def test_format_recorded_and_reported(compacted):
     assert info.returncode == 0 and line in info.stdout
     fmm = run_main("analyze", "fmm", out)
     assert fmm.returncode == 0 and line in fmm.stdout
+    from_qk = run_main("analyze", "fmm", out, "--from-qk")  # rows recomputed from the exact q/k: not rounded
+    assert from_qk.returncode == 0 and "rows:" not in from_qk.stdout
     doc = json.loads(run_main("analyze", "churn", out, "--json").stdout)
-    assert doc["rows"]["format"] == "round4-peaks"
+    assert doc["row_format"]["format"] == "round4-peaks"
     assert run_main("verify", out).returncode == 0
 
 
@@ -176,8 +178,8 @@ def test_bad_inputs_one_line(qkv_trace, compacted, tmp_path):
     bad = tmp_path / "bad.zarr"
     shutil.copytree(out, bad)
     meta = json.loads((bad / "zarr.json").read_text())
-    meta["attributes"]["rows"]["keepbits"] = 7
+    meta["attributes"]["row_format"]["keepbits"] = 7
     (bad / "zarr.json").write_text(json.dumps(meta))
-    one_line_error(run_main("info", bad, "--quick"), "attribute rows")
+    one_line_error(run_main("info", bad, "--quick"), "attribute row_format")
     with pytest.raises(KvscopeError, match="not a row format"):
         row_format("round9")
