@@ -545,6 +545,42 @@ def _add_info(sub) -> None:
     p.set_defaults(func=_cmd_info)
 
 
+def _add_compact(sub) -> None:
+    p = sub.add_parser(
+        "compact",
+        help="copy a complete trace with its attention rows in a smaller, lossy format (docs/trace-format.md)",
+    )
+    p.add_argument("store", metavar="IN", help="a complete trace stored exactly")
+    p.add_argument("out", metavar="OUT", help="the new store (must not exist)")
+    p.add_argument(
+        "--rows",
+        required=True,
+        metavar="FORMAT",
+        help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)",
+    )
+    p.add_argument("--level", type=int, default=9, help="zstd level of the rows, 1-9 (default 9: smallest, slowest)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_compact)
+
+
+def _cmd_compact(args) -> int:
+    from .compact import compact
+    from .rowformat import row_format
+
+    summary = compact(args.store, args.out, args.rows, level=args.level)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    raw, rows = summary["attn_raw_bytes"], summary["attn_out_bytes"]
+    print(row_format(summary["rows"]).line())
+    print(
+        f"{args.out}: attn {_human_bytes(rows)} ({rows / raw:.3f} of raw fp16 rows, "
+        f"{rows / summary['attn_in_bytes']:.3f} of {args.store}); "
+        f"store {_human_bytes(summary['out_bytes'])} (was {_human_bytes(summary['in_bytes'])})"
+    )
+    return 0
+
+
 def _add_verify(sub) -> None:
     p = sub.add_parser("verify", help="check every committed chunk of a trace or replay result and its values")
     p.add_argument("store", help="a trace (*.zarr) or a replay result (kvscope replay --out)")
@@ -572,6 +608,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_info(args) -> int:
+    from .rowformat import row_format
     from .store import store_info
     from .verify import refuse_if_damaged, verify
 
@@ -589,6 +626,7 @@ def _cmd_info(args) -> int:
         f"heads={info['heads']}, resolution={info['resolution']}, dtype={info['dtype']}"
     )
     print("dims " + ", ".join(f"{k}={v}" for k, v in info["dims"].items()))
+    print(row_format(info["row_format"]["format"]).line())
     print(f"steps committed {info['steps_committed']}")
     ratio = info["compression_ratio"]
     print(
@@ -684,6 +722,7 @@ def _cmd_analyze(args) -> int:
     with _DaskContext(args.dask):
         result = metric(ds, **given)
     doc = metric.summary(result)
+    doc["row_format"] = ds.kvscope.rows.attrs(ds.kvscope.n_sink)  # how the rows these numbers come from were stored
     if args.plot:
         save(metric.plot(result), args.plot)
         doc["plot"] = args.plot
@@ -691,6 +730,7 @@ def _cmd_analyze(args) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     print_rows(metric.table(doc), f"{args.analysis} · {args.store}")
+    _say_lossy_rows(ds.attrs)
     if args.plot:
         print(f"figure written to {args.plot}")
     return 0
@@ -862,7 +902,21 @@ def _cmd_replay(args) -> int:
     if args.plot:
         _save_figure(plot_compare(result), args.plot)
     protocol = " · question-agnostic" if result.attrs.get("protocol") == "question-agnostic" else ""
-    return _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
+    code = _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
+    if not args.json:
+        from .store import read_attrs
+
+        _say_lossy_rows(read_attrs(args.store))
+    return code
+
+
+def _say_lossy_rows(attrs: dict) -> None:
+    """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
+    from .rowformat import RowFormat
+
+    rows = RowFormat.of(attrs)
+    if rows.lossy:
+        print(rows.line())
 
 
 def _show_comparison(result, args, title: str) -> int:
@@ -1046,6 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_info(sub)
     _add_verify(sub)
+    _add_compact(sub)
     _add_analyze(sub)
     _add_replay(sub)
     _add_compare(sub)

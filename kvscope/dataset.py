@@ -6,6 +6,7 @@
     ds.kvscope.model                         # ModelSpec (layers, heads, rule per layer)
     ds.kvscope.query_pos                     # [sample, step] numpy
     ds.kvscope.has_qkv, ds.kvscope.rope      # recorded q/k/v and rotary parameters
+    ds.kvscope.rows                          # RowFormat: how the rows are stored (exact or lossy)
 
 xarray caches an accessor per Dataset object, so each value is computed once per Dataset.
 """
@@ -21,6 +22,7 @@ from . import defaults
 from .errors import KvscopeError
 from .model_spec import ModelSpec
 from .rope import Rope
+from .rowformat import RowFormat
 
 
 @xr.register_dataset_accessor("kvscope")
@@ -53,6 +55,11 @@ class TraceAccessor:
     @property
     def resolution(self) -> str:
         return str(self.attrs.get("resolution", "token"))
+
+    @functools.cached_property
+    def rows(self) -> RowFormat:
+        """How the probability rows are stored (:mod:`kvscope.rowformat`; exact unless compacted)."""
+        return RowFormat.of(self.attrs)
 
     @property
     def hdim(self) -> str:

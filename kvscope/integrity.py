@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from .errors import StoreError, first_line
+from .errors import KvscopeError, StoreError, first_line
+from .rowformat import RowFormat
 from .schema import Layout, schema
 
 CRC_BYTES = 4
@@ -101,6 +102,10 @@ def check_attrs(path, attrs) -> None:
     if questions is not None:
         ok = isinstance(questions, list) and len(questions) == len(committed) and all(is_int(q, 1) for q in questions)
         need(ok, "question_tokens", f"a list of {len(committed)} counts ≥ 1", questions)
+    try:
+        RowFormat.of(attrs)
+    except KvscopeError as exc:
+        raise StoreError(f"{path}: {exc}") from None
     prompts = attrs.get("prompts")
     if prompts is not None:
         ok = isinstance(prompts, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in prompts)

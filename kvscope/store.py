@@ -40,6 +40,7 @@ import numpy as np
 
 from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .errors import StoreError, first_line
+from .rowformat import ROW_ARRAYS, RowFormat
 from .schema import SCHEMA_VERSION, Layout, schema
 
 
@@ -67,20 +68,21 @@ def consolidate(path) -> None:
 COORD_VARIABLES = ("query_pos", "token_id", "prompt_len", "n_steps", "prefill_tail_qpos")
 
 
-def compressors():
+def compressors(clevel: int = 1):
     """blosc-zstd level 1 with bit-shuffle (lossless), then a CRC32C checksum so that a
     truncated or damaged chunk is refused when read instead of decoding to garbage (blosc
     stores small chunks uncompressed and cannot tell). On fp16 attention rows zstd level 5
     saves only 0.5% more and costs 4× the CPU time, which the writer thread takes from
-    decoding."""
+    decoding. (``kvscope compact``, offline, writes level 9: on rounded rows it saves ~4%.)"""
     import zarr
 
-    return [zarr.codecs.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"), zarr.codecs.Crc32cCodec()]
+    return [zarr.codecs.BloscCodec(cname="zstd", clevel=clevel, shuffle="bitshuffle"), zarr.codecs.Crc32cCodec()]
 
 
-def create(path: Path, layout: Layout, attrs: dict) -> None:
+def create(path: Path, layout: Layout, attrs: dict, row_clevel: int = 1) -> None:
     """Create the group and preallocate every array of :func:`schema` at full size (chunks
-    are written later); coordinates hold the index of their dim."""
+    are written later); coordinates hold the index of their dim; ``row_clevel``: zstd's level
+    for the probability rows (:data:`kvscope.rowformat.ROW_ARRAYS`)."""
     import zarr
 
     root = zarr.open_group(str(path), mode="w", zarr_format=3, attributes=attrs)
@@ -88,7 +90,6 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
     for name, n in coords:
         root.create_array(name, shape=(n,), dtype="int32", dimension_names=(name,), fill_value=0, compressors=None)
         root[name][:] = np.arange(n, dtype=np.int32)
-    comp = compressors()
     for a in arrays:
         root.create_array(
             a.name,
@@ -98,7 +99,7 @@ def create(path: Path, layout: Layout, attrs: dict) -> None:
             dimension_names=a.dims,
             fill_value=a.fill,
             filters=[zarr.codecs.TransposeCodec(order=a.transpose)] if a.transpose else None,
-            compressors=comp,
+            compressors=compressors(row_clevel if a.name in ROW_ARRAYS else 1),
         )
 
 
@@ -225,6 +226,7 @@ def store_info(path: str | os.PathLike) -> dict:
         "heads": attrs.get("heads"),
         "resolution": attrs.get("resolution"),
         "dtype": attrs.get("dtype"),
+        "row_format": RowFormat.of(attrs).attrs(attrs.get("n_sink")),
         "attn_kernel": attrs.get("attn_kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),

@@ -17,8 +17,10 @@
 Each problem is one line naming the array and the chunk (its block index along every dim).
 A replay result (``kvscope replay --out``) is checked by :func:`kvscope.replay.check.verify_result`.
 
-Row-sum tolerance of ``n`` stored values: ``2^-10 + n·2^-24`` for fp16 (each value rounded to
-11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32.
+Row-sum tolerance of ``n`` stored values: ``T(n) = 2^-10 + n·2^-24`` for fp16 (each value rounded
+to 11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32; rows of a lossy row
+format (:mod:`kvscope.rowformat`, relative error ``ρ``) add ``ρ·(1 + T(n) + n·m)``, ``m`` the
+dtype's smallest normal.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 
 from .errors import KvscopeError, StoreError
 from .integrity import DamagedStore
+from .rowformat import RowFormat
 from .schema import schema
 
 MAX_PROBLEMS = 200  # lines reported; the count says how many more
@@ -92,13 +95,19 @@ class Context:
     def query_pos(self) -> np.ndarray:  # [sample, step], −1 past the committed steps
         return self.checked.small["query_pos"]
 
+    @property
+    def slack(self) -> float:
+        """The relative error of the rows' format (:mod:`kvscope.rowformat`; 0: exact)."""
+        return RowFormat.of(self.checked.attrs).slack
 
-def _rows(report: Report, array: str, index, rows: np.ndarray, qpos: np.ndarray) -> None:
+
+def _rows(report: Report, ctx: Context, array: str, index, rows: np.ndarray, qpos: np.ndarray) -> None:
     """Probability rows ``rows [a, b, pos]`` whose queries sit at ``qpos [a]`` (−1: no row),
-    checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`)."""
+    checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`),
+    with the tolerance of the store's row format."""
     from .analysis.kernels import row_checks, rows_problem
 
-    problem = rows_problem(row_checks(rows, qpos))
+    problem = rows_problem(row_checks(rows, qpos, ctx.slack))
     if problem is not None:
         report.add(array, index, problem)
     report.rows += int((qpos >= 0).sum()) * rows.shape[1]
@@ -108,7 +117,7 @@ def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray) ->
     """Token rows ``[1, step, 1, Hs, pos]`` of one block of steps starting at ``origin[1]``."""
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
-    _rows(report, "attn", index, data[0, :, 0], qpos)  # [step, Hs, pos]
+    _rows(report, ctx, "attn", index, data[0, :, 0], qpos)  # [step, Hs, pos]
 
 
 def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray) -> None:
@@ -120,13 +129,13 @@ def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray,
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
     rows, last = window_rows(data[0, :, 0], sinks[0, :, 0], qpos, ctx.n_sink, ctx.w)  # [step, Hs, unit], [step]
-    _rows(report, "attn", index, rows, last)
+    _rows(report, ctx, "attn", index, rows, last)
 
 
 def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
     """The last prefill rows ``[1, 1, Hs, obs, pos]`` of a sample and layer."""
     qpos = ctx.checked.small["prefill_tail_qpos"][index[0]]  # [obs]
-    _rows(report, "prefill_tail", index, np.moveaxis(data[0, 0], 1, 0), qpos)  # [obs, Hs, pos]
+    _rows(report, ctx, "prefill_tail", index, np.moveaxis(data[0, 0], 1, 0), qpos)  # [obs, Hs, pos]
 
 
 def check_colsum(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:

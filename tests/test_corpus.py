@@ -47,6 +47,13 @@ CASES = [
     ("info-a-file", ["info", "{FILE}"], "is not a Zarr v3 store"),
     ("info-a-replay-result", ["info", "{RESULT}"], "is not a kvscope trace"),
     ("verify-missing", ["verify", "{TMP}/missing.zarr"], "no trace store at"),
+    # -- compact --------------------------------------------------------------------------------
+    ("compact-unknown-format", ["compact", "{PLAIN}", "{TMP}/c.zarr", "--rows", "log8"], "'log8' is not a row format"),
+    ("compact-no-format", ["compact", "{PLAIN}", "{TMP}/c.zarr"], "--rows"),
+    ("compact-level-range", ["compact", "{PLAIN}", "{TMP}/c.zarr", "--rows", "round4", "--level", "12"], "--level must be an integer in 1..9 (got 12)"),
+    ("compact-missing", ["compact", "{TMP}/missing.zarr", "{TMP}/c.zarr", "--rows", "round4"], "no trace store at"),
+    ("compact-onto-its-input", ["compact", "{PLAIN}", "{PLAIN}", "--rows", "round4"], "overlaps the input store"),
+    ("compact-a-replay-result", ["compact", "{RESULT}", "{TMP}/c.zarr", "--rows", "round4"], "is not a kvscope trace"),
     # -- analyze --------------------------------------------------------------------------------
     ("analyze-unknown-metric", ["analyze", "entropy", "{QKV}"], "invalid choice: 'entropy'"),
     ("fmm-horizon-0", ["analyze", "fmm", "{QKV}", "--horizon", "0"], "fmm --horizon must be ≥ 1 (got 0)"),

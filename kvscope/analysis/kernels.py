@@ -138,10 +138,13 @@ def row_block_stats(
     (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
     that stays in cache for every statistic, and checked on the way:
 
-    ``checks  [4]`` float64, accumulated over rows with a query: rows whose NaN are not exactly
+    ``checks  [5]`` float64, accumulated over rows with a query: rows whose NaN are not exactly
               the positions beyond the query, the smallest and the largest value up to the
               query, and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
-              values (``2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a bad sum).
+              values (``T(n) = 2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a
+              bad sum); ``checks[4]`` (read, not written) is the relative error ``ρ`` of a lossy
+              row format (:mod:`kvscope.rowformat`), which widens the tolerance to
+              ``T(n) + ρ·(1 + T(n) + n·m)`` (``m`` the dtype's smallest normal).
 
     ``q       [step]`` int64 query position of each row (−1: no query at that step)
     ``fp      [step, F]`` int64 LogQuant FP positions of each step (−1 padded)
@@ -240,18 +243,20 @@ def _check_row(buf, qt, nans, n_pos, is_half, checks):  # pragma: no cover - com
         hi = max(hi, v)
     checks[1], checks[2] = lo, hi
     tolerance = 2.0**-10 + n * 2.0**-24 if is_half else 1e-5 + n * 2.0**-23
+    tolerance += checks[4] * (1.0 + tolerance + n * (2.0**-14 if is_half else 2.0**-126))
     checks[3] = max(checks[3], abs(total - 1.0) - tolerance)
 
 
-def new_checks() -> np.ndarray:
-    """The ``checks`` accumulator of :func:`row_block_stats`, empty."""
-    return np.array([0.0, np.inf, -np.inf, -np.inf])
+def new_checks(slack: float = 0.0) -> np.ndarray:
+    """The ``checks`` accumulator of :func:`row_block_stats`, empty, for rows stored with the
+    relative error ``slack`` (:attr:`kvscope.rowformat.RowFormat.slack`; 0: exact rows)."""
+    return np.array([0.0, np.inf, -np.inf, -np.inf, float(slack)])
 
 
-def row_checks(x: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """The checks of probability rows ``x [a, b, pos]`` (as stored) whose queries sit at ``q [a]``
-    (−1: none), nothing else computed."""
-    checks = new_checks()
+def row_checks(x: np.ndarray, q: np.ndarray, slack: float = 0.0) -> np.ndarray:
+    """The checks of probability rows ``x [a, b, pos]`` (as stored with relative error
+    ``slack``) whose queries sit at ``q [a]`` (−1: none), nothing else computed."""
+    checks = new_checks(slack)
     no_fp, no_windows, no_stats = (
         np.empty((x.shape[0], 0), np.int64),
         np.empty(x.shape[:2] + (0,)),
@@ -275,7 +280,7 @@ def rows_problem(checks: np.ndarray) -> str | None:
     if checks[1] < 0 or checks[2] > 1 + 2.0**-10:
         return f"probabilities outside [0, 1] (min {checks[1]:.3g}, max {checks[2]:.3g})"
     if checks[3] > 0:
-        return f"rows that do not sum to 1 (off by {checks[3]:.3g} beyond the tolerance of their dtype)"
+        return f"rows that do not sum to 1 (off by {checks[3]:.3g} beyond the tolerance of their dtype and format)"
     return None
 
 

@@ -70,7 +70,8 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
     c = a.data.chunks
     q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
     chunks = c[:-1] + ((n_units,),)
-    data = dsa.map_blocks(window_masses, a.data, q, units.n_sink, n_units, units.w, dtype=np.float64, chunks=chunks)
+    args = (units.n_sink, n_units, units.w, ds.kvscope.rows.slack)
+    data = dsa.map_blocks(window_masses, a.data, q, *args, dtype=np.float64, chunks=chunks)
     coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
@@ -87,31 +88,33 @@ def _checked_windows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     c = attn.data.chunks
     sinks_data = sinks.data.rechunk(c[:-1] + ((sinks.sizes["sink"],),))
     q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
+    acc = ds.kvscope
     data = dsa.map_blocks(
-        _refuse_bad_windows, attn.data, sinks_data, q, ds.kvscope.n_sink, ds.kvscope.w, dtype=attn.dtype
+        _refuse_bad_windows, attn.data, sinks_data, q, acc.n_sink, acc.w, acc.rows.slack, dtype=attn.dtype
     )
     return attn.copy(data=data)
 
 
-def _refuse_bad_windows(windows, sinks, q, n_sink: int, w: int) -> np.ndarray:
+def _refuse_bad_windows(windows, sinks, q, n_sink: int, w: int, slack: float) -> np.ndarray:
     rows, last = window_rows(windows, sinks, np.broadcast_to(q[..., 0], windows.shape[:-1]), n_sink, w)
     flat = rows.reshape(-1, 1, rows.shape[-1])
-    refuse_bad_rows(row_checks(flat, last.reshape(-1)), "attn window rows")
+    refuse_bad_rows(row_checks(flat, last.reshape(-1), slack), "attn window rows")
     return windows
 
 
-def window_masses(block: np.ndarray, q, first: int, n_units: int, w: int) -> np.ndarray:
+def window_masses(block: np.ndarray, q, first: int, n_units: int, w: int, slack: float = 0.0) -> np.ndarray:
     """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
     masses: :func:`kvscope.windows.window_sums` of the rows in float32, compiled
     (:func:`kvscope.analysis.kernels.row_block_stats`), so the same bits whichever way the rows
     were chunked. ``q`` (broadcastable to the leading dims) places each row's query; rows with a
-    query are checked as probability rows on the way, ``q = None`` (column sums) are not."""
+    query are checked as probability rows (stored with relative error ``slack``) on the way,
+    ``q = None`` (column sums) are not."""
     lead, n_pos = block.shape[:-1], block.shape[-1]
     rows_ = block.reshape(-1, 1, n_pos)  # [row, 1, pos]
     out = np.empty((rows_.shape[0], 1, n_units))
     query = np.full(lead, -1, dtype=np.int64) if q is None else np.broadcast_to(q[..., 0], lead)  # [..row dims]
     no_fp = np.empty((rows_.shape[0], 0), dtype=np.int64)
-    checks = new_checks()
+    checks = new_checks(slack)
     block_stats(rows_, query.reshape(-1), no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)), checks)
     refuse_bad_rows(checks, "attn rows")
     return out.reshape(*lead, n_units)

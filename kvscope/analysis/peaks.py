@@ -79,7 +79,9 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
     return float(-np.dot(N_D[ok], np.log(D[ok])))
 
 
-def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, block_info=None) -> np.ndarray:
+def _block_rows(
+    x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, slack: float, block_info=None
+) -> np.ndarray:
     """Everything peaks needs from one block of rows, in one pass, summed over the block's
     steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
@@ -100,7 +102,7 @@ def _block_rows(x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, bloc
         fp = fp_sets.block(first_sample + i, t0, n_step)
         for j in range(n_l):
             # no windows out; windows of 8 are summed only for each row's total mass
-            checks = new_checks()
+            checks = new_checks(slack)
             block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j], checks)
             where = f"attn rows of sample {first_sample + i}, steps {t0}–{t0 + n_step - 1}, layer {first_layer + j}"
             refuse_bad_rows(checks, where)
@@ -209,6 +211,7 @@ class Peaks(Bootstrapped, Metric):
             LogQuantSets(ds, self.logquant_window),
             self.sinks(ds),
             self.k,
+            ds.kvscope.rows.slack,
             dtype=np.float64,
             drop_axis=[4],
             new_axis=[4],

@@ -97,5 +97,6 @@ def with_recomputed_rows(ds: xr.Dataset, heads: str = "kv") -> xr.Dataset:
     if rows.dims[3] not in out.dims:
         out = out.assign_coords({rows.dims[3]: rows[rows.dims[3]].values})
     out["attn"] = rows.assign_coords(query_pos=ds["query_pos"])
-    out.attrs = {**ds.attrs, "resolution": "token", "heads": heads, "rows": "recomputed from q/k"}
+    kept = {k: v for k, v in ds.attrs.items() if k != "row_format"}  # recomputed rows are not rounded
+    out.attrs = {**kept, "resolution": "token", "heads": heads, "rows": "recomputed from q/k"}
     return out

@@ -69,7 +69,7 @@ def _two_stages(ds, prep, units, runs, peaks):
 
     a = stored_rows(ds, prep.layers, prep.heads)
     raw = a.data  # [sample, step, layer, H, pos] as stored (fp16 by default)
-    qpos, n_steps_all, u_geom = prep.query_pos, prep.n_steps, prep.units
+    qpos, n_steps_all, u_geom, slack = prep.query_pos, prep.n_steps, prep.units, ds.kvscope.rows.slack
     fp_sets = LogQuantSets(ds, peaks.logquant_window if peaks else 1)
     k = peaks.k if peaks else 0
     n_units, n_bins = prep.n_units, n_bins_for(raw.shape[-1])
@@ -86,7 +86,7 @@ def _two_stages(ds, prep, units, runs, peaks):
         out = np.zeros(x.shape[:4] + (packed_width,))
         fp = fp_sets.block(sample, t0, t1 - t0) if peaks else np.empty((t1 - t0, 0), dtype=np.int64)
         peak_sums = out[0, 0, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
-        checks = new_checks()
+        checks = new_checks(slack)
         block_stats(x[0, :, 0], qpos[sample, t0:t1], fp, u_geom.n_sink, u_geom.w, n_units, k, n_bins if peaks else 1,
                     out[0, :, 0, :, :n_units], peak_sums, checks)  # fmt: skip
         layer = block_info[0]["array-location"][2][0]

@@ -22,6 +22,7 @@ class SampleReader:
         self.final_len = self.prompt_len + self.n_steps
         self.query_pos = acc.query_pos[s]  # [step]
         self.recomputed = acc.resolution != "token"  # window sums stored: rows recomputed from q/k
+        self.slack = acc.rows.slack  # the rows' relative error (a lossy row format; 0: exact)
         self._rows: dict[int, np.ndarray] = {}
         self._queries: dict[int, np.ndarray] = {}
         self._kv: tuple[np.ndarray, np.ndarray] | None = None
@@ -49,7 +50,7 @@ class SampleReader:
                 else self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
             )
             where = f"attn rows of sample {self.s}, steps {steps.start}–{steps.stop - 1}"
-            refuse_bad_rows(row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps]), where)
+            refuse_bad_rows(row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack), where)
             self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
         return self._rows[b][t - steps.start]
 

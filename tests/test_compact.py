@@ -1,0 +1,185 @@
+"""Lossy row formats (kvscope.rowformat) and ``kvscope compact``: the rounding's bound by hand and
+as a property, a compacted real trace against its original (rows, every other array, metrics),
+the format recorded and reported, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvscope.errors import KvscopeError
+from kvscope.rowformat import FORMATS, RowFormat, row_format
+from tests.conftest import one_line_error, run_cli, run_main, tree_digest
+
+NAN = np.float16(np.nan)
+
+
+def test_rounding_by_hand():
+    """fp16 values rounded to 3 and 4 mantissa bits, worked out by hand."""
+    x = np.array([0.3, 0.1234, 1e-5, 6e-8, 0.999, 1.0, 0.0, np.nan], dtype=np.float16)
+    # 0.3 = 1.2·2^-2 → 1.25·2^-2 (3 bits: eighths); 0.1234 = 1.974·2^-4 → 2·2^-4 (carries into
+    # the exponent); 1e-5 = 168·2^-24 (subnormal) → 128·2^-24 (units of 2^7); 6e-8 = 1·2^-24 → 0;
+    # 0.999 = 1.998·2^-1 → 1; 1, 0 and NaN unchanged
+    want3 = [0.3125, 0.125, 2.0**-17, 0.0, 1.0, 1.0, 0.0, np.nan]
+    np.testing.assert_array_equal(row_format("round3").round(x, 4).astype(np.float64), want3)
+    # 4 bits (sixteenths): 1.2 → 1.1875 (19/16), 1.974 → 2, 168 → 192 (units of 2^6 = 64: 2.625 → 3)
+    want4 = [1.1875 / 4, 0.125, 192 * 2.0**-24, 0.0, 1.0, 1.0, 0.0, np.nan]
+    np.testing.assert_array_equal(row_format("round4").round(x, 4).astype(np.float64), want4)
+    assert row_format("round4").slack == 2.0**-5 and row_format("exact").slack == 0
+
+
+def test_peaks_keep_each_rows_largest_values():
+    """``-peaks``: the row's k + n_sink + 1 largest values (and anything that would round up to
+    the smallest of them) are kept exactly; the rest are rounded and stay below them."""
+    fmt = row_format("round2-peaks")
+    n_sink = 1
+    keep = RowFormat.kept(n_sink)  # 8 + 1 + 1
+    assert keep == 10
+    row = np.array([0.2, 0.11, 0.1, 0.09, 0.0901, 0.08, 0.07, 0.06, 0.05, 0.04, 0.0399, 0.03, 0.02, NAN], np.float16)
+    out = fmt.round(row, n_sink)
+    top = np.argsort(-np.nan_to_num(row.astype(np.float64), nan=-1))[:keep]
+    np.testing.assert_array_equal(out[top], row[top])  # the ten largest, exact
+    # 0.0399 rounds (2 bits) to 0.0391 < 0.04: rounded; 0.03 → 0.0312, 0.02 → 0.0195
+    np.testing.assert_array_equal(out[10:13].astype(np.float64), [0.0390625, 0.03125, 0.01953125])
+    assert np.isnan(out[-1])
+    assert (out[10:13] < row[top].min()).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrays(np.uint16, st.integers(1, 64), elements=st.integers(0, 0x3C00)),  # fp16 bit patterns of 0 … 1
+    st.sampled_from([f for f in FORMATS if f != "exact"]),
+    st.integers(0, 4),
+)
+def test_rounding_stays_within_its_bound(bits, name, n_sink):
+    """|stored − exact| ≤ 2^-(K+1)·max(p, 2^-14) for every fp16 value in [0, 1], every format;
+    zeros stay zero, nothing exceeds 1."""
+    x = bits.view(np.float16)
+    fmt = row_format(name)
+    d = fmt.round(x, n_sink)
+    err = np.abs(d.astype(np.float64) - x.astype(np.float64))
+    assert (err <= fmt.bound(x.astype(np.float64))).all()
+    assert (d[x == 0] == 0).all() and (d <= 1).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 2000), st.floats(0.1, 30), st.sampled_from(["round2", "round3-peaks"]), st.integers(0, 2**31))
+def test_rounded_rows_pass_the_widened_row_check(n, sharpness, name, seed):
+    """Softmax rows in fp16, rounded: they sum to 1 within the format's tolerance (the check every
+    reader runs with the store's slack)."""
+    from kvscope.analysis.kernels import row_checks, rows_problem
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(3, 1, n)) * sharpness
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    rows = (p / p.sum(-1, keepdims=True)).astype(np.float16)
+    fmt = row_format(name)
+    out = fmt.round(rows, 4)
+    assert rows_problem(row_checks(out, np.full(3, n - 1), fmt.slack)) is None
+
+
+def _read(path, name):
+    import zarr
+
+    return zarr.open_group(str(path), mode="r")[name][...]
+
+
+@pytest.fixture(scope="module")
+def compacted(qkv_trace, tmp_path_factory):
+    """The real SmolLM2 trace with q/k/v, compacted to round4-peaks through the command line."""
+    out = tmp_path_factory.mktemp("compact") / "round4p.zarr"
+    before = tree_digest(qkv_trace)
+    proc = run_cli("compact", qkv_trace, out, "--rows", "round4-peaks", "--json", check=True)
+    assert tree_digest(qkv_trace) == before  # the input untouched
+    return out, json.loads(proc.stdout)
+
+
+def test_compacted_store_rows_within_bound_and_the_rest_identical(qkv_trace, compacted):
+    out, summary = compacted
+    fmt = row_format("round4-peaks")
+    for name in ("attn", "prefill_tail"):
+        a, b = _read(qkv_trace, name).astype(np.float64), _read(out, name).astype(np.float64)
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        ok = ~np.isnan(a)
+        assert (np.abs(a[ok] - b[ok]) <= fmt.bound(a[ok])).all()
+        assert (a[ok] != b[ok]).mean() > 0.5  # most values were rounded
+    for name in ("q", "k", "v", "prefill_colsum", "tokens", "query_pos", "rope_inv_freq"):
+        np.testing.assert_array_equal(_read(qkv_trace, name), _read(out, name))
+    assert summary["rows"] == "round4-peaks"
+    assert summary["attn_out_bytes"] < 0.75 * summary["attn_in_bytes"]
+    assert 0 < summary["attn_out_bytes"] / summary["attn_raw_bytes"] < 0.5
+
+
+def test_compacted_metrics_stay_close(qkv_trace, compacted):
+    """On the real trace: α of the peaks fit identical (each row's top values are exact), FMM,
+    churn and coverage within 1e-3, replayed FMM of two policies within 1e-3 (measured in
+    benchmarks/compact_formats.py on longer traces; the README's table)."""
+    import kvscope
+    from kvscope import analysis as A
+    from kvscope.replay import replay
+
+    out, _ = compacted
+    docs = []
+    for path in (qkv_trace, out):
+        ds = kvscope.open_trace(path, chunks={})
+        r = A.study(ds, ["fmm", "churn", "peaks"])
+        docs.append({name: A.make(name).summary(v) for name, v in r.items()})
+        res = replay(ds, ["h2o", "snapkv"], [0.3], errors=False)
+        docs[-1]["replayed"] = res["fmm"].mean(["sample", "event", "layer", "kv_head"]).values
+    a, b = docs
+    assert a["peaks"]["alpha"] == b["peaks"]["alpha"]
+    assert abs(a["fmm"]["fmm"] - b["fmm"]["fmm"]) < 1e-3
+    assert abs(a["churn"]["churn"] - b["churn"]["churn"]) < 1e-3
+    assert abs(a["peaks"]["coverage_logquant"] - b["peaks"]["coverage_logquant"]) < 1e-3
+    np.testing.assert_allclose(a["replayed"], b["replayed"], atol=1e-3)
+
+
+def test_format_recorded_and_reported(compacted):
+    import kvscope
+
+    out, _ = compacted
+    ds = kvscope.open_trace(out)
+    assert ds.kvscope.rows == row_format("round4-peaks")
+    assert ds.attrs["row_format"] == {
+        "format": "round4-peaks", "lossy": True, "keepbits": 4, "relative_error": 2.0**-5, "kept_exact_per_row": 13,
+    }  # fmt: skip
+    line = "rows: round4-peaks (lossy, ≤ 3.12% relative"
+    info = run_main("info", out)
+    assert info.returncode == 0 and line in info.stdout
+    fmm = run_main("analyze", "fmm", out)
+    assert fmm.returncode == 0 and line in fmm.stdout
+    from_qk = run_main("analyze", "fmm", out, "--from-qk")  # rows recomputed from the exact q/k: not rounded
+    assert from_qk.returncode == 0 and "rows:" not in from_qk.stdout
+    doc = json.loads(run_main("analyze", "churn", out, "--json").stdout)
+    assert doc["row_format"]["format"] == "round4-peaks"
+    assert run_main("verify", out).returncode == 0
+
+
+def test_bad_inputs_one_line(qkv_trace, compacted, tmp_path):
+    out, _ = compacted
+    target = tmp_path / "x.zarr"
+    one_line_error(run_main("compact", qkv_trace, target, "--rows", "log8"), "is not a row format")
+    one_line_error(run_main("compact", out, target, "--rows", "round3"), "already stores its rows as round4-peaks")
+    one_line_error(run_main("compact", qkv_trace, out, "--rows", "round3"), "exists")
+    partial = tmp_path / "partial.zarr"
+    shutil.copytree(qkv_trace, partial)
+    meta = json.loads((partial / "zarr.json").read_text())
+    meta["attributes"]["status"] = "partial"
+    (partial / "zarr.json").write_text(json.dumps(meta))
+    one_line_error(run_main("compact", partial, target, "--rows", "round3"), "is a partial trace")
+    assert not target.exists() and not list(tmp_path.glob(".x.zarr*"))
+    # a rows attribute that no format writes is refused on open
+    bad = tmp_path / "bad.zarr"
+    shutil.copytree(out, bad)
+    meta = json.loads((bad / "zarr.json").read_text())
+    meta["attributes"]["row_format"]["keepbits"] = 7
+    (bad / "zarr.json").write_text(json.dumps(meta))
+    one_line_error(run_main("info", bad, "--quick"), "attribute row_format")
+    with pytest.raises(KvscopeError, match="not a row format"):
+        row_format("round9")
