@@ -176,23 +176,21 @@ def test_bad_use_is_refused(loaded, prompt_ids):
         prepare(model)
 
 
-def test_cli_run_trace_validate(tmp_path):
+def test_cli_run_trace_validate(tmp_path, small_qkv_trace):
+    """``run`` and ``validate`` as real subprocesses once each, the others through ``main``;
+    the trace is the session's (``trace --workload prose --record qkv`` by subprocess)."""
     proc = run_cli(
         "run", "--prompt", "The history of the Roman Empire begins", "--policy", "full", "--budget", "1",
         "--max-new-tokens", "8", "--json", check=True,
     )  # fmt: skip
     doc = json.loads(proc.stdout)["samples"][0]
     assert doc["agreement"] == 1.0 and doc["kl"] == 0.0 and doc["bytes_actual_peak"] <= doc["budget_bytes"]
-    proc = run_cli(
-        "run", "--workload", "niah", "--context", "300", "--samples", "1", "--policy", "streaming", "--budget", "0.5",
-        check=True,
-    )  # fmt: skip
+    proc = run_main(
+        "run", "--workload", "niah", "--context", "300", "--samples", "1", "--policy", "streaming", "--budget", "0.5"
+    )
+    assert proc.returncode == 0, proc.stderr
     assert "streaming" in proc.stdout and "score" in proc.stdout
-    full = tmp_path / "full.zarr"
-    run_cli(
-        "trace", "--workload", "prose", "--context", "300", "--samples", "1", "--max-new-tokens", "24",
-        "--record", "qkv", "--out", full, "--quiet", check=True,
-    )  # fmt: skip
+    full = small_qkv_trace
     proc = run_cli(
         "validate", full, "--policy", "qevict", "--budget", "0.3", "--json", "--live-out", tmp_path / "l.zarr"
     )
@@ -203,8 +201,9 @@ def test_cli_run_trace_validate(tmp_path):
     # open loop predicts the live error: same size on average (0.19 vs 0.20), same layers (ρ 0.99)
     assert 0.5 < report["predicted_mean"] / report["live_mean"] < 2 and report["correlation"] > 0.8
     assert "Warning" not in proc.stderr
-    assert kvscope.open_trace(tmp_path / "l.zarr")["policy_tiers"].shape[:2] == (1, 3)
-    proc = run_cli("validate", full, "--policy", "h2o", "--budget", "0.3", check=True)
+    assert kvscope.open_trace(tmp_path / "l.zarr")["policy_tiers"].shape[:2] == (1, 2)  # 16 steps, every w = 8
+    proc = run_main("validate", full, "--policy", "h2o", "--budget", "0.3")
+    assert proc.returncode == 0, proc.stderr
     assert "decisions: identical" in proc.stdout and "predicted / live" in proc.stdout
 
 
