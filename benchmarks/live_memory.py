@@ -10,6 +10,8 @@ and prints, per policy and budget β (default 10% and 20%):
 
     peak bytes / full      the cache's own tensors (codes + scale/zero + FP rows) at its peak,
                            over the full cache's tensors at the end (both at the model's dtype)
+    serving copy / full    the quantizing caches' Q rows dequantized once into the model's
+                           dtype (``bytes_serving``: time bought with memory, reported apart)
     time / full            decode time (the same forwards) over the full-KV decode
     agreement              share of identical greedy tokens with full KV
 
@@ -77,6 +79,7 @@ def main() -> None:
                     "peak_bytes": max(live_cache.bytes_actual),
                     "peak_ratio": max(live_cache.bytes_actual) / full_bytes,
                     "index_bytes": max(live_cache.bytes_index),
+                    "serving_ratio": max(live_cache.bytes_serving) / full_bytes,
                     "budget_reached": bool(live_cache.state.reached),
                     "time_ratio": seconds / full.seconds,
                     "seconds": seconds,
@@ -102,11 +105,11 @@ def main() -> None:
         f"live memory · {args.model} ({doc['model_dtype']}) · {len(ids)} + {S} tokens · "
         f"full KV {full_bytes / 2**20:.1f} MiB, decode {full.seconds:.1f} s"
     )
-    print(f"{'policy':<10} {'β':>5} {'peak/full':>10} {'time/full':>10} {'agreement':>10}")
+    print(f"{'policy':<10} {'β':>5} {'peak/full':>10} {'serving/full':>13} {'time/full':>10} {'agreement':>10}")
     for r in rows:
         floor = "" if r["budget_reached"] else "  (floor)"
         print(
-            f"{r['policy']:<10} {r['budget']:>5.2f} {r['peak_ratio']:>10.3f} {r['time_ratio']:>10.2f} "
+            f"{r['policy']:<10} {r['budget']:>5.2f} {r['peak_ratio']:>10.3f} {r['serving_ratio']:>13.3f} {r['time_ratio']:>10.2f} "
             f"{r['agreement']:>10.3f}{floor}"
         )
 

@@ -7,17 +7,23 @@ validate) works end to end with one-line errors for bad input."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import kvscope
 from kvscope.errors import KvscopeError
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import agreement, decode
-from kvscope.policies import LedgerError, available
+from kvscope.policies import CacheState, Ledger, LedgerError, Policy, available
+from kvscope.tiers import TIER_EVICTED as EVICTED
+from kvscope.tiers import TIER_FP as FP
+from kvscope.tiers import TIER_Q as Q
 
 from .conftest import run_cli, run_main
 
@@ -33,6 +39,13 @@ def loaded(smollm2_dir):
     model, tokenizer = load(source)
     prepare(model)
     return source, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return prepare(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]))
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +292,69 @@ def test_sliding_window_models_are_refused(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(tiny_models["mistral_sliding"])
     with pytest.raises(KvscopeError, match="global-attention"):
         PolicyCache(model, "h2o", 0.3, 8)
+
+
+@dataclass
+class _Shuffler(Policy):
+    """A test policy that moves random positions between tiers at every step: quantizes random
+    groups of FP positions of random heads (write-once, as every quantizing policy), promotes
+    random Q positions back to FP (served from their codes, as QEvict's promotions), and evicts
+    random accessible positions (never position 0, so that no head runs empty)."""
+
+    seed: int = 0
+    bits: int = 2
+    key_axis: str = "channel"
+    prerope: bool = False
+    G: int = 4
+
+    name = "shuffler"
+    quantizes = True
+
+    def start(self, spec, k=None, v=None, rope=None):
+        key_group = 8 if self.key_axis == "token" else None
+        ledger = Ledger(spec, self.bits, self.key_axis, key_group, 8, rope=rope if self.prerope else None)
+        return _ShufflerState(self, spec, ledger)
+
+
+class _ShufflerState(CacheState):
+    def __init__(self, policy, spec, ledger):
+        super().__init__(policy, spec, ledger)
+        self.reached = False  # no budget: the point is the tier changes
+
+    def compress(self) -> None:
+        rng = np.random.default_rng([self.policy.seed, self.length])
+        tiers, done = self.tiers[..., : self.length], self.ledger.done[..., : self.length]
+        for layer, head in np.argwhere(rng.random(tiers.shape[:2]) < 0.6):
+            free = np.nonzero((tiers[layer, head] == FP) & ~done[layer, head])[0]
+            if len(free) >= self.policy.G:
+                group = np.sort(rng.choice(free, self.policy.G, replace=False))
+                self.ledger.quantize(group[None], np.array([layer]), np.array([head]))
+                tiers[layer, head, group] = Q
+        tiers[(tiers == Q) & (rng.random(tiers.shape) < 0.1)] = FP  # promoted: served from the codes
+        evict = (tiers >= Q) & (rng.random(tiers.shape) < 0.05)
+        evict[..., 0] = False
+        tiers[evict] = EVICTED
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    bits=st.sampled_from([2, 4, 8]),
+    key_axis=st.sampled_from(["channel", "token"]),
+    prerope=st.booleans(),
+    kv_dtype=st.sampled_from([None, torch.float16]),
+)
+def test_serving_copy_is_the_dequantized_codes(tiny_llama, seed, bits, key_axis, prerope, kv_dtype):
+    """After any sequence of random quantizations, promotions and evictions the Q rows' serving
+    copy (dequantized once per row, filtered as rows leave) equals a dequantization of every Q
+    row from its codes, bit for bit, and the cache's record of its rows equals its rows
+    (check=True compares both at every step); the values served are those the ledger gives."""
+    model = tiny_llama
+    cache = PolicyCache(model, _Shuffler(seed, bits, key_axis, prerope), 1.0, 10, kv_dtype=kv_dtype, check=True)
+    decode(model, list(range(5, 45)), cache, 10)
+    tiers, done = cache.state.tiers[..., : cache.seen], cache.state.ledger.done[..., : cache.seen]
+    assert (tiers == Q).any() and (tiers == EVICTED).any() and (done & (tiers == FP)).any()
+    for layer, pool in enumerate(cache.pools):
+        full_k, full_v = cache._dequantized(pool.q, pool.group_size, layer)
+        assert torch.equal(pool.deq_k, full_k) and torch.equal(pool.deq_v, full_v)
+    assert cache.bytes_serving[-1] == sum(2 * p.n_q() * cache.head_dim * 4 for p in cache.pools)

@@ -8,7 +8,7 @@ tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
 
     EVICTED        the position's K/V are deleted
     Q              packed codes + 16-bit scale/zero (the policy's write-once ledger holds
-                   the codes); dequantized for attention at every step
+                   the codes), dequantized once, when quantized, into a serving copy
     FP             the original K/V in ``kv_dtype`` (the model's dtype by default)
     FP, promoted   (QEvict) a promotion restores the dequantized values, which the ledger's
                    codes already give: served from the codes, counted as FP by the byte model
@@ -22,6 +22,14 @@ Per layer the cache holds two flat pools of rows, each row one (kv_head, positio
     k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
                       [n_q, D/g_k]                     or per token (key_axis=token)
     q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
+    deq_k, deq_v      [n_q, D]           model dtype   serving copy: the Q rows dequantized
+
+A Q row's codes never change while it is held (the ledger is write-once) and dequantization
+is elementwise per row, so each row is dequantized once, when it is quantized, and the copy
+is filtered with the codes when rows leave: ``deq_k`` equals a dequantization of every Q row
+from the codes bit for bit (checked at every step under ``check``), without redoing it at every
+step. The copy is a CPU-speed trade (no fused unpack + matmul kernel here): it is reported
+apart, ``bytes_serving``, not in ``bytes_actual``.
 
 At each forward a layer hands attention ``[1, kv_head, T, D]`` keys/values: per KV head its
 FP rows and dequantized Q rows in position order, right-aligned (heads that keep fewer
@@ -30,8 +38,8 @@ the newest key is always the last slot). A cache whose heads keep the same posit
 nothing quantized hands over exactly what a ``DynamicCache`` would.
 
 Bytes per step: ``bytes_model`` (SPEC §5 accounting, what replay reports) and
-``bytes_actual`` (``nbytes`` of every data tensor above; index tensors apart in
-``bytes_index``); both must stay within ``β · FP_bytes(P + S)`` at ``kv_dtype``.
+``bytes_actual`` (``nbytes`` of every data tensor above but the serving copy; index tensors
+apart in ``bytes_index``, the serving copy in ``bytes_serving``); both must stay within ``β · FP_bytes(P + S)`` at ``kv_dtype``.
 One sequence at a time (batch 1). Needs a kvscope attention implementation
 (:func:`prepare`), which also computes the rows the policy observes.
 """
@@ -108,7 +116,7 @@ def prepare(model, kernel: str = "sdpa"):
 
 def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """``[rows, bytes]`` packed codes (first code in the lowest bits, as
-    :func:`kvscope.policies.quant.pack`) → ``[rows, n]`` float32."""
+    :func:`kvscope.policies.quant.pack`) → ``[rows, n]`` float32 (small integers: exact)."""
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [rows, bytes, per]
@@ -126,12 +134,16 @@ class _Pool:
         self.fp_head = torch.empty(0, dtype=INDEX, device=device)
         self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
         self.group_size = 0  # key groups all of this many consecutive rows (0: mixed sizes)
+        self.deq_k = self.deq_v = None  # [n_q, D] the serving copy (module docstring)
 
     def data_tensors(self):
         out = [self.fp_k, self.fp_v]
         if self.q is not None:
             out += [self.q[k] for k in ("k_codes", "v_codes", "v_scale", "v_zero", "k_scale", "k_zero")]
         return out
+
+    def serving_tensors(self):
+        return [] if self.deq_k is None else [self.deq_k, self.deq_v]
 
     def index_tensors(self):
         out = [self.fp_pos, self.fp_head]
@@ -221,6 +233,7 @@ class PolicyCache(DynamicCache):
         self.kv_dtype = kv_dtype or parameter.dtype
         self.itemsize = self.kv_dtype.itemsize
         self.device = parameter.device
+        self.serve_dtype = parameter.dtype  # of the serving copy: what attention computes in
         self.n_sink, self.w, self.obs_window = n_sink, w, obs_window
         self.every = every or w
         rope = Rope.from_model(model, self.n_layers)
@@ -237,6 +250,8 @@ class PolicyCache(DynamicCache):
         self.bytes_model: list[float] = []  # [step] SPEC accounting, all layers and heads
         self.bytes_actual: list[int] = []  # [step] nbytes of the data tensors
         self.bytes_index: list[int] = []  # [step] nbytes of the index tensors
+        self.bytes_serving: list[int] = []  # [step] nbytes of the serving copy of the Q rows
+        self._held: np.ndarray | None = None  # [2 (FP, Q), layer, kv_head, pos] rows the pools hold
         self.tier_events: dict[int, np.ndarray] = {}  # step → tiers [layer, kv_head, pos] after deciding
 
     # -- sizes ------------------------------------------------------------------------------
@@ -290,6 +305,7 @@ class PolicyCache(DynamicCache):
                 self.obs_window,
             )
             state = self.policy.start(spec, rope=self.rope)
+            self._held = np.zeros((2, *state.tiers.shape), dtype=bool)
             self.driver = PolicyDriver(state, allocation=self.allocation, check=self.check)
             if self.state.ledger is not None:
                 self.state.ledger.sink = self._quantize
@@ -323,6 +339,7 @@ class PolicyCache(DynamicCache):
         pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
         pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
         pool.fp_head = torch.cat([pool.fp_head, heads.repeat_interleave(n_new)])
+        self._held[0, layer, :, self.seen - n_new : self.seen] = True
         recorder = self.recorder if self.recorder.enabled else None
         if self._pending == "prefill":  # every position of every head, in order: as given
             if self.kv_dtype == key_states.dtype:
@@ -349,7 +366,9 @@ class PolicyCache(DynamicCache):
         pool = self.pools[layer]
         n_fp = pool.fp_pos.shape[0]
         if pool.n_q():
-            qk, qv = self._dequantized(layer)
+            if pool.deq_k.dtype != dtype:  # attention runs in another dtype than the model's weights
+                pool.deq_k, pool.deq_v = (x.to(dtype) for x in self._dequantized(pool.q, pool.group_size, layer))
+            qk, qv = pool.deq_k, pool.deq_v
             pos = torch.cat([pool.fp_pos, pool.q["q_pos"]])
             head = torch.cat([pool.fp_head, pool.q["q_head"]])
         else:
@@ -370,11 +389,11 @@ class PolicyCache(DynamicCache):
         make = torch.zeros if padded else torch.empty
         keys = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
         values = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
-        keys[dest[:n_fp]] = pool.fp_k.to(dtype)
-        values[dest[:n_fp]] = pool.fp_v.to(dtype)
+        keys.index_copy_(0, dest[:n_fp], pool.fp_k.to(dtype))
+        values.index_copy_(0, dest[:n_fp], pool.fp_v.to(dtype))
         if qk is not None:
-            keys[dest[n_fp:]] = qk.to(dtype)
-            values[dest[n_fp:]] = qv.to(dtype)
+            keys.index_copy_(0, dest[n_fp:], qk)
+            values.index_copy_(0, dest[n_fp:], qv)
         slot_pos = (
             torch.full((n_slots,), -1, dtype=torch.long, device=pos.device)
             if padded
@@ -425,26 +444,28 @@ class PolicyCache(DynamicCache):
                 new["k_scale"] = torch.from_numpy(qk.scale.reshape(n * g, -1)).to(dev)  # [token, D/g_k]
                 new["k_zero"] = torch.from_numpy(qk.zero.reshape(n * g, -1)).to(dev)
                 new["k_group"] = torch.empty(0, dtype=INDEX, device=dev)
+            deq_k, deq_v = (x.to(self.serve_dtype) for x in self._dequantized(new, g, layer))
+            self._held[1, layer, heads[rows][:, None], pos] = True
             if pool.q is None:
                 pool.q, pool.group_size = new, g
+                pool.deq_k, pool.deq_v = deq_k, deq_v
             else:
                 pool.q = {name: torch.cat([pool.q[name], new[name]]) for name in new}
+                pool.deq_k, pool.deq_v = torch.cat([pool.deq_k, deq_k]), torch.cat([pool.deq_v, deq_v])
                 if pool.group_size != g:
                     pool.group_size = 0
 
-    def _dequantized(self, layer: int):
-        """``keys, values [n_q, D]`` float32 of the layer's Q rows — the same arithmetic as
+    def _dequantized(self, q: dict[str, torch.Tensor], g: int, layer: int):
+        """``keys, values [n, D]`` float32 of the Q rows ``q`` of ``layer`` (a pool's rows, key
+        groups all of ``g`` consecutive rows, or mixed when ``g`` = 0) — the same arithmetic as
         replay's ledger (``x̂ = q·scale + zero``, then RoPE for pre-RoPE keys), so both serve
-        bit-identical values."""
+        bit-identical values. Elementwise per row: any subset of rows gives the same values."""
         ledger = self.state.ledger
-        pool = self.pools[layer]
-        q = pool.q
         d, bits = self.head_dim, ledger.bits
         n = q["q_pos"].shape[0]
         k_codes = _codes_float(q["k_codes"], bits, d)  # [n, D]
         v_codes = _codes_float(q["v_codes"], bits, d)
         if ledger.key_axis == "channel":
-            g = pool.group_size
             if g:  # whole groups of g rows in order: broadcast the group parameters
                 ng = n // g
                 keys = (k_codes.view(ng, g, d) * q["k_scale"].float()[:, None] + q["k_zero"].float()[:, None]).view(
@@ -503,6 +524,7 @@ class PolicyCache(DynamicCache):
         self.bytes_model.append(float(used.sum()))
         self.bytes_actual.append(data)
         self.bytes_index.append(index)
+        self.bytes_serving.append(sum(t.nbytes for pool in self.pools for t in pool.serving_tensors()))
         if self.check:
             self._check_content()
         if self.keep_tiers and self.step % self.every == 0:
@@ -526,47 +548,64 @@ class PolicyCache(DynamicCache):
 
     def _sync(self) -> None:
         """Make the pools match the state's tiers: FP rows stay while their position is FP
-        and was never quantized; Q rows stay unless their position was evicted."""
+        and was never quantized; Q rows stay unless their position was evicted. Only layers
+        that hold a row to drop (``_held`` against the tiers) are touched."""
         st = self.state
-        tiers = torch.from_numpy(st.tiers[..., : self.seen])  # [layer, kv_head, pos]
-        done = torch.from_numpy(st.ledger.done[..., : self.seen]) if st.ledger is not None else None
-        for layer, pool in enumerate(self.pools):
-            head, pos = pool.fp_head.cpu(), pool.fp_pos.cpu()
-            keep = tiers[layer, head, pos] == TIER_FP
-            if done is not None:
-                keep &= ~done[layer, head, pos]
-            if not bool(keep.all()):
-                keep = keep.to(pool.fp_k.device)
-                pool.fp_k, pool.fp_v = pool.fp_k[keep], pool.fp_v[keep]
-                pool.fp_pos, pool.fp_head = pool.fp_pos[keep], pool.fp_head[keep]
-            if pool.q is None:
-                continue
-            q = pool.q
-            keep = (tiers[layer, q["q_head"].cpu(), q["q_pos"].cpu()] >= TIER_Q).to(q["q_pos"].device)
-            if bool(keep.all()):
-                continue
-            kept = {name: q[name][keep] for name in ("q_pos", "q_head", "k_codes", "v_codes", "v_scale", "v_zero")}
-            if st.ledger.key_axis == "channel":
-                groups, new_index, sizes = torch.unique(q["k_group"][keep], return_inverse=True, return_counts=True)
-                kept["k_scale"], kept["k_zero"] = q["k_scale"][groups], q["k_zero"][groups]
-                kept["k_group"] = new_index.to(INDEX)
-                if pool.group_size and not bool((sizes == pool.group_size).all()):
-                    pool.group_size = 0  # a group lost part of its rows
-            else:
-                kept["k_scale"], kept["k_zero"] = q["k_scale"][keep], q["k_zero"][keep]
-                kept["k_group"] = q["k_group"]
-            pool.q = kept
+        tiers = st.tiers[..., : self.seen]  # [layer, kv_head, pos]
+        want_fp = tiers == TIER_FP
+        if st.ledger is not None:
+            want_fp &= ~st.ledger.done[..., : self.seen]
+        held = self._held[..., : self.seen]  # [2, layer, kv_head, pos]
+        drop = (held[0] & ~want_fp).any((1, 2)) | (held[1] & (tiers < TIER_Q)).any((1, 2))  # [layer]
+        held[0] &= want_fp
+        held[1] &= tiers >= TIER_Q
+        for layer in np.nonzero(drop)[0]:
+            self._drop(layer, torch.from_numpy(want_fp[layer]), torch.from_numpy(tiers[layer] >= TIER_Q))
+
+    def _drop(self, layer: int, want_fp: torch.Tensor, want_q: torch.Tensor) -> None:
+        """Keep the layer's FP rows where ``want_fp [kv_head, pos]`` and its Q rows (codes,
+        parameters, serving copy) where ``want_q [kv_head, pos]``."""
+        pool = self.pools[layer]
+        keep = want_fp[pool.fp_head.cpu(), pool.fp_pos.cpu()]
+        if not bool(keep.all()):
+            keep = keep.to(pool.fp_k.device)
+            pool.fp_k, pool.fp_v = pool.fp_k[keep], pool.fp_v[keep]
+            pool.fp_pos, pool.fp_head = pool.fp_pos[keep], pool.fp_head[keep]
+        if pool.q is None:
+            return
+        q = pool.q
+        keep = want_q[q["q_head"].cpu(), q["q_pos"].cpu()].to(q["q_pos"].device)
+        if bool(keep.all()):
+            return
+        kept = {name: q[name][keep] for name in ("q_pos", "q_head", "k_codes", "v_codes", "v_scale", "v_zero")}
+        if self.state.ledger.key_axis == "channel":
+            groups, new_index, sizes = torch.unique(q["k_group"][keep], return_inverse=True, return_counts=True)
+            kept["k_scale"], kept["k_zero"] = q["k_scale"][groups], q["k_zero"][groups]
+            kept["k_group"] = new_index.to(INDEX)
+            if pool.group_size and not bool((sizes == pool.group_size).all()):
+                pool.group_size = 0  # a group lost part of its rows
+        else:
+            kept["k_scale"], kept["k_zero"] = q["k_scale"][keep], q["k_zero"][keep]
+            kept["k_group"] = q["k_group"]
+        pool.q = kept
+        pool.deq_k, pool.deq_v = pool.deq_k[keep], pool.deq_v[keep]
 
     def _check_content(self) -> None:
-        """Every accessible position is held exactly once, nothing else is."""
+        """Every accessible position is held exactly once, nothing else is; ``_held`` says
+        which; the serving copy equals a dequantization of every Q row, bit for bit."""
         tiers = self.state.tiers[..., : self.seen]
         for layer, pool in enumerate(self.pools):
-            held = np.zeros(tiers.shape[1:], dtype=np.int64)
-            np.add.at(held, (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
+            held = np.zeros((2, *tiers.shape[1:]), dtype=np.int64)  # [FP / Q, kv_head, pos]
+            np.add.at(held[0], (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
             if pool.q is not None:
-                np.add.at(held, (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
-            if not np.array_equal(held, (tiers[layer] >= TIER_Q).astype(np.int64)):  # evicted: held 0 times
+                np.add.at(held[1], (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
+                full = self._dequantized(pool.q, pool.group_size, layer)
+                if not all(torch.equal(x.to(c.dtype), c) for x, c in zip(full, pool.serving_tensors())):
+                    raise AssertionError(f"layer {layer}: the serving copy differs from the dequantized codes")
+            if not np.array_equal(held.sum(0), (tiers[layer] >= TIER_Q).astype(np.int64)):  # evicted: held 0 times
                 raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
+            if not np.array_equal(held > 0, self._held[:, layer, :, : self.seen]):
+                raise AssertionError(f"layer {layer}: the cache's record of its rows differs from its rows")
 
 
 @dataclass
