@@ -97,6 +97,18 @@ def tree_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """No test leaves the process environment changed: dask's LocalCluster sets
+    OMP/MKL/OPENBLAS_NUM_THREADS=1 in it, which every later subprocess (a CLI run, a shard)
+    would inherit — another thread count, other float results."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from kvscope.models import resolve
