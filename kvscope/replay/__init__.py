@@ -213,11 +213,6 @@ class ReplaySetup:
     def n_step_total(self) -> int:
         return self.ds.sizes["step"]
 
-    @property
-    def whole_model(self) -> bool:
-        """Every layer of the model is replayed here (not a task of some layers)."""
-        return self.n_layers == self.ds.kvscope.model.n_layers
-
     def spec(self, s: int, budget: float) -> CacheSpec:
         """Sample ``s``'s cache at ``budget`` over the layers replayed here."""
         acc = self.ds.kvscope

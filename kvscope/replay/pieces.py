@@ -168,7 +168,7 @@ def _opened(path: str):
 def _remote(function, setup_state: dict, *args):
     """A task on a dask worker: the setup with its trace opened there (once per process)."""
     setup = replace(setup_state["setup"], ds=_opened(setup_state["source"]))
-    args = [TierStore.opened(a) if isinstance(a, _StorePath) else a for a in args]
+    args = [TierStore(a) if isinstance(a, _StorePath) else a for a in args]
     return function(setup, *args)
 
 

@@ -50,7 +50,9 @@ class SampleReader:
                 else self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
             )
             where = f"attn rows of sample {self.s}, steps {steps.start}–{steps.stop - 1}"
-            refuse_bad_rows(row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack), where)
+            refuse_bad_rows(
+                row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack), where
+            )
             self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
         return self._rows[b][t - steps.start]
 
@@ -60,24 +62,31 @@ class SampleReader:
         from ..analysis.recompute import layer_rows
 
         qpos = self.query_pos[steps]
-        first = int(qpos.min())
-        q = self.ds["q"].isel(sample=self.s, qpos=slice(first, int(qpos.max()) + 1)).values  # [n, layer, head, D]
+        q = self._query_block(steps)  # [n, layer, head, D]
         k = self.kv()[0]  # [layer, kv_head, final_len, D]
         model, heads = self.ds.kvscope.model, "all" if self.group > 1 else "kv"
         rows = [
-            layer_rows(q[:, i], k[i], qpos, model.rule(int(layer)), heads, first)[0, :, 0]
+            layer_rows(q[:, i], k[i], qpos, model.rule(int(layer)), heads, int(qpos[0]))[0, :, 0]
             for i, layer in enumerate(self.ds["layer"].values)
         ]
         return np.stack(rows, axis=1)
 
     def query(self, t: int) -> np.ndarray:
         """Recorded query of step ``t``: ``[layer, head, D]`` float32."""
-        b, steps = self._block_of(t)
+        _, steps = self._block_of(t)
+        return self._query_block(steps)[t - steps.start]
+
+    def _query_block(self, steps: slice) -> np.ndarray:
+        """Recorded queries of a block of steps ``[step, layer, head, D]`` float32, read once for
+        the errors and the recomputed rows (this block and the one before are kept, as rows are)."""
+        b = steps.start // self.block
         if b not in self._queries:
+            for old in [k for k in self._queries if k < b - 1]:
+                del self._queries[old]
             qpos = self.query_pos[steps]
             q = self.ds["q"].isel(sample=self.s, qpos=slice(int(qpos[0]), int(qpos[-1]) + 1)).values
-            self._queries = {b: q.astype(np.float32)}
-        return self._queries[b][t - steps.start]
+            self._queries[b] = q.astype(np.float32)
+        return self._queries[b]
 
     def prefill(self) -> tuple[np.ndarray, np.ndarray]:
         """``colsum [layer, kv_head, P]`` float64 and ``tail [layer, kv_head, obs, P]`` float32."""

@@ -107,7 +107,7 @@ class SampleReplay:
         ai, bi = divmod(rest, len(st.budgets))
         record = self.outputs.record(pi, ai, bi, self.s, state.tiers.shape)
         if allocation.clairvoyant:  # the oracle's split, decided over every unit of the sample (replay.pieces)
-            allocation = Given.of(self.splits[pi, ai, bi], whole=st.whole_model)
+            allocation = Given.of(self.splits[pi, ai, bi])  # a task of some layers: checked per unit (driver)
         driver = PolicyDriver(state, allocation=allocation, where=f" of sample {self.s}")
         return Run(driver, record, st.horizons[-1])
 

@@ -114,7 +114,7 @@ class TierStore:
     """``tiers [policy, allocation, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
     ``root``, each snapshot written as it is taken; :meth:`complete` then writes −1 (none)
     into the snapshots never taken (events past a sample's steps). ``layers``: the layers of
-    one chunk (a task's block). :meth:`opened` is the same store in another process."""
+    one chunk (a task's block). Without ``shape``, the existing store at ``root`` (a dask worker's view)."""
 
     def __init__(self, root: Path, shape: tuple[int, ...] | None = None, layers: int | None = None):
         import zarr
@@ -130,10 +130,6 @@ class TierStore:
             )  # fmt: skip
         # [policy, allocation, budget, sample, event]
         self.taken = np.zeros(self.array.shape[:SNAPSHOT_INDEX], dtype=bool)
-
-    @classmethod
-    def opened(cls, root) -> TierStore:
-        return cls(root)
 
     def write(self, index: tuple[int, ...], tiers: np.ndarray, layers: slice = slice(None)) -> None:
         """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` of ``layers`` at ``(policy, allocation,
