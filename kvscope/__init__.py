@@ -29,4 +29,13 @@ def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: st
 
 from .replay import open_result, replay
 
-__all__ = ["__version__", "open_result", "open_trace", "replay", "trace"]
+
+def view(ds, result=None, **kwargs):
+    """The attention explorer of a trace (and a replay result) in Jupyter — see
+    :func:`kvscope.explorer.view` (needs Panel)."""
+    from .explorer import view as _view
+
+    return _view(ds, result, **kwargs)
+
+
+__all__ = ["__version__", "open_result", "open_trace", "replay", "trace", "view"]

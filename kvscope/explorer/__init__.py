@@ -1,0 +1,80 @@
+"""The attention explorer (docs/explorer.md): step × position heatmaps read a view at a time,
+policy tiers over them, the per-layer views beside them.
+
+    kvscope.view(ds, result)                       the app in Jupyter (a Panel object)
+    serve(ds, result, port=0)                      a Bokeh server through Panel; returns it
+    write_html(ds, result, "page.html")            one self-contained page (aggregated)
+
+Panel serves and embeds; the figures are Bokeh's (:mod:`kvscope.explorer.figures`).
+"""
+
+from __future__ import annotations
+
+import xarray as xr
+
+from .app import Explorer, load, title_of
+from .static import write_html
+
+
+def view(ds: xr.Dataset, result: xr.Dataset | None = None, *, tokens: str = "model", title: str = ""):
+    """The explorer of a trace (``kvscope.open_trace``) and optionally its replay result
+    (``kvscope.open_result``) as a Panel object: displayed by Jupyter, served by ``.servable()``."""
+    import panel as pn
+
+    shared = load(ds, result, tokens=tokens)
+    app = Explorer(shared, title=title or title_of(ds))
+    if pn.state.curdoc is not None:  # inside a server session (``.servable()``)
+        app.fill_side_later(pn.state.curdoc)
+    else:  # Jupyter: the numbers are there when the cell's output is
+        app.fill_side()
+    return pn.pane.Bokeh(app.layout)
+
+
+def serve(
+    ds: xr.Dataset,
+    result: xr.Dataset | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tokens: str = "model",
+    title: str = "",
+    where: str = "the replay result",
+):
+    """Start a server (not blocking) whose every session is an :class:`Explorer` of the same
+    trace; ``port=0`` takes a free one. Returns the Bokeh server (``server.port``)."""
+    import panel as pn
+
+    shared = load(ds, result, where, tokens)
+    label = title or title_of(ds)
+
+    def session():
+        app = Explorer(shared, title=label)
+        app.fill_side_later(pn.state.curdoc)
+        return pn.pane.Bokeh(app.layout)
+
+    port = port or free_port(host)
+    names = {host, "127.0.0.1", "localhost"} if host not in ("0.0.0.0", "::") else {"*"}
+    origins = sorted(n if n == "*" else f"{n}:{port}" for n in names)
+    return pn.serve(
+        {"/": session},
+        address=host,
+        port=port,
+        show=False,
+        start=False,
+        threaded=False,
+        websocket_origin=origins,
+        title="kvscope view",
+        verbose=False,
+    )
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the server binds it right after)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+__all__ = ["Explorer", "serve", "view", "write_html"]
