@@ -44,3 +44,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch, small_qkv_trace, nam
     assert not errors
     figures = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(figures) >= 3
+    if name == "explore_attention_drift.ipynb":  # kvscope.view(ds): the explorer as a Panel/Bokeh app in the page
+        shown = [o for o in nb.cells[-1].outputs if o.output_type == "execute_result"]
+        assert shown and "application/vnd.holoviews_exec.v0+json" in shown[0]["data"]
+        assert "\"heatmap\"" in shown[0]["data"]["text/html"]  # the heatmap figure, named, in the embedded document
