@@ -134,6 +134,17 @@ def test_churn_hand_values():
     assert np.isnan(churn_kernel(sel, np.array(3))[2:]).all()
 
 
+def test_churn_of_a_single_event_is_nan_not_an_error():
+    """Fewer steps than w give one event, no pair of events: churn is undefined (NaN)."""
+    from kvscope.synthetic import dataset_from_rows
+
+    a = np.full((1, 5, 1, 1, 40), np.nan, dtype=np.float32)
+    for t in range(5):
+        a[0, t, 0, 0, : 31 + t] = 1 / (31 + t)
+    r = A.churn(dataset_from_rows(a, prompt_len=31), n_boot=10)
+    assert r.sizes["event"] == 0 and r["churn_over_time"].size == 0 and np.isnan(float(r["mean"]))
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(2, 6), st.integers(1, 8), st.integers(0, 2**32 - 1))
 def test_churn_bounded_and_symmetric(n_events, n_units, seed):

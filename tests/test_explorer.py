@@ -83,7 +83,9 @@ def test_window_store_gives_each_position_its_window_mean():
         attn=(("sample", "step", "layer", "kv_head", "window"), win),
         attn_sink=(("sample", "step", "layer", "kv_head", "sink"), a[..., :4]),
     )
-    ds = ds.drop_dims("pos").assign(tokens=(("sample", "pos"), np.zeros((1, 36), np.int32)))
+    ds = ds.drop_dims("pos").assign(
+        tokens=(("sample", "pos"), np.zeros((1, 36), np.int32)), prefill_colsum=tok.prefill_colsum
+    )
     ds.attrs["resolution"] = "window"
     view = TraceView(ds)
     assert view.n_pos == 36
@@ -92,6 +94,12 @@ def test_window_store_gives_each_position_its_window_mean():
     np.testing.assert_allclose(got[t, :4], a[0, t, 0, 1, :4], rtol=1e-6)
     np.testing.assert_allclose(got[t, 4:12], np.full(8, np.nansum(a[0, t, 0, 1, 4:12]) / 8), rtol=1e-6)
     assert np.isnan(got[t, 32:]).all()
+    from kvscope.analysis import churn
+    from kvscope.explorer.summary import summaries
+
+    side = summaries(ds)  # window sums: FMM, churn, LIR, concentration; no token rows for peaks
+    assert side["peaks"]["distance"] == [] and np.isnan(side["numbers"]["value"][3])
+    np.testing.assert_equal(side["numbers"]["value"][1], float(churn(ds)["mean"]))  # one event: NaN, no pair
 
 
 def test_tier_overlay_takes_the_latest_event_and_the_lowest_tier_of_a_cell():

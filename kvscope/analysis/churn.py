@@ -86,7 +86,8 @@ class Churn(SelectionMetric):
         finite = np.isfinite(values)
         est, lo, hi = self.interval(np.where(finite, values, 0).sum(1), finite.sum(1))
         with np.errstate(invalid="ignore"):
-            over_time = np.nanmean(np.moveaxis(values, 1, 0).reshape(values.shape[1], -1), axis=1)
+            per_pair = np.moveaxis(values, 1, 0).reshape(values.shape[1], values.size // max(1, values.shape[1]))
+            over_time = np.nanmean(per_pair, axis=1)  # [event-1]; empty with a single event
         coords = prep.event_coords(steps[1:])
         coords["event"] = np.arange(1, len(steps))
         return xr.Dataset(

@@ -191,7 +191,7 @@ class Explorer:
         return f"{ov.name} @ β={self.widgets['budget'].value}" if isinstance(ov, Replayed) else ov.name
 
     def _titles(self, layer: int, head: int, rect: Rect) -> None:
-        res = "exact rows" if rect.exact else f"cells of {rect.dy} steps × {rect.dx} positions (mean)"
+        res = resolution_text(rect, self.trace)
         a = self._label_of("policy")
         self.main.fig.title.text = f"layer {layer}, {self.trace.hdim} {head} — {res}" + (f" — {a}" if a else "")
         self.other.fig.title.text = self._label_of("policy_b")
@@ -234,7 +234,9 @@ class Explorer:
         self.status.text = " · ".join(f"{n} {v:.3f}" for n, v in zip(nums["name"], nums["value"]))
 
 
-def load(ds: xr.Dataset, result: xr.Dataset | None = None, where: str = "the replay result", tokens: str = "model") -> Shared:
+def load(
+    ds: xr.Dataset, result: xr.Dataset | None = None, where: str = "the replay result", tokens: str = "model"
+) -> Shared:
     """Open everything the sessions of a trace share (the result checked against the trace)."""
     trace = TraceView(ds)
     tiers = matching(result, ds, where) if result is not None else None
@@ -249,6 +251,13 @@ def mass_columns(tier_mass: xr.DataArray, event_step: np.ndarray) -> dict[str, l
     out = {"step": [int(s) for s in np.asarray(event_step)[done]]}
     out.update({name: [float(x) for x in values[i, done]] for i, name in enumerate(TIER_NAMES)})
     return out
+
+
+def resolution_text(rect: Rect, trace: TraceView) -> str:
+    """What a cell of the view is, for the heatmap's title."""
+    if trace.window and rect.dx < trace.w:
+        return f"window means (w = {trace.w}), {rect.dy} step(s) per row"
+    return "exact rows" if rect.exact else f"cells of {rect.dy} steps × {rect.dx} positions (mean)"
 
 
 def title_of(ds: xr.Dataset) -> str:

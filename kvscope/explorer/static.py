@@ -19,7 +19,7 @@ import numpy as np
 import xarray as xr
 from bokeh.models import ColumnDataSource, CustomJS
 
-from .app import Explorer, load, mass_columns, title_of
+from .app import Explorer, load, mass_columns, resolution_text, title_of
 from .data import Rect
 from .labels import key_labels, query_labels
 from .overlays import Overlay, Replayed
@@ -37,7 +37,13 @@ def page_cells(n_steps: int, n_pos: int, n_heats: int, n_overlays: int) -> tuple
 
 
 def write_html(
-    ds: xr.Dataset, result: xr.Dataset | None, path, *, tokens: str = "model", title: str = "", where: str = "the replay result"
+    ds: xr.Dataset,
+    result: xr.Dataset | None,
+    path,
+    *,
+    tokens: str = "model",
+    title: str = "",
+    where: str = "the replay result",
 ) -> dict:
     """Write the page; returns ``{"bytes", "cells", "images"}``."""
     from bokeh.embed import file_html
@@ -155,7 +161,7 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
     shape, trace = app.trace.shape, app.trace
     ny, nx = rect.shape
     dims = {
-        "group": trace.ds.kvscope.group,
+        "group": trace.ds.kvscope.group if app.tiers is not None else 1,  # replayed tiers are per KV head
         "dw": nx * rect.dx,
         "dh": ny * rect.dy,
         "dx": rect.dx,
@@ -163,7 +169,7 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
         "steps": [trace.extent(s)[0] for s in range(shape["sample"])],
         "pos": [trace.extent(s)[1] for s in range(shape["sample"])],
         "hdim": trace.hdim,
-        "cells": "exact rows" if rect.exact else f"cells of {rect.dy} steps × {rect.dx} positions (mean)",
+        "cells": resolution_text(rect, trace),
     }
     switch = CustomJS(
         args={

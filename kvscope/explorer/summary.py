@@ -19,28 +19,31 @@ TOP = 0.2  # the per-layer concentration line: mass held by the top 20 % of the 
 
 def summaries(ds: xr.Dataset) -> dict[str, dict[str, list]]:
     """Columns for the side views (each a dict of equal-length lists)."""
-    from ..analysis import concentration, study
+    from ..analysis import churn, concentration, fmm, lir, study
 
-    r = study(ds)
+    window = ds.kvscope.resolution == "window"  # study and peaks read token rows: each metric alone
+    r = {"fmm": fmm(ds), "churn": churn(ds), "lir": lir(ds)} if window else study(ds)
     conc = concentration(ds)
-    fmm, churn, lir, peaks = r["fmm"], r["churn"], r["lir"], r["peaks"]
-    layers = fmm["layer"].values
+    fmm_r, churn_r, lir_r = r["fmm"], r["churn"], r["lir"]
+    peaks = r.get("peaks")
+    layers = fmm_r["layer"].values
+    nan = [float("nan")] * len(layers)
     return {
         "layers": {
             "layer": [int(x) for x in layers],
-            "fmm": _floats(fmm["fmm_layer"]),
-            "churn": _floats(churn["churn_layer"]),
-            "lir": _floats(lir["lir_layer"]),
-            "coverage": _floats(peaks["coverage_logquant"]),
+            "fmm": _floats(fmm_r["fmm_layer"]),
+            "churn": _floats(churn_r["churn_layer"]),
+            "lir": _floats(lir_r["lir_layer"]),
+            "coverage": nan if peaks is None else _floats(peaks["coverage_logquant"]),
             "top_share": _floats(conc["top_share_layer"].sel(top_frac=TOP)),
         },
         "fmm_curve": {
-            "horizon": [int(h) for h in fmm["horizon"].values],
-            "fmm": _floats(fmm["curve"]),
-            "low": _floats(fmm["curve_low"]),
-            "high": _floats(fmm["curve_high"]),
+            "horizon": [int(h) for h in fmm_r["horizon"].values],
+            "fmm": _floats(fmm_r["curve"]),
+            "low": _floats(fmm_r["curve_low"]),
+            "high": _floats(fmm_r["curve_high"]),
         },
-        "peaks": _peak_columns(peaks),
+        "peaks": {"distance": [], "density": [], "fit": []} if peaks is None else _peak_columns(peaks),
         "top_share": {
             "top_frac": [float(p) for p in conc["top_frac"].values],
             "share": _floats(conc["top_share_mean"]),
@@ -48,11 +51,11 @@ def summaries(ds: xr.Dataset) -> dict[str, dict[str, list]]:
         "numbers": {
             "name": ["FMM", "churn", "LIR", "α (peaks)", "LogQuant coverage"],
             "value": [
-                float(fmm["mean"]),
-                float(churn["mean"]),
-                float(lir["lir"]),
-                float(peaks["alpha"]),
-                float(np.nanmean(peaks["coverage_logquant"].values)),
+                float(fmm_r["mean"]),
+                float(churn_r["mean"]),
+                float(lir_r["lir"]),
+                float("nan") if peaks is None else float(peaks["alpha"]),
+                float("nan") if peaks is None else float(np.nanmean(peaks["coverage_logquant"].values)),
             ],
         },
     }
