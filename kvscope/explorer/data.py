@@ -142,14 +142,13 @@ class TraceView:
         where no key exists or the step is past ``n_steps``); values out of [0, 1] are refused."""
         self.check(sample, layer, 0)
         sel = {"sample": sample, "layer": layer, "step": slice(t0, t1)}
-        order = (self.hdim, "step", "window" if self.window else "pos")
         if self.window:
-            win = self.ds["attn"].isel(sel).transpose(*order).values.astype(np.float32)  # [H, step, window]
-            sink = self.ds["attn_sink"].isel(sel).transpose(self.hdim, "step", "sink").values.astype(np.float32)
+            win = self._read("attn", sel, "window")  # [H, step, window]
+            sink = self._read("attn_sink", sel, "sink")  # [H, step, sink]
             body = np.repeat(win / self.w, self.w, axis=-1)
             a = np.concatenate([sink, body], axis=-1)[..., : self.n_pos]
         else:
-            a = self.ds["attn"].isel(sel).transpose(*order).values.astype(np.float32)  # [H, step, pos]
+            a = self._read("attn", sel, "pos")  # [H, step, pos]
         qpos = self.query_pos[sample, t0:t1]
         alive = (np.arange(t0, t1) < self.n_steps[sample])[:, None] & (np.arange(a.shape[-1]) <= qpos[:, None])
         a = np.where(alive, a, np.nan)
@@ -162,15 +161,24 @@ class TraceView:
             )
         return a
 
-    def heats(self, sample: int, layer: int, rect: Rect) -> np.ndarray:
-        """``[head, row, col]`` cell means of the rectangle (module docstring)."""
+    def _read(self, name: str, sel: dict, last: str) -> np.ndarray:
+        """``[H, step, last]`` float32 of the stored chunks ``sel`` covers (read, then ordered:
+        transposing xarray's lazy array first would make it index point by point)."""
+        da = self.ds[name].isel(sel)
+        order = [da.dims.index(d) for d in (self.hdim, "step", last)]
+        return np.transpose(da.values, order).astype(np.float32)
+
+    def heats(self, sample: int, layer: int, rect: Rect, heads=None) -> np.ndarray:
+        """``[head, row, col]`` cell means of the rectangle (module docstring), of ``heads``
+        (default all: a chunk holds every head)."""
         a = self.probabilities(sample, layer, rect.t0, rect.t1)[..., rect.p0 : rect.p1]
-        return np.stack([cells(x, rect.dy, rect.dx) for x in a]).astype(np.float32)
+        chosen = range(len(a)) if heads is None else heads
+        return np.stack([cells(a[h], rect.dy, rect.dx) for h in chosen]).astype(np.float32)
 
     def heat(self, sample: int, layer: int, head: int, rect: Rect) -> np.ndarray:
         """``[row, col]`` of one head."""
         self.check(sample, layer, head)
-        return self.heats(sample, layer, rect)[head]
+        return self.heats(sample, layer, rect, [head])[0]
 
     def tokens(self, sample: int) -> np.ndarray:
         """``[pos]`` token ids of the sample (−1 = pad)."""
@@ -212,7 +220,8 @@ class TierView:
         codes = np.full((self.tiers.sizes["kv_head"], len(steps), p1 - p0), NONE, dtype=np.int8)
         if len(used):
             snap = self.tiers.sel(run).isel(sample=sample, layer=layer, event=used, pos=slice(p0, p1))
-            snap = np.asarray(snap.transpose("kv_head", "event", "pos").values)  # [kv_head, used event, pos]
+            order = [snap.dims.index(d) for d in ("kv_head", "event", "pos")]
+            snap = np.transpose(snap.values, order)  # [kv_head, used event, pos]
             have = event >= 0
             codes[:, have] = snap[:, np.searchsorted(used, event[have])]
         return codes

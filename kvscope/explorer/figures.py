@@ -91,6 +91,10 @@ class Heatmap:
             tools="pan,wheel_zoom,box_zoom,reset,save",
             active_scroll="wheel_zoom",
             output_backend="canvas",
+            # a wheel zoom announces its new ranges (RangesUpdate → the chunks in view are read)
+            # when the interaction stops: lod_timeout after the last wheel event (Bokeh's 500 ms)
+            lod_timeout=60,
+            lod_interval=100,
         )
         mapper = LogColorMapper(palette=Inferno256, low=LOW, high=HIGH, nan_color="rgba(0,0,0,0)")
         heat = self.fig.image(source=self.source, color_mapper=mapper, name=f"{name}-image")

@@ -93,10 +93,13 @@ class HistoryOracle(Overlay):
         codes = np.repeat(codes[None], sel.sizes[sel.dims[1]], axis=0)  # [H, step, pos]
         values = np.asarray(sel.values)  # [event, H, window]
         inside = (window >= 0) & (window < values.shape[-1])
-        for i in np.flatnonzero(event >= 0):
-            dropped = np.zeros((values.shape[1], p1 - p0), dtype=bool)  # [H, pos]
-            dropped[:, inside] = values[event[i]][:, window[inside]] == NOT_SELECTED
-            codes[:, i][dropped & (codes[:, i] == FP)] = EVICTED
+        dropped = np.zeros(codes.shape, dtype=bool)  # [H, step, pos]
+        have = event >= 0
+        picked = values[event[have]][..., window[inside]]  # [step with an event, H, pos inside]
+        dropped[:, np.flatnonzero(have)[:, None], np.flatnonzero(inside)[None, :]] = (
+            np.moveaxis(picked, 1, 0) == NOT_SELECTED
+        )
+        codes[dropped & (codes == FP)] = EVICTED
         return codes
 
 
