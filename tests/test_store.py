@@ -17,7 +17,7 @@ import pytest
 import kvscope
 from kvscope.errors import StoreError
 
-from .conftest import ROOT
+from .conftest import ROOT, run_main
 
 PROMPT = "In the beginning the Universe was created. This has made a lot of people very angry."
 LONG_STEPS = 300
@@ -139,8 +139,8 @@ def test_second_writer_is_refused(tmp_path, smollm2_dir):
         deadline = time.time() + 300
         while _committed(out) < BLOCK and time.time() < deadline:
             time.sleep(0.01)
-        for flag in ("--resume", "--force"):
-            second = subprocess.run(_trace_cmd("smollm2-135m", out, flag), capture_output=True, text=True, timeout=300)
+        for flag in ("--resume", "--force"):  # the second writer runs in this process: a lock is per open file
+            second = run_main(*_trace_cmd("smollm2-135m", out, flag)[2:])
             assert second.returncode == 2
             assert second.stderr.strip().count("\n") == 0
             assert "being written by another kvscope process" in second.stderr

@@ -15,13 +15,26 @@ from .conftest import ROOT
 @pytest.mark.slow
 def test_studies_write_figures_and_summaries(tmp_path):
     common = ["--workloads", "niah", "--context", "384", "--results", str(tmp_path)]
-    for script in ("workload_traces", "observation", "logpeaks", "policies"):
-        extra = ["--budgets", "0.2,0.5", "--policies", "streaming,h2o,qevict,oracle"] if script == "policies" else []
-        proc = subprocess.run(
+
+    def start(script: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, str(ROOT / "analyses" / f"{script}.py"), *common, *extra],
-            capture_output=True, text=True, timeout=900, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def finished(proc: subprocess.Popen) -> None:
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-2000:]
+
+    finished(start("workload_traces"))
+    # the three studies only read the traces: run side by side
+    studies = [
+        start("observation"),
+        start("logpeaks"),
+        start("policies", "--budgets", "0.2,0.5", "--policies", "streaming,h2o,qevict,oracle"),
+    ]
+    for proc in studies:
+        finished(proc)
     obs = json.loads((tmp_path / "observation" / "summary.json").read_text())["workloads"]["niah"]
     assert 0 <= obs["fmm32"] <= 1 and 0 < obs["top10_mass"] <= 1 and len(obs["fmm_layer"]) == 30
     peaks = json.loads((tmp_path / "logpeaks" / "summary.json").read_text())["workloads"]["niah"]
