@@ -3,10 +3,11 @@
 The page holds every (sample, layer, head) heatmap and every overlay over it — the trace's own
 (history oracle, LogQuant FP set) and, with a replay result, every run's tiers — each reduced
 to cells as the app reduces a zoomed-out view; choosing a sample, layer, head or overlay swaps
-arrays in the browser. Its size is bounded: all images together hold at most ``PAGE_BYTES``
-(8 MiB) of cells — float32 heatmaps, uint8 overlay codes, every image the same number of cells
-(at least ``MIN_CELLS``) — which base64 makes ≈ 1.34 × that in the file, plus Bokeh's
-JavaScript (≈ 2 MB, inlined so that the page opens offline).
+arrays in the browser. Its size is bounded: every image holds the same number of cells,
+``max(MIN_CELLS, PAGE_BYTES / (4·heatmaps + overlays))`` — float32 heatmaps, uint8 overlay
+codes: 8 MiB in all unless the images are so many that the 32 × 32 floor applies — which base64
+makes ≈ 1.34 × that in the file, plus Bokeh's JavaScript (≈ 2 MB, inlined so that the page
+opens offline).
 """
 
 from __future__ import annotations
