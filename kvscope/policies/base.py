@@ -78,6 +78,7 @@ class CacheSpec:
     tail_rows: int = defaults.OBS_WINDOW  # last prefill rows the policy can observe
     first_layer: int = 0  # the model's index of this cache's first layer (a replay task of some layers)
     model_layers: int = 0  # layers of the whole model (0: n_layers, this cache holds them all)
+    model_kv: int = 0  # KV heads of the whole model (0: n_kv; a replay task may hold some)
     unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
 
     @property
@@ -97,8 +98,8 @@ class CacheSpec:
 
     @property
     def whole_model(self) -> bool:
-        """This cache holds every layer of the model (``B`` is the model's budget)."""
-        return self.all_layers == self.n_layers
+        """This cache holds every layer and KV head of the model (``B`` is the model's budget)."""
+        return self.all_layers == self.n_layers and (self.model_kv or self.n_kv) == self.n_kv
 
     @property
     def uniform_capacity(self) -> float:
