@@ -75,7 +75,9 @@ def test_tasks_of_some_kv_heads_give_the_whole_replay(small_qkv_trace, whole, wh
 
     assert_same(whole, replay(small_qkv_trace, POLICIES, [0.3], layers_per_task=4, kv_heads_per_task=1).load())
     per_head = ["uniform", "pyramid"]
-    parts = replay(small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=per_head, layers_per_task=2, kv_heads_per_task=2)
+    parts = replay(
+        small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=per_head, layers_per_task=2, kv_heads_per_task=2
+    )
     assert_same(whole_allocated, parts.load())
 
 
@@ -156,6 +158,8 @@ def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp
     [
         (["--layers-per-task", "0"], "layers per task must be an integer in 1..30 (got 0)"),
         (["--layers-per-task", "31"], "layers per task must be an integer in 1..30 (got 31)"),
+        (["--kv-heads-per-task", "4"], "KV heads per task must be an integer in 1..3 (got 4)"),
+        (["--kv-heads-per-task", "1", "--allocation", "oracle"], "the oracle allocation splits each layer's"),
         (["--dask", "local:x"], "--dask local:N needs a worker count"),
         (["--dask", "ftp://x"], "--dask takes local:N or tcp://host:port"),
     ],

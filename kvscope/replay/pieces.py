@@ -1,23 +1,28 @@
-"""Replay as independent tasks: each sample's runs split by layers (SPEC §5, docs/replay.md).
+"""Replay as independent tasks: each sample's runs split by layers and KV heads (SPEC §5,
+docs/replay.md).
 
-A task (:class:`Piece`) replays one sample, a block of the model's layers and some policies;
-its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy decides
-each (layer, kv_head) from that unit's rows and capacity alone, and every allocation but one
-splits per layer (uniform; pyramid, the whole model's schedule at the task's layers; adakv,
-each layer's room by its own scores), so a task of some layers gives exactly the numbers of
-the whole replay there. Two things cross layers, and are handled so:
+A task (:class:`Piece`) replays one sample, a block of the model's layers × KV heads and some
+policies; its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy
+decides each (layer, kv_head) from that unit's rows and capacity alone, and every allocation
+but one splits per unit (uniform; pyramid, the whole model's schedule at the task's layers;
+adakv, each layer's room by its own heads' scores — so its tasks hold every KV head of their
+layers), so a task of some units gives exactly the numbers of the whole replay there. Two
+things cross units, and are handled so:
 
     a policy that splits its budget itself   kvpress's presses (one compression ratio solved over
-    (Policy.splits_itself)                   every layer): its runs take all layers in one task
+    (Policy.splits_itself)                   every layer): its runs take all units in one task
     the oracle allocation                    a knapsack over every unit of the sample: the tasks
                                              first measure their units' losses at the candidate
                                              capacities (probes), the split is chosen here over all
                                              of them, then the tasks replay with their part of it
+                                             (whole layers: the candidates include adakv's split)
 
-:func:`run_pieces` runs the tasks in this process (runs of a step advanced by a thread pool),
-or on a ``dask.distributed`` client: each worker opens the trace by its path and writes its
-snapshots into the result store's chunks of its own layers (chunked by the task's block), and
-sends back only its small per-unit records, which :meth:`Outputs.absorb` puts in place.
+Tasks hold some of a layer's KV heads only where one layer does not fit the task's memory
+(:func:`kv_heads_per_task`). :func:`run_pieces` runs the tasks in this process (runs of a step
+advanced by a thread pool), or on a ``dask.distributed`` client: each worker opens the trace by
+its path and writes its snapshots into the result store's chunks of its own units (chunked by
+the task's block), and sends back only its small per-unit records, which :meth:`Outputs.absorb`
+puts in place.
 """
 
 from __future__ import annotations
