@@ -65,7 +65,9 @@ class Piece:
 def layer_bytes(setup) -> int:
     """What a task holds per layer, estimated: two blocks of float32 rows, K/V as recorded
     plus their float32 copies and buffers and each quantizing run's dequantized copy, every
-    run's state and pending snapshots, the future-mass stream — each ``[kv_head, pos]`` wide."""
+    run's state and pending snapshots, the future-mass stream — each ``[kv_head, pos]`` wide
+    (``/ n_kv`` per KV head). Quantizing the prompt adds temporaries of at most
+    :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups per thread, left out."""
     acc = setup.ds.kvscope
     per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
     if setup.has_qkv:
