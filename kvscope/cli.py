@@ -871,6 +871,11 @@ def _add_replay(sub) -> None:
         "--layers-per-task", type=int, default=None, metavar="N",
         help="layers of one sample per task (default: as many as 2 GiB holds, fewer to keep dask workers busy)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-heads-per-task", type=int, default=None, metavar="N",
+        help="KV heads of those layers per task (default: all, or as many of one layer's as 2 GiB holds; "
+        "not under the adakv or oracle allocation)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_replay)
 
 
@@ -896,7 +901,8 @@ def _cmd_replay(args) -> int:
     with bar, _DaskContext(args.dask) as client:
         result = replay(
             args.store, policies, budgets, allocations=allocations, observe=args.observe, horizon=args.horizon, every=args.every,
-            question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task, client=client,
+            question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task,
+            kv_heads_per_task=args.kv_heads_per_task, client=client,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
     if args.plot:

@@ -89,3 +89,29 @@ def test_ledger_is_write_once_and_counts_group_bytes():
     ledger.quantize(np.array([[4, 5, 6, 7]]), np.array([0]), np.array([1]))  # another head, fine
     with pytest.raises(LedgerError):
         ledger.quantize(np.array([[4, 5, 6, 7]]), np.array([0]), np.array([1]))
+
+
+def test_ledger_quantizes_groups_in_chunks_exactly_as_at_once(monkeypatch):
+    """Groups quantized QUANTIZE_ROWS at a time (bounded temporaries) give the values of one pass
+    (keys pre-RoPE, groups of two layers and heads interleaved)."""
+    from kvscope.policies import base
+    from kvscope.rope import Rope
+
+    spec = CacheSpec(n_layers=2, n_kv=3, head_dim=8, prompt_len=64, final_len=64, budget=1.0)
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((2, 3, 64, 8)).astype(np.float16) for _ in range(2))
+    rope = Rope(1.0 / 10000 ** (np.arange(0, 8, 2)[None].repeat(2, 0) / 8), np.ones(2))
+    units = np.array([(layer, head) for layer in range(2) for head in range(3)])  # [unit, (layer, head)]
+    starts = np.arange(0, 64, 8)
+    positions = (starts[None, :, None] + np.arange(8)).reshape(-1, 8)  # [group, 8]: 8 groups per unit
+    layers, heads = np.repeat(units[:, 0], len(starts)), np.repeat(units[:, 1], len(starts))
+    positions = np.tile(positions, (len(units), 1))
+    ledgers = []
+    for rows in (10**6, 5):
+        monkeypatch.setattr(base, "QUANTIZE_ROWS", rows)
+        ledger = Ledger(spec, 2, "channel", k=k, v=v, rope=rope)
+        ledger.quantize(positions, layers, heads)
+        ledgers.append(ledger)
+    assert ledgers[0].done.all() and not np.array_equal(ledgers[0].k_eff, k)
+    np.testing.assert_array_equal(ledgers[0].k_eff, ledgers[1].k_eff)
+    np.testing.assert_array_equal(ledgers[0].v_eff, ledgers[1].v_eff)

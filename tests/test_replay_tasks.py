@@ -68,6 +68,47 @@ def test_allocations_by_blocks_of_three_layers(small_qkv_trace, whole_allocated)
     assert not np.allclose(allocated.sel(allocation="oracle"), allocated.sel(allocation="uniform"))
 
 
+def test_tasks_of_some_kv_heads_give_the_whole_replay(small_qkv_trace, whole, whole_allocated):
+    """Tasks of 4 layers × 1 of SmolLM2's 3 KV heads (the press whole), and of 2 layers × 2 KV
+    heads (blocks 0–1, 2) under the allocations that decide per head: every variable identical."""
+    from kvscope.replay import replay
+
+    assert_same(whole, replay(small_qkv_trace, POLICIES, [0.3], layers_per_task=4, kv_heads_per_task=1).load())
+    per_head = ["uniform", "pyramid"]
+    parts = replay(
+        small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=per_head, layers_per_task=2, kv_heads_per_task=2
+    )
+    assert_same(whole_allocated, parts.load())
+
+
+def test_kv_head_tasks_of_a_window_store(tmp_path):
+    """A window-resolution store (rows recomputed from each task's q heads and k): tasks of one
+    layer and one KV head give the whole replay; tiers chunked by (layer, KV head)."""
+    import zarr
+
+    from kvscope.replay import replay
+    from kvscope.synthetic import write_geometry_store
+
+    store = write_geometry_store(
+        tmp_path / "w.zarr", prompt_len=192, n_steps=24, n_layers=2, n_heads=4, n_kv=2, head_dim=16, block_steps=8
+    )
+    policies = ["h2o", "kivi", "qevict", "oracle"]
+    whole = replay(store, policies, [0.3, 0.5]).load()
+    out = tmp_path / "r.zarr"
+    parts = replay(store, policies, [0.3, 0.5], layers_per_task=1, kv_heads_per_task=1, out=out)
+    assert_same(whole, parts.load())
+    assert zarr.open_array(str(out / "tiers"), mode="r").chunks[5:7] == (1, 1)
+    assert whole["output_rel_l2_mean"].sel(policy="kivi", budget=0.3).item() > 0  # errors computed, per task
+
+
+def test_kv_head_tasks_refused_under_adakv(small_qkv_trace):
+    from kvscope.errors import KvscopeError
+    from kvscope.replay import replay
+
+    with pytest.raises(KvscopeError, match="the adakv allocation splits each layer's budget across its KV heads"):
+        replay(small_qkv_trace, ["h2o"], [0.3], allocations=["adakv"], kv_heads_per_task=1)
+
+
 def test_local_cluster_gives_the_same(small_qkv_trace, whole):
     """Two worker processes, tasks of some layers each (the press whole), snapshots written by
     the workers."""
@@ -117,6 +158,8 @@ def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp
     [
         (["--layers-per-task", "0"], "layers per task must be an integer in 1..30 (got 0)"),
         (["--layers-per-task", "31"], "layers per task must be an integer in 1..30 (got 31)"),
+        (["--kv-heads-per-task", "4"], "KV heads per task must be an integer in 1..3 (got 4)"),
+        (["--kv-heads-per-task", "1", "--allocation", "oracle"], "the oracle allocation splits each layer's"),
         (["--dask", "local:x"], "--dask local:N needs a worker count"),
         (["--dask", "ftp://x"], "--dask takes local:N or tcp://host:port"),
     ],

@@ -39,15 +39,21 @@ def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0) ->
     keys = torch.from_numpy(np.nan_to_num(np.asarray(k, dtype=np.float32)))  # [kv, pos, D]
     k_pos = torch.arange(n_pos)
     steps = np.flatnonzero(np.asarray(qpos) >= 0)
+    g = n_heads // n_kv
     for b0 in range(0, len(steps), STEP_BLOCK):
         block = steps[b0 : b0 + STEP_BLOCK]
         rows = np.asarray(qpos)[block]
         queries = torch.from_numpy(np.asarray(q[rows - q_first], dtype=np.float32))  # [n, head, D]
         qg = grouped(queries[:, :, None, :], n_kv)  # [n, kv, g, D]
         q_at = torch.from_numpy(rows)[:, None, None, None]
-        probs = rule.probs(qg, keys, q_at, k_pos)  # [n, kv, g, pos]
-        probs = (probs.reshape(len(block), n_heads, n_pos) if heads == "all" else probs.mean(2)).numpy()
-        out[block] = np.where(np.arange(n_pos)[None, None, :] <= rows[:, None, None], probs, np.nan)
+        hidden = np.arange(n_pos)[None, None, :] > rows[:, None, None]
+        # one KV head at a time: a head's rows do not depend on the heads computed with it
+        # (a replay task of some KV heads recomputes exactly the whole trace's rows there)
+        for j in range(n_kv):
+            probs = rule.probs(qg[:, j : j + 1], keys[j : j + 1], q_at, k_pos)  # [n, 1, g, pos]
+            probs = (probs[:, 0] if heads == "all" else probs.mean(2)).numpy()  # [n, g | 1, pos]
+            stored = slice(j * g, (j + 1) * g) if heads == "all" else slice(j, j + 1)
+            out[block, stored] = np.where(hidden, np.nan, probs)
     return out[None, :, None]
 
 

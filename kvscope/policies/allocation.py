@@ -60,6 +60,7 @@ class Allocation:
     reads: ClassVar[str] = ""
     whole: ClassVar[bool] = True  # the capacities split B: the total is checked too
     needs_qkv: ClassVar[bool] = False  # the split reads recorded q/k/v
+    across_heads: ClassVar[bool] = False  # a layer's split reads all its KV heads (a replay task holds them all)
 
     def __post_init__(self):
         check_params(self)
@@ -141,6 +142,7 @@ class AdaKV(Allocation):
 
     name = "adakv"
     reads = "scores"
+    across_heads = True
 
     def shares(self, spec, floor, room, *, scores=None, gains=None):
         if scores is None:
@@ -167,6 +169,7 @@ class Oracle(Allocation):
 
     name = "oracle"
     reads = "future"
+    across_heads = True  # its candidates include adakv's split
 
     LEVELS: ClassVar[tuple[float, ...]] = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # × the mean room
 

@@ -32,6 +32,7 @@ from .quant import fp_token_bytes, quantize
 
 NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
 BYTES_TOLERANCE = 1e-6  # relative slack of every budget check (float sums of bytes)
+QUANTIZE_ROWS = 1024  # key groups quantized at once: bounds the float32 temporaries of a prefill
 
 
 def check_budget(budget) -> float:
@@ -78,6 +79,7 @@ class CacheSpec:
     tail_rows: int = defaults.OBS_WINDOW  # last prefill rows the policy can observe
     first_layer: int = 0  # the model's index of this cache's first layer (a replay task of some layers)
     model_layers: int = 0  # layers of the whole model (0: n_layers, this cache holds them all)
+    model_kv: int = 0  # KV heads of the whole model (0: n_kv; a replay task may hold some)
     unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
 
     @property
@@ -97,8 +99,8 @@ class CacheSpec:
 
     @property
     def whole_model(self) -> bool:
-        """This cache holds every layer of the model (``B`` is the model's budget)."""
-        return self.all_layers == self.n_layers
+        """This cache holds every layer and KV head of the model (``B`` is the model's budget)."""
+        return self.all_layers == self.n_layers and (self.model_kv or self.n_kv) == self.n_kv
 
     @property
     def uniform_capacity(self) -> float:
@@ -267,12 +269,13 @@ class Ledger:
         self.n_quantized += positions.size
         if self.sink is not None:
             self.sink(positions, layers, heads)
-        if self.k_eff is not None:
-            keys = self.k_eff[li, hi, positions].astype(np.float32)  # [n, G, D] still the originals
-            values = self.v_eff[li, hi, positions].astype(np.float32)
-            k_hat, v_hat = self._dequantized(keys, values, positions, layers)
-            self.k_eff[li, hi, positions] = k_hat
-            self.v_eff[li, hi, positions] = v_hat
+        if self.k_eff is not None:  # groups are quantized independently: QUANTIZE_ROWS of them at a time
+            for a in range(0, len(positions), QUANTIZE_ROWS):
+                p, layer = positions[a : a + QUANTIZE_ROWS], layers[a : a + QUANTIZE_ROWS]
+                at = (layer[:, None], heads[a : a + QUANTIZE_ROWS, None], p)
+                keys = self.k_eff[at].astype(np.float32)  # [n, G, D] still the originals
+                values = self.v_eff[at].astype(np.float32)
+                self.k_eff[at], self.v_eff[at] = self._dequantized(keys, values, p, layer)
 
     def _rotary(self, positions, layers):
         """``(cos, sin [n, G, D], scaling [n, 1, 1], n_rot)`` for pre-RoPE keys, or None."""

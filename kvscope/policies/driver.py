@@ -94,7 +94,7 @@ class PolicyDriver:
                 f"at step {self.step}{self.where}, over its share "
                 f"{np.broadcast_to(st.spec.capacity, over.shape)[layer, head]:.0f} (β = {st.spec.budget})"
             )
-        whole = self.allocation.whole and st.spec.whole_model  # a replay task of some layers: per unit only
+        whole = self.allocation.whole and st.spec.whole_model  # a replay task of some units: per unit only
         if st.reached and whole and st.spec.exceeded_total(self.used.sum()):
             raise BudgetExceeded(
                 f"{self.policy.label()} used {self.used.sum():.0f} bytes in all at step "

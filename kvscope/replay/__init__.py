@@ -187,7 +187,8 @@ class ReplaySetup:
 
     @property
     def n_kv(self) -> int:
-        return self.ds.kvscope.model.n_kv_heads
+        """KV heads replayed (a task may hold some): the stored heads, ``group`` per KV head."""
+        return self.ds.sizes[self.ds.kvscope.hdim] // self.group
 
     @property
     def head_dim(self) -> int:
@@ -214,12 +215,13 @@ class ReplaySetup:
         return self.ds.sizes["step"]
 
     def spec(self, s: int, budget: float) -> CacheSpec:
-        """Sample ``s``'s cache at ``budget`` over the layers replayed here."""
+        """Sample ``s``'s cache at ``budget`` over the layers and KV heads replayed here."""
         acc = self.ds.kvscope
         prompt_len = int(acc.prompt_len[s])
         return CacheSpec(
             self.n_layers, self.n_kv, self.head_dim, prompt_len, prompt_len + int(acc.n_steps[s]), budget, self.n_sink,
             self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=acc.model.n_layers,
+            model_kv=acc.model.n_kv_heads,
         )  # fmt: skip
 
     @property
@@ -261,6 +263,7 @@ def replay(
     kv_itemsize: int = 2,
     question_agnostic: bool = False,
     layers_per_task: int | None = None,
+    kv_heads_per_task: int | None = None,
     client=None,
     progress=None,
     out=None,
@@ -284,9 +287,11 @@ def replay(
     and the question's steps are decode steps). ``progress(done, total)`` is called per step
     (per task on a cluster).
 
-    The replay runs as tasks of one sample and a block of ``layers_per_task`` layers (default:
-    as many as :data:`kvscope.defaults.REPLAY_TASK_BYTES` hold — all of them for a small trace;
-    :mod:`kvscope.replay.pieces`), in this process or, given a ``dask.distributed`` ``client``,
+    The replay runs as tasks of one sample and a block of ``layers_per_task`` layers ×
+    ``kv_heads_per_task`` KV heads (default: as many layers as
+    :data:`kvscope.defaults.REPLAY_TASK_BYTES` hold — all of them for a small trace — and every
+    KV head, or some of one layer's where that layer alone does not fit and the allocations allow
+    it; :mod:`kvscope.replay.pieces`), in this process or, given a ``dask.distributed`` ``client``,
     on its workers (the trace given by its path; workers and this process share the result's
     folder). The numbers are the same either way.
 
@@ -310,10 +315,10 @@ def replay(
     )  # fmt: skip
     if client is not None and path is None:
         raise KvscopeError("a replay on a dask cluster takes the trace as a store path (its workers open it)")
-    layers = _layers_per_task(setup, layers_per_task, client)
+    block = _block(setup, layers_per_task, kv_heads_per_task, client)
     with result_folder(out) as root:
-        outputs = _result.Outputs.allocate(setup, root, layers=layers)
-        _run(setup, outputs, layers, client, threads, progress)
+        outputs = _result.Outputs.allocate(setup, root, block=block)
+        _run(setup, outputs, block, client, threads, progress)
         outputs.tiers.complete()
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
@@ -325,20 +330,35 @@ def replay(
     return open_result(out) if out is not None else result
 
 
-def _layers_per_task(setup: ReplaySetup, layers: int | None, client) -> int:
-    """``layers_per_task`` checked, or chosen (:func:`kvscope.replay.pieces.layers_per_task`)."""
+def _block(setup: ReplaySetup, layers: int | None, kv_heads: int | None, client) -> tuple[int, int]:
+    """(layers, KV heads) per task, checked, or chosen (:func:`kvscope.replay.pieces.layers_per_task`,
+    :func:`~kvscope.replay.pieces.kv_heads_per_task`)."""
     if layers is None:
         workers = sum(client.nthreads().values()) if client is not None else 0
-        return pieces.layers_per_task(setup, workers)
-    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 1 <= layers <= setup.n_layers:
-        raise KvscopeError(f"layers per task must be an integer in 1..{setup.n_layers} (got {layers!r})")
-    return int(layers)
+        layers = pieces.layers_per_task(setup, workers)
+    layers = _count(layers, setup.n_layers, "layers per task")
+    if kv_heads is None:
+        return layers, pieces.kv_heads_per_task(setup, layers)
+    kv_heads = _count(kv_heads, setup.n_kv, "KV heads per task")
+    if kv_heads < setup.n_kv and not pieces.per_head(setup):
+        across = next(a.label() for a in setup.allocations if a.across_heads)
+        raise KvscopeError(
+            f"the {across} allocation splits each layer's budget across its KV heads: "
+            f"a task holds all {setup.n_kv} of them (got {kv_heads} KV heads per task)"
+        )
+    return layers, kv_heads
 
 
-def _run(setup: ReplaySetup, outputs, layers: int, client, threads: int | None, progress) -> None:
+def _count(value, most: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+        raise KvscopeError(f"{what} must be an integer in 1..{most} (got {value!r})")
+    return int(value)
+
+
+def _run(setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: int | None, progress) -> None:
     """Every task (:mod:`kvscope.replay.pieces`); in this process, the runs of a step advanced by
     ``threads`` (default: up to 2; numpy releases the GIL inside its loops)."""
-    pieces_of = pieces.plan(setup, layers)
+    pieces_of = pieces.plan(setup, *block)
     done, total = [0], sum(int(setup.ds.kvscope.n_steps[p.sample]) for p in pieces_of)
 
     def advanced(k: int) -> None:
@@ -347,7 +367,7 @@ def _run(setup: ReplaySetup, outputs, layers: int, client, threads: int | None, 
             progress(done[0], total)
 
     if client is not None:
-        pieces.run_pieces(setup, outputs, layers=layers, client=client, progress=advanced)
+        pieces.run_pieces(setup, outputs, block=block, client=client, progress=advanced)
         return
     threads = threads if threads is not None else min(2, os.cpu_count() or 1)
     pool = None
@@ -356,7 +376,7 @@ def _run(setup: ReplaySetup, outputs, layers: int, client, threads: int | None, 
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
     try:
-        pieces.run_pieces(setup, outputs, layers=layers, pool=pool, progress=advanced)
+        pieces.run_pieces(setup, outputs, block=block, pool=pool, progress=advanced)
     finally:
         if pool is not None:
             pool.shutdown()

@@ -1,23 +1,28 @@
-"""Replay as independent tasks: each sample's runs split by layers (SPEC §5, docs/replay.md).
+"""Replay as independent tasks: each sample's runs split by layers and KV heads (SPEC §5,
+docs/replay.md).
 
-A task (:class:`Piece`) replays one sample, a block of the model's layers and some policies;
-its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy decides
-each (layer, kv_head) from that unit's rows and capacity alone, and every allocation but one
-splits per layer (uniform; pyramid, the whole model's schedule at the task's layers; adakv,
-each layer's room by its own scores), so a task of some layers gives exactly the numbers of
-the whole replay there. Two things cross layers, and are handled so:
+A task (:class:`Piece`) replays one sample, a block of the model's layers × KV heads and some
+policies; its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy
+decides each (layer, kv_head) from that unit's rows and capacity alone, and every allocation
+but one splits per unit (uniform; pyramid, the whole model's schedule at the task's layers;
+adakv, each layer's room by its own heads' scores — so its tasks hold every KV head of their
+layers), so a task of some units gives exactly the numbers of the whole replay there. Two
+things cross units, and are handled so:
 
     a policy that splits its budget itself   kvpress's presses (one compression ratio solved over
-    (Policy.splits_itself)                   every layer): its runs take all layers in one task
+    (Policy.splits_itself)                   every layer): its runs take all units in one task
     the oracle allocation                    a knapsack over every unit of the sample: the tasks
                                              first measure their units' losses at the candidate
                                              capacities (probes), the split is chosen here over all
                                              of them, then the tasks replay with their part of it
+                                             (whole layers: the candidates include adakv's split)
 
-:func:`run_pieces` runs the tasks in this process (runs of a step advanced by a thread pool),
-or on a ``dask.distributed`` client: each worker opens the trace by its path and writes its
-snapshots into the result store's chunks of its own layers (chunked by the task's block), and
-sends back only its small per-unit records, which :meth:`Outputs.absorb` puts in place.
+Tasks hold some of a layer's KV heads only where one layer does not fit the task's memory
+(:func:`kv_heads_per_task`). :func:`run_pieces` runs the tasks in this process (runs of a step
+advanced by a thread pool), or on a ``dask.distributed`` client: each worker opens the trace by
+its path and writes its snapshots into the result store's chunks of its own units (chunked by
+the task's block), and sends back only its small per-unit records, which :meth:`Outputs.absorb`
+puts in place.
 """
 
 from __future__ import annotations
@@ -36,23 +41,33 @@ from .store import TierStore
 
 @dataclass(frozen=True)
 class Piece:
-    """One task: ``sample``, the model's layers ``start..stop−1`` and the ``policies``
-    (indices into the replay's) it runs under every allocation and budget."""
+    """One task: ``sample``, the model's layers ``start..stop−1`` and KV heads
+    ``kv_start..kv_stop−1``, and the ``policies`` (indices into the replay's) it runs under
+    every allocation and budget."""
 
     sample: int
     start: int
     stop: int
+    kv_start: int
+    kv_stop: int
     policies: tuple[int, ...]
 
     @property
     def layers(self) -> slice:
         return slice(self.start, self.stop)
 
+    @property
+    def units(self) -> tuple[slice, slice]:
+        """The task's ``[layer, kv_head]`` in the model's."""
+        return self.layers, slice(self.kv_start, self.kv_stop)
+
 
 def layer_bytes(setup) -> int:
     """What a task holds per layer, estimated: two blocks of float32 rows, K/V as recorded
     plus their float32 copies and buffers and each quantizing run's dequantized copy, every
-    run's state and pending snapshots, the future-mass stream — each ``[kv_head, pos]`` wide."""
+    run's state and pending snapshots, the future-mass stream — each ``[kv_head, pos]`` wide
+    (``/ n_kv`` per KV head). Quantizing the prompt adds temporaries of at most
+    :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups per thread, left out."""
     acc = setup.ds.kvscope
     per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
     if setup.has_qkv:
@@ -72,30 +87,56 @@ def layers_per_task(setup, workers: int = 0, memory: int = defaults.REPLAY_TASK_
     return fit
 
 
-def plan(setup, layers: int) -> list[Piece]:
-    """The tasks of a replay: per sample with steps, blocks of ``layers`` layers for the
-    policies that decide per unit, all layers at once for those that split their budget."""
+def per_head(setup) -> bool:
+    """Tasks may hold some of a layer's KV heads: no allocation's split of a layer reads all
+    its heads (:attr:`~kvscope.policies.allocation.Allocation.across_heads`: adakv, and the
+    oracle, whose candidates include adakv's split)."""
+    return not any(a.across_heads for a in setup.allocations)
+
+
+def kv_heads_per_task(setup, layers: int, memory: int = defaults.REPLAY_TASK_BYTES) -> int:
+    """KV heads per task: all of them, unless a task of one layer does not fit ``memory`` and
+    the allocations allow it (:func:`per_head`) — then blocks of even size that fit, at least one head."""
+    if layers > 1 or not per_head(setup):
+        return setup.n_kv
+    fit = max(1, memory * setup.n_kv // max(layer_bytes(setup), 1))
+    return setup.n_kv if fit >= setup.n_kv else math.ceil(setup.n_kv / math.ceil(setup.n_kv / fit))
+
+
+def plan(setup, layers: int, kv_heads: int | None = None) -> list[Piece]:
+    """The tasks of a replay: per sample with steps, blocks of ``layers`` layers × ``kv_heads``
+    KV heads (default all) for the policies that decide per unit, every unit at once for those
+    that split their budget."""
     local = tuple(i for i, p in enumerate(setup.policies) if not p.splits_itself)
     whole = tuple(i for i, p in enumerate(setup.policies) if p.splits_itself)
+    n_layers, n_kv = setup.n_layers, setup.n_kv
+    heads = kv_heads or n_kv
     pieces = []
     for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0):
         if local:
-            starts = range(0, setup.n_layers, layers)
-            pieces += [Piece(int(s), a, min(a + layers, setup.n_layers), local) for a in starts]
+            pieces += [
+                Piece(int(s), a, min(a + layers, n_layers), h, min(h + heads, n_kv), local)
+                for a in range(0, n_layers, layers)
+                for h in range(0, n_kv, heads)
+            ]
         if whole:
-            pieces.append(Piece(int(s), 0, setup.n_layers, whole))
+            pieces.append(Piece(int(s), 0, n_layers, 0, n_kv, whole))
     return pieces
 
 
 def restricted(setup, piece: Piece):
-    """The replay setup of one task: its sample and layers of the trace, its policies."""
-    ds = setup.ds.isel(sample=[piece.sample], layer=piece.layers)
+    """The replay setup of one task: its sample, layers and KV heads of the trace (the query
+    heads of their groups, and their stored rows), its policies."""
+    layers, kv = piece.units
+    g = setup.ds.kvscope.model.group  # query heads per KV head
+    heads = {"kv_head": kv, "head": slice(kv.start * g, kv.stop * g)}
+    ds = setup.ds.isel(sample=[piece.sample], layer=layers, **{d: i for d, i in heads.items() if d in setup.ds.sizes})
     return replace(setup, ds=ds, policies=[setup.policies[i] for i in piece.policies])
 
 
 def probe(setup, piece: Piece) -> dict:
     """Phase 1 of the oracle allocation: ``{(policy, allocation, budget): (capacities, loss)}``
-    ``[candidate, layer, kv_head]`` over the task's layers
+    ``[candidate, layer, kv_head]`` over the task's units
     (:meth:`~kvscope.replay.sample.SampleReplay.oracle_probes`)."""
     oracles = [(ai, a) for ai, a in enumerate(setup.allocations) if a.clairvoyant]
     sample = SampleReplay(restricted(setup, piece), 0, None)
@@ -111,13 +152,16 @@ def oracle_splits(setup, pieces: list[Piece], probes: list[dict]) -> dict:
     """``{sample: {(policy, allocation, budget): capacities [layer, kv_head]}}``: each oracle's
     split chosen over every unit of the sample from the probes of all its tasks."""
     gathered: dict = {}
-    for piece, found in sorted(zip(pieces, probes, strict=True), key=lambda x: x[0].start):
+    for piece, found in zip(pieces, probes, strict=True):
         for key, gains in found.items():
-            gathered.setdefault((piece.sample, key), []).append(gains)
+            gathered.setdefault((piece.sample, key), []).append((piece, gains))
     splits: dict = {}
     for (s, (pi, ai, bi)), parts in gathered.items():
-        # [candidate, layer, kv_head] over the sample's layers
-        capacities, loss = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+        n_candidates = parts[0][1][0].shape[0]
+        # [candidate, layer, kv_head] over the sample's units
+        capacities, loss = (np.full((n_candidates, setup.n_layers, setup.n_kv), np.nan) for _ in range(2))
+        for piece, (c, lost) in parts:
+            capacities[(slice(None), *piece.units)], loss[(slice(None), *piece.units)] = c, lost
         spec, policy = setup.spec(s, setup.budgets[bi]), setup.policies[pi]
         split = setup.allocations[ai].split(spec, policy.unit_floor(spec), gains=(capacities, loss))
         splits.setdefault(s, {})[pi, ai, bi] = split
@@ -126,7 +170,7 @@ def oracle_splits(setup, pieces: list[Piece], probes: list[dict]) -> dict:
 
 class TierWindow:
     """A task's view of the result's tiers: a snapshot of its run ``(j, allocation, budget,
-    0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event, layers)``."""
+    0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event)`` and the task's units."""
 
     def __init__(self, store: TierStore, piece: Piece):
         self.store, self.piece = store, piece
@@ -135,7 +179,7 @@ class TierWindow:
     def write(self, index: tuple[int, ...], tiers: np.ndarray) -> None:
         j, ai, bi, _, event = index
         at = (self.piece.policies[j], ai, bi, self.piece.sample, event)
-        self.store.write(at, tiers, self.piece.layers)
+        self.store.write(at, tiers, self.piece.units)
         self.taken.append(at)
 
     def complete(self) -> None:
@@ -144,12 +188,12 @@ class TierWindow:
 
 def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None, progress=None):
     """Phase 2: the task's runs, their snapshots written to ``store``; returns its record (an
-    :class:`Outputs` of one sample and its layers, tiers dropped) and the snapshots taken."""
+    :class:`Outputs` of one sample and its units, tiers dropped) and the snapshots taken."""
     sub = restricted(setup, piece)
     window = TierWindow(store, piece)
     part = Outputs.allocate(sub, None, tiers=window)
     local = {
-        (j, ai, bi): split[piece.layers]
+        (j, ai, bi): split[piece.units]
         for (pi, ai, bi), split in splits.get(piece.sample, {}).items()
         for j in [piece.policies.index(pi)] if pi in piece.policies
     }  # fmt: skip
@@ -176,10 +220,10 @@ class _StorePath(str):
     """The result store's folder, opened as a :class:`TierStore` by the worker."""
 
 
-def run_pieces(setup, outputs: Outputs, *, layers: int, client=None, pool=None, progress=None) -> None:
-    """Every task of ``setup`` (:func:`plan` with ``layers`` per task), in this process or on
-    the dask ``client``, their records absorbed into ``outputs`` and the sample's budgets set."""
-    pieces = plan(setup, layers)
+def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, pool=None, progress=None) -> None:
+    """Every task of ``setup`` (:func:`plan` with ``block`` = (layers, KV heads) per task), in this
+    process or on the dask ``client``, their records absorbed into ``outputs`` and the sample's budgets set."""
+    pieces = plan(setup, *block)
     oracle = any(a.clairvoyant for a in setup.allocations)
     if client is None:
         splits = oracle_splits(setup, pieces, [probe(setup, p) for p in pieces]) if oracle else {}
@@ -191,7 +235,7 @@ def run_pieces(setup, outputs: Outputs, *, layers: int, client=None, pool=None, 
         store = _StorePath(outputs.tiers.root)
         results = _gather(client, replay_piece, state, pieces, store, splits, progress=progress, setup=setup)
     for piece, (part, taken) in zip(pieces, results, strict=True):
-        outputs.absorb(part, piece.policies, piece.sample, piece.layers)
+        outputs.absorb(part, piece.policies, piece.sample, piece.units)
         for at in taken:
             outputs.tiers.taken[at] = True
     for s in {p.sample for p in pieces}:

@@ -68,15 +68,15 @@ class Outputs:
         "eligible": (0, 4), "reactivated": (0, 4), "allocated": (0, 4),
     }  # fmt: skip
 
-    def absorb(self, part: Outputs, policies: tuple[int, ...], sample: int, layers: slice) -> None:
-        """The record of a task (its ``policies``, its one sample, the model's ``layers``) into
-        these arrays: per-unit values in place, bytes, quantized counts and LIR transitions summed
-        over the layers, ``reached`` only where every layer reached the budget."""
+    def absorb(self, part: Outputs, policies: tuple[int, ...], sample: int, units: tuple[slice, slice]) -> None:
+        """The record of a task (its ``policies``, its one sample, the model's ``units`` = layers,
+        KV heads) into these arrays: per-unit values in place, bytes, quantized counts and LIR
+        transitions summed over the tasks, ``reached`` only where every task reached the budget."""
         for j, pi in enumerate(policies):
             for name, (run_axis, layer_axis) in self.UNIT_AXES.items():
                 to, src = [slice(None)] * layer_axis, [slice(None)] * layer_axis
                 to[run_axis], to[run_axis + 3], src[run_axis], src[run_axis + 3] = pi, sample, j, 0
-                getattr(self, name)[(*to, layers)] = getattr(part, name)[tuple(src)]
+                getattr(self, name)[(*to, *units)] = getattr(part, name)[tuple(src)]
             to, src = (pi, slice(None), slice(None), sample), (j, slice(None), slice(None), 0)
             held, add = self.bytes[to], part.bytes[src]  # [allocation, budget, step]
             self.bytes[to] = np.where(np.isnan(held), add, held + add)
@@ -88,15 +88,15 @@ class Outputs:
                     self.settings[pi, ai, bi, sample] = setting
 
     @classmethod
-    def allocate(cls, setup, root, tiers=None, layers: int | None = None) -> Outputs:
+    def allocate(cls, setup, root, tiers=None, block: tuple[int, int] | None = None) -> Outputs:
         """Arrays for ``setup`` (a :class:`kvscope.replay.ReplaySetup`); the tiers go to a new
-        store in the folder ``root``, chunked by ``layers`` (None: they are not kept, as for the
-        oracle's probes), or to ``tiers`` (a task's window on that store)."""
+        store in the folder ``root`` (None: they are not kept, as for the oracle's probes),
+        chunked by ``block`` (a task's layers, KV heads), or to ``tiers`` (a task's window on that store)."""
         lead = (len(setup.policies), len(setup.allocations), len(setup.budgets), setup.n_samples)
         per_event = lead + (len(setup.steps), setup.n_layers, setup.n_kv)
         per_unit = lead + (setup.n_layers, setup.n_kv)
         if tiers is None:
-            tiers = TierStore(root, per_event + (setup.n_pos,), layers) if root is not None else NoTiers()
+            tiers = TierStore(root, per_event + (setup.n_pos,), block) if root is not None else NoTiers()
         return cls(
             tiers,
             np.full(lead + (setup.n_step_total,), np.nan),

@@ -102,21 +102,20 @@ def result_folder(out):
         raise
 
 
-def tier_chunks(shape: tuple[int, ...], layers: int | None = None) -> tuple[int, ...]:
-    """One chunk per snapshot and block of ``layers`` (default all): ``[1, 1, 1, 1, 1, layers,
-    kv_head, pos]`` — a replay task of some layers writes chunks of its own (SPEC §5)."""
-    layer_dim = TIER_DIMS.index("layer")
+def tier_chunks(shape: tuple[int, ...], block: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """One chunk per snapshot and ``block`` of (layers, KV heads) (default all): ``[1, 1, 1, 1, 1,
+    layers, kv_heads, pos]`` — a replay task of some units writes chunks of its own (SPEC §5)."""
     chunks = (1,) * SNAPSHOT_INDEX + tuple(shape[SNAPSHOT_INDEX:])
-    return chunks if layers is None else chunks[:layer_dim] + (layers,) + chunks[layer_dim + 1 :]
+    return chunks if block is None else chunks[:SNAPSHOT_INDEX] + tuple(block) + chunks[-1:]
 
 
 class TierStore:
     """``tiers [policy, allocation, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
     ``root``, each snapshot written as it is taken; :meth:`complete` then writes −1 (none)
-    into the snapshots never taken (events past a sample's steps). ``layers``: the layers of
-    one chunk (a task's block). Without ``shape``, the existing store at ``root`` (a dask worker's view)."""
+    into the snapshots never taken (events past a sample's steps). ``block``: the (layers, KV
+    heads) of one chunk (a task's). Without ``shape``, the existing store at ``root`` (a dask worker's view)."""
 
-    def __init__(self, root: Path, shape: tuple[int, ...] | None = None, layers: int | None = None):
+    def __init__(self, root: Path, shape: tuple[int, ...] | None = None, block: tuple[int, int] | None = None):
         import zarr
 
         self.root = Path(root)
@@ -125,19 +124,19 @@ class TierStore:
         else:
             group = zarr.open_group(str(root), mode="w-", zarr_format=3)
             self.array = group.create_array(
-                "tiers", shape=shape, chunks=tier_chunks(shape, layers), dtype="int8", fill_value=-1,
+                "tiers", shape=shape, chunks=tier_chunks(shape, block), dtype="int8", fill_value=-1,
                 dimension_names=TIER_DIMS, compressors=compressors(), config={"write_empty_chunks": True},
             )  # fmt: skip
         # [policy, allocation, budget, sample, event]
         self.taken = np.zeros(self.array.shape[:SNAPSHOT_INDEX], dtype=bool)
 
-    def write(self, index: tuple[int, ...], tiers: np.ndarray, layers: slice = slice(None)) -> None:
-        """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` of ``layers`` at ``(policy, allocation,
-        budget, sample, event)``."""
+    def write(self, index: tuple[int, ...], tiers: np.ndarray, units: tuple[slice, slice] = (slice(None),) * 2) -> None:
+        """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` of ``units`` (layers, KV heads) at
+        ``(policy, allocation, budget, sample, event)``."""
         n_pos = self.array.shape[-1]
         if tiers.shape[-1] < n_pos:  # a sample shorter than the longest: the rest is none
             tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
-        self.array[index + (layers,)] = tiers
+        self.array[index + tuple(units)] = tiers
         self.taken[index] = True
 
     def complete(self) -> None:
