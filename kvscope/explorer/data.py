@@ -130,7 +130,7 @@ class TraceView:
     def extent(self, sample: int) -> tuple[int, int]:
         """``(steps, positions)`` of a sample: its valid steps and the keys its last query sees."""
         n_steps = max(1, int(self.n_steps[sample]))
-        return n_steps, int(self.query_pos[sample, n_steps - 1]) + 1
+        return n_steps, max(1, int(self.query_pos[sample, n_steps - 1]) + 1)  # a sample without steps: 1 × 1
 
     def check(self, sample: int, layer: int, head: int) -> None:
         for name, value in (("sample", sample), ("layer", layer), ("head", head)):
