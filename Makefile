@@ -27,7 +27,9 @@ demo: setup
 	$(KVSCOPE) info traces/demo.zarr
 	$(KVSCOPE) analyze fmm traces/demo.zarr
 	$(KVSCOPE) analyze peaks traces/demo.zarr
-	$(KVSCOPE) replay traces/demo.zarr --policies streaming,h2o,snapkv,kivi,logquant,qevict,oracle --budgets 0.3,0.6
+	rm -rf traces/demo-replay.zarr
+	$(KVSCOPE) replay traces/demo.zarr --policies streaming,h2o,snapkv,kivi,logquant,qevict,oracle --budgets 0.3,0.6 --out traces/demo-replay.zarr
+	$(KVSCOPE) view traces/demo.zarr --replay traces/demo-replay.zarr --html traces/demo.html
 	$(KVSCOPE) replay traces/demo.zarr --policies h2o,qevict --budgets 0.2 --allocation uniform,pyramid,adakv,oracle
 
 test: setup
