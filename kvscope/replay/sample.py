@@ -12,6 +12,7 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,7 +91,8 @@ class SampleReplay:
 
             self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
-        self._per_thread = threading.local()  # .buffers: float32 K/V to convert dequantized values into
+        self.buffers = None  # float32 K/V that dequantized values are converted into (one pair: bounded memory)
+        self.buffers_lock = threading.Lock()  # held by the run that uses them (runs step in the pool's threads)
         self.runs: list[Run] = []
         self.error_event: int | None = None  # the event whose errors the current step measures
 
@@ -227,20 +229,24 @@ class SampleReplay:
         """``run`` against full KV at step ``t`` (after its append, before its decision): the
         errors recorded after an event; returns the exact row for observe=exact (else None)."""
         setup = self.setup
-        buffers = self._buffers() if run.driver.policy.quantizes else None
         exact = setup.observe == "exact" and run.driver.policy.observes
-        qpos = int(self.reader.query_pos[t])
-        row, l1, out_err = against_full(setup.rules, run.state, ref, *self.kv32, qpos, buffers, row=exact)
+        compare = functools.partial(
+            against_full, setup.rules, run.state, ref, *self.kv32, int(self.reader.query_pos[t])
+        )
+        if run.driver.policy.quantizes:  # its dequantized K/V go through the shared buffers
+            with self.buffers_lock:
+                row, l1, out_err = compare(self._buffers(), row=exact)
+        else:
+            row, l1, out_err = compare(None, row=exact)
         if setup.with_errors and self.error_event is not None:
             run.record.l1[self.error_event] = l1
             run.record.out[self.error_event] = out_err
         return row
 
     def _buffers(self):
-        """This thread's two float32 tensors shaped like K/V (reused memory: no page faults)."""
-        local = self._per_thread
-        if not hasattr(local, "buffers"):
+        """Two float32 tensors shaped like K/V, made on first use (reused memory: no page faults)."""
+        if self.buffers is None:
             import torch
 
-            local.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
-        return local.buffers
+            self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
+        return self.buffers
