@@ -198,3 +198,24 @@ def test_pyramid_split_of_some_layers_is_the_whole_split_there():
             Oracle().candidates(part, floor, []), Oracle().candidates(whole, floor, [])[:, first : first + n]
         )
     assert Pyramid(beta=5).split(whole, floor).sum() == pytest.approx(whole.total_capacity)
+
+
+def test_snapshots_of_an_event_written_in_one_call(tmp_path):
+    """TierStore.write_runs (a task's snapshots of one event together) puts each snapshot where
+    write puts it, for policies that are not contiguous (a press between them runs whole) and a
+    sample shorter than the store (the rest −1); nothing else is written or marked taken."""
+    from kvscope.replay.store import TierStore
+
+    shape = (3, 2, 2, 2, 3, 2, 1, 5)  # [policy, allocation, budget, sample, event, layer, kv_head, pos]
+    one, block = TierStore(tmp_path / "one", shape), TierStore(tmp_path / "block", shape)
+    rng = np.random.default_rng(0)
+    snaps = rng.integers(0, 3, (2, 2, 2, 2, 1, 4)).astype(np.int8)  # policies 0 and 2, 4 positions
+    for j, p in enumerate((0, 2)):
+        for a in range(2):
+            for b in range(2):
+                one.write((p, a, b, 1, 2), snaps[j, a, b])
+    block.write_runs((0, 2), 1, 2, snaps)
+    np.testing.assert_array_equal(block.array[...], one.array[...])
+    np.testing.assert_array_equal(block.taken, one.taken)
+    assert (block.array[0, 1, 0, 1, 2, :, :, 4] == -1).all() and block.taken.sum() == 8
+    assert (block.array[1] == -1).all() and (block.array[:, :, :, 0] == -1).all()

@@ -64,11 +64,12 @@ def effective_kv(state: CacheState, k, v, n: int):
     return k[:, :, :n], v[:, :, :n], present
 
 
-def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, buffers=None):
-    """The state's kv-group row ``[L, Hkv, n]``, the attention L1 distance and the output's
-    relative L2 error ``[L, Hkv]`` (module docstring). ``k``/``v``: torch float32 full KV;
-    ``buffers``: two float32 tensors shaped like them to convert dequantized values into.
-    A cache that only evicts reuses the full-KV logits; one that lost nothing is exact."""
+def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, buffers=None, row=True):
+    """The state's kv-group row ``[L, Hkv, n]`` (None unless ``row``: only observe=exact reads
+    it), the attention L1 distance and the output's relative L2 error ``[L, Hkv]`` (module
+    docstring). ``k``/``v``: torch float32 full KV; ``buffers``: two float32 tensors shaped like
+    them to convert dequantized values into. A cache that only evicts reuses the full-KV
+    logits; one that lost nothing is exact."""
     import torch
 
     from ..attention import softmax
@@ -77,7 +78,7 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     tiers = state.tiers[..., :n]
     if (tiers == TIER_FP).all() and (state.ledger is None or not state.ledger.done[..., :n].any()):
         zeros = np.zeros(tiers.shape[:2])
-        return ref.probs.mean(2).numpy(), zeros, zeros
+        return ref.probs.mean(2).numpy() if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
     if isinstance(keys, np.ndarray):  # quantized values: the logits change too
         if buffers is None:
@@ -92,7 +93,7 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
     rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)
-    return probs.mean(2).numpy(), l1.numpy(), rel.numpy()
+    return probs.mean(2).numpy() if row else None, l1.numpy(), rel.numpy()
 
 
 def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:

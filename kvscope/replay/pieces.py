@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -170,20 +171,49 @@ def oracle_splits(setup, pieces: list[Piece], probes: list[dict]) -> dict:
 
 class TierWindow:
     """A task's view of the result's tiers: a snapshot of its run ``(j, allocation, budget,
-    0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event)`` and the task's units."""
+    0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event)`` and the
+    task's units — once every run of the task has taken its snapshot of that event, all of them
+    in one write (:meth:`TierStore.write_runs`; the runs call from the pool's threads)."""
 
     def __init__(self, store: TierStore, piece: Piece):
         self.store, self.piece = store, piece
+        self.runs = len(piece.policies) * store.array.shape[1] * store.array.shape[2]  # × allocations × budgets
+        self.pending: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}  # event → {(j, ai, bi): tiers}
+        self.lock = threading.Lock()
         self.taken: list[tuple[int, ...]] = []
 
     def write(self, index: tuple[int, ...], tiers: np.ndarray) -> None:
         j, ai, bi, _, event = index
-        at = (self.piece.policies[j], ai, bi, self.piece.sample, event)
-        self.store.write(at, tiers, self.piece.units)
-        self.taken.append(at)
+        with self.lock:
+            got = self.pending.setdefault(event, {})
+            got[j, ai, bi] = tiers
+            if len(got) < self.runs:
+                return
+            del self.pending[event]
+        n_a, n_b = self.store.array.shape[1:3]
+        block = np.stack(
+            [got[j, ai, bi] for j in range(len(self.piece.policies)) for ai in range(n_a) for bi in range(n_b)]
+        )
+        block = block.reshape(
+            (len(self.piece.policies), n_a, n_b) + block.shape[1:]
+        )  # [j, ai, bi, layer, kv_head, pos]
+        self.store.write_runs(self.piece.policies, self.piece.sample, event, block, self.piece.units)
+        with self.lock:
+            self.taken += [
+                (p, ai, bi, self.piece.sample, event)
+                for p in self.piece.policies
+                for ai in range(n_a)
+                for bi in range(n_b)
+            ]
 
     def complete(self) -> None:
-        pass
+        """Snapshots of an event that not every run took (none, as runs step together) one by one."""
+        for event, got in self.pending.items():
+            for (j, ai, bi), tiers in got.items():
+                at = (self.piece.policies[j], ai, bi, self.piece.sample, event)
+                self.store.write(at, tiers, self.piece.units)
+                self.taken.append(at)
+        self.pending.clear()
 
 
 def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None, progress=None):
@@ -198,6 +228,7 @@ def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None,
         for j in [piece.policies.index(pi)] if pi in piece.policies
     }  # fmt: skip
     SampleReplay(sub, 0, part, local).run(pool, progress)
+    window.complete()
     part.tiers = None
     return part, window.taken
 

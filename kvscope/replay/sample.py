@@ -12,6 +12,8 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 
 from __future__ import annotations
 
+import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -64,9 +66,10 @@ class Run:
         self.pending.clear()
 
 
-def _step(advance, t, run: Run, exact_row, ahead: dict, event: int | None, resolved: list, horizon: int) -> None:
-    """One run's step ``t`` (a pool task): the decision, then the tier shares that resolve now."""
-    advance(t, run, exact_row, ahead, event)
+def _step(advance, t, run: Run, ref, ahead: dict, event: int | None, resolved: list, horizon: int) -> None:
+    """One run's step ``t`` (a pool task): its comparison with full KV where one is due, the
+    decision, then the tier shares that resolve now."""
+    advance(t, run, ref, ahead, event)
     run.resolve(resolved, horizon)
 
 
@@ -80,7 +83,7 @@ class SampleReplay:
         self.reader = SampleReader(setup.ds, s, setup.group)
         r = self.reader
         self.colsum, self.tail = r.prefill()
-        self.kv = self.kv32 = self.buffers = self.queries = None
+        self.kv = self.kv32 = self.queries = None
         if any(policy.reads_queries for policy in setup.policies):
             self.queries = r.queries()  # [pos, layer, head, D] (kvpress presses)
         if setup.has_qkv:
@@ -88,8 +91,10 @@ class SampleReplay:
 
             self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
-            self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
+        self.buffers = None  # float32 K/V that dequantized values are converted into (one pair: bounded memory)
+        self.buffers_lock = threading.Lock()  # held by the run that uses them (runs step in the pool's threads)
         self.runs: list[Run] = []
+        self.error_event: int | None = None  # the event whose errors the current step measures
 
     def spec(self, budget: float) -> CacheSpec:
         return self.setup.spec(self.s, budget)
@@ -159,14 +164,12 @@ class SampleReplay:
         for t in range(r.n_steps):
             resolved = stream.add(t, r.row(t))
             event = event_of.get(t)
-            exact = self._exact_rows(t, error_at.get(t)) if t > 0 else {}
+            self.error_event = error_at.get(t)
+            ref = self._appended(t, pool) if t > 0 else None
             ahead = {h: f.at(t) for h, f in self.futures.items()}
 
             horizon = setup.fmm.horizon
-            steps = [
-                (self._advance, t, run, exact.get(i), ahead, event, resolved, horizon)
-                for i, run in enumerate(self.runs)
-            ]
+            steps = [(self._advance, t, run, ref, ahead, event, resolved, horizon) for run in self.runs]
             if pool is None:
                 for args in steps:
                     _step(*args)
@@ -180,13 +183,14 @@ class SampleReplay:
         for run in self.runs:
             run.finish()
 
-    def _advance(self, t: int, run: Run, exact_row, ahead: dict, event: int | None) -> None:
+    def _advance(self, t: int, run: Run, ref, ahead: dict, event: int | None) -> None:
         setup, driver = self.setup, run.driver
         check = setup.validate or event is not None
         future = ahead.get(getattr(driver.policy, "horizon", None)) if driver.policy.clairvoyant else None
         if t == 0:
             used = driver.prefill(self.colsum, self.tail, future, check=check)
         else:
+            exact_row = self._compared(t, run, ref) if self._compares(run) else None
             row = None
             if driver.policy.observes:
                 st = run.state
@@ -200,27 +204,49 @@ class SampleReplay:
         if event is not None:
             run.snapshot(event)
 
-    def _exact_rows(self, t: int, error_event: int | None) -> dict[int, np.ndarray]:
-        """Append step ``t``'s position to every run, then compute what needs the recorded query:
-        the errors after an event (recorded into the runs) and exact rows for observe=exact."""
+    def _compares(self, run: Run) -> bool:
+        """This step compares ``run`` with full KV: its errors after an event, or its exact row
+        (observe=exact, a policy that observes)."""
         setup = self.setup
+        errors = setup.with_errors and self.error_event is not None
+        return errors or (setup.observe == "exact" and run.driver.policy.observes)
+
+    def _appended(self, t: int, pool: ThreadPoolExecutor | None):
+        """Append step ``t``'s position to every run; returns the full-KV reference of its
+        recorded query when a run compares with it this step (else None). With a pool it is
+        computed there, as the runs' comparisons are: torch's ops then run in the pool's
+        threads, one thread each, instead of an intra-op team of the main thread beside them
+        (which only oversubscribes the cores)."""
         qpos = int(self.reader.query_pos[t])
         for run in self.runs:
             run.driver.append(qpos)
-        exact_wanted = setup.observe == "exact"
-        wanted = [
-            i
-            for i, run in enumerate(self.runs)
-            if (setup.with_errors and error_event is not None) or (exact_wanted and run.driver.policy.observes)
-        ]
-        if not wanted:
-            return {}
-        ref = reference(setup.rules, self.reader.query(t), *self.kv32, qpos)
-        rows = {}
-        for i in wanted:
-            run = self.runs[i]
-            rows[i], l1, out_err = against_full(setup.rules, run.state, ref, *self.kv32, qpos, self.buffers)
-            if setup.with_errors and error_event is not None:
-                run.record.l1[error_event] = l1
-                run.record.out[error_event] = out_err
-        return rows
+        if not any(self._compares(run) for run in self.runs):
+            return None
+        args = (self.setup.rules, self.reader.query(t), *self.kv32, qpos)
+        return reference(*args) if pool is None else pool.submit(reference, *args).result()
+
+    def _compared(self, t: int, run: Run, ref) -> np.ndarray | None:
+        """``run`` against full KV at step ``t`` (after its append, before its decision): the
+        errors recorded after an event; returns the exact row for observe=exact (else None)."""
+        setup = self.setup
+        exact = setup.observe == "exact" and run.driver.policy.observes
+        compare = functools.partial(
+            against_full, setup.rules, run.state, ref, *self.kv32, int(self.reader.query_pos[t])
+        )
+        if run.driver.policy.quantizes:  # its dequantized K/V go through the shared buffers
+            with self.buffers_lock:
+                row, l1, out_err = compare(self._buffers(), row=exact)
+        else:
+            row, l1, out_err = compare(None, row=exact)
+        if setup.with_errors and self.error_event is not None:
+            run.record.l1[self.error_event] = l1
+            run.record.out[self.error_event] = out_err
+        return row
+
+    def _buffers(self):
+        """Two float32 tensors shaped like K/V, made on first use (reused memory: no page faults)."""
+        if self.buffers is None:
+            import torch
+
+            self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
+        return self.buffers

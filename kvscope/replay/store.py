@@ -133,11 +133,25 @@ class TierStore:
     def write(self, index: tuple[int, ...], tiers: np.ndarray, units: tuple[slice, slice] = (slice(None),) * 2) -> None:
         """Snapshot ``tiers [layer, kv_head, n ≤ pos]`` of ``units`` (layers, KV heads) at
         ``(policy, allocation, budget, sample, event)``."""
-        n_pos = self.array.shape[-1]
-        if tiers.shape[-1] < n_pos:  # a sample shorter than the longest: the rest is none
-            tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
-        self.array[index + tuple(units)] = tiers
+        self.array[index + tuple(units)] = self._padded(tiers)
         self.taken[index] = True
+
+    def write_runs(self, policies, sample: int, event: int, tiers: np.ndarray, units=(slice(None),) * 2) -> None:
+        """The snapshots of every allocation and budget of ``policies`` at ``(sample, event)``,
+        ``tiers [policy, allocation, budget, layer, kv_head, n ≤ pos]``, in one call (zarr
+        encodes and writes their chunks together: a call per snapshot costs several times more)."""
+        policies = np.asarray(policies, dtype=np.int64)
+        contiguous = bool((np.diff(policies) == 1).all())
+        at = slice(int(policies[0]), int(policies[-1]) + 1) if contiguous else policies
+        self.array.set_orthogonal_selection((at, slice(None), slice(None), sample, event, *units), self._padded(tiers))
+        self.taken[at, :, :, sample, event] = True
+
+    def _padded(self, tiers: np.ndarray) -> np.ndarray:
+        """``tiers [..., n ≤ pos]`` → ``[..., pos]``: a sample shorter than the longest, the rest none."""
+        n_pos = self.array.shape[-1]
+        if tiers.shape[-1] < n_pos:
+            tiers = np.concatenate([tiers, np.full(tiers.shape[:-1] + (n_pos - tiers.shape[-1],), -1, np.int8)], -1)
+        return tiers
 
     def complete(self) -> None:
         """Every snapshot not taken written as −1, so that every chunk of the store exists."""
