@@ -267,14 +267,16 @@ class AttentionRecorder:
 
         Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
         diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
-        GQA group are stacked as rows of one matmul on their shared keys (no copies of K), and
-        a block holds about ``_BLOCK_PROBS`` probabilities so that it stays in cache."""
+        GQA group are stacked as rows of one matmul on their shared keys (no copies of K); on a
+        CPU a block holds about ``_BLOCK_PROBS`` probabilities so that it stays in cache."""
         b, h, P, d = query.shape
         g, n_obs = h // n_kv, self.obs_window
         keys = key.to(torch.float32).reshape(b * n_kv, P, d)
         colsum = torch.zeros((b * n_kv, g, P), dtype=torch.float32, device=query.device)  # [batch·kv_head, group, P]
         tail = torch.zeros((b, h, n_obs, P), dtype=torch.float32, device=query.device)
-        n = max(16, min(self.row_block, _BLOCK_PROBS // (h * P)))
+        n = self.row_block  # a GPU wants few, large launches; a CPU blocks that stay in cache
+        if query.device.type == "cpu":
+            n = max(16, min(n, _BLOCK_PROBS // (h * P)))
         above = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)  # [row, key]: k > r
         for r0 in range(0, P, n):
             r1 = min(P, r0 + n)
