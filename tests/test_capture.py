@@ -172,6 +172,32 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
     assert torch.equal(run(False), run(True))
 
 
+@pytest.mark.parametrize(
+    "P,heads,kv_heads,obs,softcap", [(600, 9, 3, 32, None), (5, 4, 2, 8, None), (130, 4, 4, 16, 20.0)]
+)
+def test_causal_prefill_blocks_equal_the_rule(P, heads, kv_heads, obs, softcap):
+    """An unpadded causal prefill (no mask tensor) is recorded in blocks of rows that hide only
+    their diagonal square: column sums and tail rows equal a float64 softmax of the rule and
+    the general masked path (600 rows of 9 heads: 7 blocks, the last one short; obs > P)."""
+    g = torch.Generator().manual_seed(P)
+    q = torch.randn(2, heads, P, 16, generator=g) * 2
+    k = torch.randn(2, kv_heads, P, 16, generator=g) * 2
+    recorder = AttentionRecorder(n_layers=1, n_stored_heads=kv_heads, obs_window=obs)
+    recorder.begin(ForwardContext(seq_len=P, pad=torch.zeros(2, dtype=torch.long)))
+    colsum, tail = recorder._causal_blocks(q, k, 0.25, softcap, kv_heads)
+    s = q.double() @ k.double().repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) * 0.25
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    a = torch.softmax(s.masked_fill(torch.ones(P, P, dtype=torch.bool).triu(1), float("-inf")), -1)  # [b, h, P, P]
+    np.testing.assert_allclose(colsum.numpy(), a.sum(2).numpy(), rtol=1e-5, atol=1e-6)
+    expect_tail = torch.zeros(2, heads, obs, P, dtype=torch.float64)
+    expect_tail[:, :, max(0, obs - P) :] = a[:, :, max(0, P - obs) :]  # tail row o = query P − obs + o
+    np.testing.assert_allclose(tail.numpy(), expect_tail.numpy(), atol=1e-6)
+    masked_colsum, masked_tail = recorder._masked_blocks(q, k, None, 0.25, softcap)
+    np.testing.assert_allclose(colsum.numpy(), masked_colsum.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(tail.numpy(), masked_tail.numpy(), atol=1e-7)
+
+
 def test_left_padded_batch_equals_each_alone(tmp_path, tiny_models):
     folder = str(tiny_models["llama"])
     prompts = [PROMPT, SHORT]

@@ -34,6 +34,7 @@ from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_ma
 from .. import attention
 
 KERNELS = ("sdpa", "eager", "flash_attention_2")
+_BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
 HEAD_MODES = ("all", "kv", "mean")
 
 _ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar(
@@ -241,7 +242,58 @@ class AttentionRecorder:
         self.layers[layer] = cap
 
     def _prefill(self, query, key, mask, scaling, softcap, n_kv):
-        """Column sums, last ``obs_window`` rows and the last row, block by block."""
+        """Column sums, last ``obs_window`` rows and the last row of the prompt."""
+        ctx = self.ctx
+        q_len, kv_len = query.shape[2], key.shape[2]
+        pad = ctx.pad.to(query.device)
+        n_obs = self.obs_window
+        if mask is None and not ctx.padded and kv_len == q_len:
+            colsum, tail = self._causal_blocks(query, key, scaling, softcap, n_kv)
+        else:
+            colsum, tail = self._masked_blocks(query, key, mask, scaling, softcap)
+        # query positions before the start of a (left-padded) prompt are not rows
+        tail_slots = torch.arange(ctx.seq_len - n_obs, ctx.seq_len, device=query.device)
+        tail = tail.masked_fill((tail_slots[None, :] < pad[:, None])[:, None, :, None], float("nan"))
+        tail = self._reduce_heads(tail, n_kv)
+        return (
+            self._to_positions(self._reduce_heads(colsum, n_kv), kv_len),
+            self._to_positions(tail, kv_len),
+            tail[:, :, -1],  # [batch, Hs, kv] the last prompt row = step 0, by key slot
+        )
+
+    def _causal_blocks(self, query, key, scaling, softcap, n_kv):
+        """``(colsum [batch, head, P], tail [batch, head, obs, P])`` of an unpadded causal
+        prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``.
+
+        Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
+        diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
+        GQA group are stacked as rows of one matmul on their shared keys (no copies of K); on a
+        CPU a block holds about ``_BLOCK_PROBS`` probabilities so that it stays in cache."""
+        b, h, P, d = query.shape
+        g, n_obs = h // n_kv, self.obs_window
+        keys = key.to(torch.float32).reshape(b * n_kv, P, d)
+        colsum = torch.zeros((b * n_kv, g, P), dtype=torch.float32, device=query.device)  # [batch·kv_head, group, P]
+        tail = torch.zeros((b, h, n_obs, P), dtype=torch.float32, device=query.device)
+        n = self.row_block  # a GPU wants few, large launches; a CPU blocks that stay in cache
+        if query.device.type == "cpu":
+            n = max(16, min(n, _BLOCK_PROBS // (h * P)))
+        above = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)  # [row, key]: k > r
+        for r0 in range(0, P, n):
+            r1 = min(P, r0 + n)
+            rows = query[:, :, r0:r1].to(torch.float32).reshape(b * n_kv, g * (r1 - r0), d)
+            scores = attention.logits(rows, keys[:, :r1], scaling, softcap).view(b * n_kv, g, r1 - r0, r1)
+            scores[..., r0:].masked_fill_(above[: r1 - r0, : r1 - r0], float("-inf"))
+            probs = attention.softmax(scores)  # [batch·kv_head, group, rows, r1]
+            colsum[..., :r1] += probs.sum(2)
+            t0 = max(r0, P - n_obs)  # tail row o holds query slot P − n_obs + o
+            if t0 < r1:
+                o0 = t0 - (P - n_obs)
+                tail[:, :, o0 : o0 + (r1 - t0), :r1] = probs.view(b, h, r1 - r0, r1)[:, :, t0 - r0 :]
+        return colsum.view(b, h, P), tail
+
+    def _masked_blocks(self, query, key, mask, scaling, softcap):
+        """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` under transformers' mask
+        (padding, sliding windows, a prefill after cached slots), ``row_block`` rows at a time."""
         ctx = self.ctx
         b, h, q_len, _ = query.shape
         kv_len = key.shape[2]
@@ -269,15 +321,7 @@ class AttentionRecorder:
             if t0 < r1:
                 o0 = t0 - (q_len - n_obs)
                 tail[:, :, o0 : o0 + (r1 - t0), :kv_end] = probs[:, :, t0 - r0 :]
-        # query positions before the start of a (left-padded) prompt are not rows
-        tail_slots = torch.arange(ctx.seq_len - n_obs, ctx.seq_len, device=query.device)
-        tail = tail.masked_fill((tail_slots[None, :] < pad[:, None])[:, None, :, None], float("nan"))
-        tail = self._reduce_heads(tail, n_kv)
-        return (
-            self._to_positions(self._reduce_heads(colsum, n_kv), kv_len),
-            self._to_positions(tail, kv_len),
-            tail[:, :, -1],  # [batch, Hs, kv] the last prompt row = step 0, by key slot
-        )
+        return colsum, tail
 
 
 class _Activation:
