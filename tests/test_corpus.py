@@ -151,6 +151,14 @@ CASES = [
     ("tune-check-empty", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--check", ""], "--check needs held-out prompts"),
     ("tune-space-range", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--space", "recent_frac=2:3"], "h2o parameter recent_frac must lie in [0, 1] (got 2.0)"),
     ("workloads-unknown-flag", ["workloads", "--all"], "unrecognized arguments: --all"),
+    # -- view -----------------------------------------------------------------------------------
+    ("view-missing", ["view", "{TMP}/missing.zarr"], "no trace store at"),
+    ("view-a-replay-result", ["view", "{RESULT}"], "is not a kvscope trace"),
+    ("view-result-of-another-trace", ["view", "{WIN}", "--replay", "{RESULT}"], "does not match the trace"),
+    ("view-replay-a-trace", ["view", "{PLAIN}", "--replay", "{QKV}"], "is not a kvscope replay result"),
+    ("view-port-range", ["view", "{PLAIN}", "--port", "70000"], "--port 70000 is not a port"),
+    ("view-html-not-html", ["view", "{PLAIN}", "--html", "{TMP}/page.png"], "name a file ending in .html"),
+    ("view-tokens", ["view", "{PLAIN}", "--tokens", "text"], "invalid choice: 'text'"),
 ]  # fmt: skip
 
 
