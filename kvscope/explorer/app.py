@@ -79,6 +79,7 @@ class Explorer:
         self.other = Heatmap("heatmap-b", "policy B", self.keys, self.queries, self.x_range, self.y_range)
         self.views = SideViews(shape["layer"])
         self.message = Div(text="", name="message", styles={"color": "#b00"})
+        self._labelled: int | None = None  # the sample whose token labels the page holds
         self.status = Div(text="computing FMM, churn, LIR, peaks, concentration …", name="status")
         self.widgets = self._widgets(shape)
         self.header = Div(text=f"<b>{title}</b>", name="title")
@@ -160,7 +161,7 @@ class Explorer:
         self.views.mark_layer(layer)
 
     def _label(self, sample: int) -> None:
-        if getattr(self, "_labelled", None) == sample:
+        if self._labelled == sample:
             return
         ids = self.trace.tokens(sample)
         self.keys.data = {"key": key_labels(self.decode, ids)}
@@ -239,7 +240,7 @@ def load(
 ) -> Shared:
     """Open everything the sessions of a trace share (the result checked against the trace)."""
     trace = TraceView(ds)
-    tiers = matching(result, ds, where) if result is not None else None
+    tiers = matching(result, trace, where) if result is not None else None
     found = {o.name: o for o in (HistoryOracle(ds), LogQuantFP(ds))}
     return Shared(trace, tiers, Summaries(ds), found, decoder(ds.attrs.get("model", {}), tokens))
 

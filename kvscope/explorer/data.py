@@ -21,6 +21,7 @@ never hidden by a kept neighbour).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,22 +74,9 @@ def cells(x: np.ndarray, dy: int, dx: int, reduce=np.nanmean, fill=np.nan) -> np
     blocks = padded.reshape(ny, dy, nx, dx).transpose(0, 2, 1, 3).reshape(ny, nx, dy * dx)
     if dy * dx == 1:
         return blocks[..., 0]
-    with np.errstate(invalid="ignore"), _quiet():
-        return reduce(blocks, axis=-1)
-
-
-class _quiet:
-    """numpy's "Mean of empty slice" for cells with nothing in them (NaN is the answer)."""
-
-    def __enter__(self):
-        import warnings
-
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
+    with warnings.catch_warnings():  # "Mean of empty slice": a cell with nothing in it is NaN
         warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._w.__exit__(*exc)
+        return reduce(blocks, axis=-1)
 
 
 def overlay_cells(codes: np.ndarray, rect: Rect) -> np.ndarray:
@@ -231,15 +219,15 @@ class TierView:
         return self.result["tier_mass"].sel(run).isel(sample=sample, layer=layer, kv_head=head)
 
 
-def matching(result: xr.Dataset, ds: xr.Dataset, where: str) -> TierView:
+def matching(result: xr.Dataset, trace: TraceView, where: str) -> TierView:
     """The result's tiers if it was replayed from a trace of this shape, else one line naming
     the first difference."""
-    acc = ds.kvscope
+    ds, acc = trace.ds, trace.ds.kvscope
     want = {
         "sample": ds.sizes["sample"],
         "layer": ds.sizes["layer"],
         "kv_head": ds.sizes.get("kv_head", acc.model.n_kv_heads),
-        "pos": TraceView(ds).n_pos,
+        "pos": trace.n_pos,
     }
     for dim, n in want.items():
         got = result.sizes.get(dim)

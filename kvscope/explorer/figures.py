@@ -29,7 +29,12 @@ from .data import Rect
 LOW, HIGH = 1e-5, 1.0  # log colour scale of a per-position probability; lower values take LOW's colour
 TIER_NAMES = ("EVICTED", "Q", "FP")
 # overlay codes tier + 1 (0 none, 1 EVICTED, 2 Q, 3 FP) over [0, 3]: four colours, one per code
-TIER_PALETTE = ("rgba(0,0,0,0)", "rgba(190,190,190,0.6)", "rgba(0,200,255,0.45)", "rgba(0,0,0,0)")  # evicted mass still shows through
+TIER_PALETTE = (
+    "rgba(0,0,0,0)",
+    "rgba(190,190,190,0.6)",
+    "rgba(0,200,255,0.45)",
+    "rgba(0,0,0,0)",
+)  # evicted mass still shows through
 TIER_COLORS = {"FP": "#d62728", "Q": "#17becf", "EVICTED": "#7f7f7f"}
 HEAT_SIZE = (880, 420)  # figure width, height in pixels; a view holds at most one cell per pixel
 

@@ -60,8 +60,7 @@ def write_html(
     rect = Rect.fitted((0, shape["step"]), (0, shape["pos"]), shape["step"], shape["pos"], rows, cols)
     app.view = ((0, shape["step"]), (0, shape["pos"]))  # the page's one geometry: the whole trace
     app.redraw()
-    app.side.wait()
-    app.fill_side()
+    app.fill_side()  # waits for the side views' numbers
     arrays = _arrays(app, rect, overlays)
     _link(app, arrays, rect)
     with warnings.catch_warnings():
