@@ -1135,16 +1135,8 @@ def _cmd_view(args) -> int:
 
 
 def _serve(args, ds, result, where: str) -> int:
-    import socket
-
     from .explorer import serve
 
-    if args.port:
-        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
-            try:
-                probe.bind((args.host, args.port))
-            except OSError as exc:
-                raise KvscopeError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     server = serve(ds, result, host=args.host, port=args.port, tokens=args.tokens, where=where)
     server.start()
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -44,6 +44,7 @@ def serve(
     trace; ``port=0`` takes a free one. Returns the Bokeh server (``server.port``)."""
     import panel as pn
 
+    port = listen_port(host, port)  # a busy port is refused before anything is read
     shared = load(ds, result, where, tokens)
     label = title or title_of(ds)
 
@@ -52,7 +53,6 @@ def serve(
         app.fill_side_later(pn.state.curdoc)
         return pn.pane.Bokeh(app.layout)
 
-    port = port or free_port(host)
     names = {host, "127.0.0.1", "localhost"} if host not in ("0.0.0.0", "::") else {"*"}
     origins = sorted(n if n == "*" else f"{n}:{port}" for n in names)
     return pn.serve(
@@ -68,12 +68,18 @@ def serve(
     )
 
 
-def free_port(host: str) -> int:
-    """A port nothing listens on now (the server binds it right after)."""
+def listen_port(host: str, port: int) -> int:
+    """``port`` if it can be listened on at ``host`` now — a free one for 0 (the server binds it
+    right after) — else one line naming it."""
     import socket
 
+    from ..errors import KvscopeError
+
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         return probe.getsockname()[1]
 
 
