@@ -132,6 +132,20 @@ def shared_ranges(n_steps: int, n_pos: int) -> tuple[Range1d, Range1d]:
     return x, y
 
 
+def small_figure(title: str, x_label: str, x: tuple, y: tuple, **kwargs):
+    """One of the side views' small static figures (no tools); ``x``, ``y`` its initial ranges."""
+    return figure(
+        title=title,
+        width=300,
+        height=260,
+        x_axis_label=x_label,
+        x_range=Range1d(*x),
+        y_range=Range1d(*y),
+        tools="",
+        **kwargs,
+    )
+
+
 class SideViews:
     """Per-layer metrics (tap a layer to show it), FMM(H), log2 peak density, concentration,
     and — with a replay result — the future mass each tier of the chosen policy received."""
@@ -195,47 +209,22 @@ class SideViews:
         return f
 
     def _fmm_curve(self):
-        f = figure(
-            title="FMM(H)",
-            width=300,
-            height=260,
-            x_axis_type="log",
-            x_range=Range1d(1, 64),
-            y_range=Range1d(0, 1),
-            x_axis_label="horizon H",
-            tools="",
-        )
+        f = small_figure("FMM(H)", "horizon H", (1, 64), (0, 1), x_axis_type="log")
         f.line(x="horizon", y="fmm", source=self.curve, line_width=2)
         f.varea(x="horizon", y1="low", y2="high", source=self.curve, alpha=0.2)
         f.scatter(x="horizon", y="fmm", source=self.curve, size=5)
         return f
 
     def _peaks(self):
-        f = figure(
-            title="log2 peak density, power-law fit",
-            width=300,
-            height=260,
-            x_axis_type="log",
-            y_axis_type="log",
-            x_range=Range1d(1, 1024),
-            y_range=Range1d(1e-4, 1),
-            x_axis_label="distance d",
-            tools="",
+        f = small_figure(
+            "log2 peak density, power-law fit", "distance d", (1, 1024), (1e-4, 1), x_axis_type="log", y_axis_type="log"
         )
         f.scatter(x="distance", y="density", source=self.peaks, size=6)
         f.line(x="distance", y="fit", source=self.peaks, color="#d62728", line_width=2)
         return f
 
     def _top(self):
-        f = figure(
-            title="mass in the top p of the windows",
-            width=300,
-            height=260,
-            x_axis_label="p",
-            x_range=Range1d(0, 0.42),
-            y_range=Range1d(0, 1.02),
-            tools="",
-        )
+        f = small_figure("mass in the top p of the windows", "p", (0, 0.42), (0, 1.02))
         f.line(x="top_frac", y="share", source=self.top, line_width=2)
         f.scatter(x="top_frac", y="share", source=self.top, size=6)
         return f
