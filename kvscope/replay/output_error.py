@@ -64,12 +64,11 @@ def effective_kv(state: CacheState, k, v, n: int):
     return k[:, :, :n], v[:, :, :n], present
 
 
-def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, buffers=None, row=True):
+def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, row=True):
     """The state's kv-group row ``[L, Hkv, n]`` (None unless ``row``: only observe=exact reads
     it), the attention L1 distance and the output's relative L2 error ``[L, Hkv]`` (module
-    docstring). ``k``/``v``: torch float32 full KV; ``buffers``: two float32 tensors shaped like
-    them to convert dequantized values into. A cache that only evicts reuses the full-KV
-    logits; one that lost nothing is exact."""
+    docstring). ``k``/``v``: torch float32 full KV. A cache that only evicts reuses the full-KV
+    logits; one that lost nothing is exact; a quantized one goes :func:`layer_by_layer`."""
     import torch
 
     from ..attention import softmax
@@ -80,20 +79,38 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
         zeros = np.zeros(tiers.shape[:2])
         return ref.probs.mean(2).numpy() if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
+    shown = ref.shown & torch.from_numpy(present)[:, :, None, :]
     if isinstance(keys, np.ndarray):  # quantized values: the logits change too
-        if buffers is None:
-            buffers = (torch.empty(k.shape), torch.empty(v.shape))
-        keys = buffers[0][:, :, :n].copy_(torch.from_numpy(keys))  # reused memory: no page faults
-        values = buffers[1][:, :, :n].copy_(torch.from_numpy(values))
-        logits = rules.logits(ref.query, keys)
+        probs, out = layer_by_layer(rules, ref.query, torch.from_numpy(keys), torch.from_numpy(values), shown)
     else:
-        logits = ref.logits
-    probs = softmax(logits, ref.shown & torch.from_numpy(present)[:, :, None, :])
-    out = torch.matmul(probs, values)
+        probs = softmax(ref.logits, shown)
+        out = torch.matmul(probs, values)
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
     rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)
     return probs.mean(2).numpy() if row else None, l1.numpy(), rel.numpy()
+
+
+def layer_by_layer(rules: LayerRules, query, keys, values, shown):
+    """``probs [L, Hkv, g, n]`` and ``out [L, Hkv, g, D]`` of ``query [L, Hkv, g, D]`` over
+    ``keys``/``values [L, Hkv, n, D]`` in their stored dtype (fp16): each layer's K and V are
+    converted to float32 in one small buffer that stays in the core's cache, instead of a
+    float32 copy of the whole K/V (a memory-bound matmul reads each value once, not three
+    times). Bit for bit the batched ``rules.logits`` and ``matmul`` (each layer is one batch entry)."""
+    import torch
+
+    from ..attention import softmax
+
+    n_l, n_kv, n, d = keys.shape
+    scratch = torch.empty(n_kv, n, d)  # [Hkv, n, D] float32, one layer at a time
+    logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
+    for layer, rule in enumerate(rules.rules):
+        logits[layer] = rule.logits(query[layer], scratch.copy_(keys[layer]))
+    probs = softmax(logits, shown)
+    out = torch.empty(query.shape)  # [L, Hkv, g, D]
+    for layer in range(n_l):
+        torch.matmul(probs[layer], scratch.copy_(values[layer]), out=out[layer])
+    return probs, out
 
 
 def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:

@@ -130,9 +130,9 @@ class FutureSum:
             self.total = np.zeros(self.reader.row(0).shape, dtype=np.float64)
             for tt in range(t + 1, min(t + self.h, n - 1) + 1):
                 self.total += self.reader.row(tt)
-        else:
-            self.total -= self.reader.row(t)
+        else:  # new arrays, not in place: the runs of step t − 1 may still read the previous sum
+            self.total = self.total - self.reader.row(t)
             if t + self.h <= n - 1:
-                self.total += self.reader.row(t + self.h)
+                self.total = self.total + self.reader.row(t + self.h)
         self.t = t
         return self.total

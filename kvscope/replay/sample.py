@@ -13,8 +13,8 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 from __future__ import annotations
 
 import functools
-import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,11 +66,26 @@ class Run:
         self.pending.clear()
 
 
-def _step(advance, t, run: Run, ref, ahead: dict, event: int | None, resolved: list, horizon: int) -> None:
-    """One run's step ``t`` (a pool task): its comparison with full KV where one is due, the
+@dataclass
+class StepInputs:
+    """What every run's step ``t`` reads, all of it from the trace alone (so that step ``t + 1``'s
+    is prepared while the runs take step ``t``): the tier-share events that resolve now, the
+    event decided at ``t`` and the one whose errors ``t`` measures (or None), the full-KV
+    reference of the step's query where a run compares with it, the oracle's look-ahead sums."""
+
+    t: int
+    resolved: list
+    event: int | None
+    error_event: int | None
+    ref: object  # Reference | None
+    ahead: dict
+
+
+def _step(advance, run: Run, inputs: StepInputs, horizon: int) -> None:
+    """One run's step (a pool task): its comparison with full KV where one is due, the
     decision, then the tier shares that resolve now."""
-    advance(t, run, ref, ahead, event)
-    run.resolve(resolved, horizon)
+    advance(run, inputs)
+    run.resolve(inputs.resolved, horizon)
 
 
 class SampleReplay:
@@ -91,10 +106,7 @@ class SampleReplay:
 
             self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
-        self.buffers = None  # float32 K/V that dequantized values are converted into (one pair: bounded memory)
-        self.buffers_lock = threading.Lock()  # held by the run that uses them (runs step in the pool's threads)
         self.runs: list[Run] = []
-        self.error_event: int | None = None  # the event whose errors the current step measures
 
     def spec(self, budget: float) -> CacheSpec:
         return self.setup.spec(self.s, budget)
@@ -152,47 +164,59 @@ class SampleReplay:
 
     def run(self, pool: ThreadPoolExecutor | None, progress) -> None:
         setup, r = self.setup, self.reader
-        self.runs = [self._start(gi, *run) for gi, run in enumerate(setup.grid)]
+        grid = [(gi, *run) for gi, run in enumerate(setup.grid)]
+        self.runs = list(pool.map(self._start, *zip(*grid))) if pool is not None else [self._start(*g) for g in grid]
         for bi, budget in enumerate(setup.budgets):
             self.outputs.budget_bytes[bi, self.s] = self.spec(budget).total_capacity
         self.outputs.full_bytes[self.s] = self.spec(1.0).full_bytes
         horizons = sorted({run.state.policy.horizon for run in self.runs if run.state.policy.clairvoyant})
         self.futures = {h: r.future(h) for h in horizons}  # only the oracle may look ahead
-        stream = FutureMassStream(setup.horizons, (setup.n_layers, setup.n_kv, r.final_len))
-        event_of = {int(t): e for e, t in enumerate(setup.steps) if t < r.n_steps}
-        error_at = {int(t) + 1: e for e, t in enumerate(setup.steps) if t + 1 < r.n_steps}
+        self.stream = FutureMassStream(setup.horizons, (setup.n_layers, setup.n_kv, r.final_len))
+        self.event_of = {int(t): e for e, t in enumerate(setup.steps) if t < r.n_steps}
+        self.error_at = {int(t) + 1: e for e, t in enumerate(setup.steps) if t + 1 < r.n_steps}
+        horizon = setup.fmm.horizon
+        inputs = self._inputs(0)
         for t in range(r.n_steps):
-            resolved = stream.add(t, r.row(t))
-            event = event_of.get(t)
-            self.error_event = error_at.get(t)
-            ref = self._appended(t, pool) if t > 0 else None
-            ahead = {h: f.at(t) for h, f in self.futures.items()}
-
-            horizon = setup.fmm.horizon
-            steps = [(self._advance, t, run, ref, ahead, event, resolved, horizon) for run in self.runs]
+            steps = [(self._advance, run, inputs, horizon) for run in self.runs]
+            last = t + 1 == r.n_steps
             if pool is None:
                 for args in steps:
                     _step(*args)
-            else:
+                inputs = None if last else self._inputs(t + 1)
+            else:  # step t + 1's inputs prepared beside step t's runs (submitted first: started first)
+                upcoming = None if last else pool.submit(self._inputs, t + 1)
                 for done in [pool.submit(_step, *args) for args in steps]:
                     done.result()
-            if event is not None:
-                stream.decided(event, t, int(r.query_pos[t]) + 1)
+                inputs = None if last else upcoming.result()
             if progress is not None:
                 progress()
         for run in self.runs:
             run.finish()
 
-    def _advance(self, t: int, run: Run, ref, ahead: dict, event: int | None) -> None:
-        setup, driver = self.setup, run.driver
-        check = setup.validate or event is not None
-        future = ahead.get(getattr(driver.policy, "horizon", None)) if driver.policy.clairvoyant else None
+    def _inputs(self, t: int) -> StepInputs:
+        """Step ``t``'s :class:`StepInputs`; the future-mass stream advances here (and only here)."""
+        r = self.reader
+        resolved = self.stream.add(t, r.row(t))
+        event = self.event_of.get(t)
+        if event is not None:
+            self.stream.decided(event, t, int(r.query_pos[t]) + 1)
+        error_event = self.error_at.get(t)
+        ref = self._reference(t, error_event) if t > 0 else None
+        ahead = {h: f.at(t) for h, f in self.futures.items()}
+        return StepInputs(t, resolved, event, error_event, ref, ahead)
+
+    def _advance(self, run: Run, inputs: StepInputs) -> None:
+        setup, driver, t = self.setup, run.driver, inputs.t
+        check = setup.validate or inputs.event is not None
+        policy = driver.policy
+        future = inputs.ahead.get(getattr(policy, "horizon", None)) if policy.clairvoyant else None
         if t == 0:
             used = driver.prefill(self.colsum, self.tail, future, check=check)
         else:
-            exact_row = self._compared(t, run, ref) if self._compares(run) else None
+            driver.append(int(self.reader.query_pos[t]))
+            exact_row = self._compared(run, inputs) if self._compares(run, inputs.error_event) else None
             row = None
-            if driver.policy.observes:
+            if policy.observes:
                 st = run.state
                 row = (
                     exact_row
@@ -201,52 +225,35 @@ class SampleReplay:
                 )
             used = driver.decide(row, future, check=check)
         run.record.bytes[t] = used.sum()
-        if event is not None:
-            run.snapshot(event)
+        if inputs.event is not None:
+            run.snapshot(inputs.event)
 
-    def _compares(self, run: Run) -> bool:
+    def _compares(self, run: Run, error_event: int | None) -> bool:
         """This step compares ``run`` with full KV: its errors after an event, or its exact row
         (observe=exact, a policy that observes)."""
         setup = self.setup
-        errors = setup.with_errors and self.error_event is not None
+        errors = setup.with_errors and error_event is not None
         return errors or (setup.observe == "exact" and run.driver.policy.observes)
 
-    def _appended(self, t: int, pool: ThreadPoolExecutor | None):
-        """Append step ``t``'s position to every run; returns the full-KV reference of its
-        recorded query when a run compares with it this step (else None). With a pool it is
-        computed there, as the runs' comparisons are: torch's ops then run in the pool's
-        threads, one thread each, instead of an intra-op team of the main thread beside them
-        (which only oversubscribes the cores)."""
-        qpos = int(self.reader.query_pos[t])
-        for run in self.runs:
-            run.driver.append(qpos)
-        if not any(self._compares(run) for run in self.runs):
+    def _reference(self, t: int, error_event: int | None):
+        """The full-KV reference of step ``t``'s recorded query when a run compares with it
+        this step (else None). Computed in a pool task where there is a pool, as the runs'
+        comparisons are: torch's ops then run in the pool's threads, one thread each, instead
+        of an intra-op team of the main thread beside them (which only oversubscribes the cores)."""
+        if not any(self._compares(run, error_event) for run in self.runs):
             return None
-        args = (self.setup.rules, self.reader.query(t), *self.kv32, qpos)
-        return reference(*args) if pool is None else pool.submit(reference, *args).result()
+        return reference(self.setup.rules, self.reader.query(t), *self.kv32, int(self.reader.query_pos[t]))
 
-    def _compared(self, t: int, run: Run, ref) -> np.ndarray | None:
+    def _compared(self, run: Run, inputs: StepInputs) -> np.ndarray | None:
         """``run`` against full KV at step ``t`` (after its append, before its decision): the
         errors recorded after an event; returns the exact row for observe=exact (else None)."""
-        setup = self.setup
+        setup, t = self.setup, inputs.t
         exact = setup.observe == "exact" and run.driver.policy.observes
         compare = functools.partial(
-            against_full, setup.rules, run.state, ref, *self.kv32, int(self.reader.query_pos[t])
+            against_full, setup.rules, run.state, inputs.ref, *self.kv32, int(self.reader.query_pos[t])
         )
-        if run.driver.policy.quantizes:  # its dequantized K/V go through the shared buffers
-            with self.buffers_lock:
-                row, l1, out_err = compare(self._buffers(), row=exact)
-        else:
-            row, l1, out_err = compare(None, row=exact)
-        if setup.with_errors and self.error_event is not None:
-            run.record.l1[self.error_event] = l1
-            run.record.out[self.error_event] = out_err
+        row, l1, out_err = compare(row=exact)
+        if setup.with_errors and inputs.error_event is not None:
+            run.record.l1[inputs.error_event] = l1
+            run.record.out[inputs.error_event] = out_err
         return row
-
-    def _buffers(self):
-        """Two float32 tensors shaped like K/V, made on first use (reused memory: no page faults)."""
-        if self.buffers is None:
-            import torch
-
-            self.buffers = (torch.empty(self.kv32[0].shape), torch.empty(self.kv32[1].shape))
-        return self.buffers
