@@ -66,14 +66,18 @@ def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: 
     t = tiers[..., :exists]
     has_fp, has_q, has_ev = present
     zero = np.zeros(den.shape)
-    q = f.sum(-1, where=t == TIER_Q) if has_q else zero
-    ev = f.sum(-1, where=t == TIER_EVICTED) if has_ev else zero
+
+    def on(tier):  # a product and a plain (SIMD, pairwise) sum: several times faster than sum(where=)
+        return (f * (t == tier)).sum(-1)
+
+    q = on(TIER_Q) if has_q else zero
+    ev = on(TIER_EVICTED) if has_ev else zero
     if not has_fp:
         fp = zero
     elif not (has_q or has_ev):
         fp = den
     else:
-        fp = f.sum(-1, where=t == TIER_FP)
+        fp = on(TIER_FP)
     with np.errstate(invalid="ignore", divide="ignore"):
         return [np.where(den > 0, part / den, np.nan) for part in (fp, q, ev)]
 
