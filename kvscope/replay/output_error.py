@@ -38,18 +38,16 @@ class Reference:
     out: torch.Tensor
 
 
-def reference(rules: LayerRules, query: np.ndarray, k: torch.Tensor, v: torch.Tensor, qpos: int) -> Reference:
-    """``query [L, head, D]`` (numpy) against the full cache ``k``, ``v [L, Hkv, ≥ qpos+1, D]``."""
+def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Reference:
+    """``query [L, head, D]`` (numpy) against the full cache ``k``, ``v [L, Hkv, ≥ qpos+1, D]``
+    (numpy or torch, as recorded)."""
     import torch
-
-    from ..attention import softmax
 
     n, n_kv = qpos + 1, k.shape[1]
     q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
-    logits = rules.logits(q, k[:, :, :n])
     shown = rules.visible(qpos, n)[:, None, None, :]
-    probs = softmax(logits, shown)
-    return Reference(q, logits, shown, probs, torch.matmul(probs, v[:, :, :n]))
+    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], _torch(v)[:, :, :n], shown)
+    return Reference(q, logits, shown, probs, out)
 
 
 def effective_kv(state: CacheState, k, v, n: int):
@@ -57,21 +55,24 @@ def effective_kv(state: CacheState, k, v, n: int):
     and ``present [L, Hkv, n]``. Positions that were ever quantized hold their dequantized
     values (in Q, and after a promotion: the originals are gone); evicted ones are absent.
     ``k``/``v`` are the full-KV values (numpy or torch), returned where nothing was quantized."""
-    ledger = state.ledger
     present = state.tiers[..., :n] >= TIER_Q
-    if ledger is not None and ledger.k_eff is not None and ledger.n_quantized:
-        return ledger.k_eff[:, :, :n], ledger.v_eff[:, :, :n], present
+    if dequantized(state):
+        return state.ledger.k_eff[:, :, :n], state.ledger.v_eff[:, :, :n], present
     return k[:, :, :n], v[:, :, :n], present
+
+
+def dequantized(state: CacheState) -> bool:
+    """The state serves dequantized values somewhere (its ledger keeps them and quantized any)."""
+    ledger = state.ledger
+    return ledger is not None and ledger.k_eff is not None and bool(ledger.n_quantized)
 
 
 def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, row=True):
     """The state's kv-group row ``[L, Hkv, n]`` (None unless ``row``: only observe=exact reads
     it), the attention L1 distance and the output's relative L2 error ``[L, Hkv]`` (module
-    docstring). ``k``/``v``: torch float32 full KV. A cache that only evicts reuses the full-KV
-    logits; one that lost nothing is exact; a quantized one goes :func:`layer_by_layer`."""
+    docstring). ``k``/``v``: the full KV as recorded (numpy or torch). A cache that only evicts
+    reuses the full-KV logits; one that lost nothing is exact."""
     import torch
-
-    from ..attention import softmax
 
     n = qpos + 1
     tiers = state.tiers[..., :n]
@@ -80,37 +81,43 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
         return ref.probs.mean(2).numpy() if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
     shown = ref.shown & torch.from_numpy(present)[:, :, None, :]
-    if isinstance(keys, np.ndarray):  # quantized values: the logits change too
-        probs, out = layer_by_layer(rules, ref.query, torch.from_numpy(keys), torch.from_numpy(values), shown)
-    else:
-        probs = softmax(ref.logits, shown)
-        out = torch.matmul(probs, values)
+    logits = None if dequantized(state) else ref.logits  # quantized values: the logits change too
+    _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown, logits)
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
     rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)
     return probs.mean(2).numpy() if row else None, l1.numpy(), rel.numpy()
 
 
-def layer_by_layer(rules: LayerRules, query, keys, values, shown):
-    """``probs [L, Hkv, g, n]`` and ``out [L, Hkv, g, D]`` of ``query [L, Hkv, g, D]`` over
-    ``keys``/``values [L, Hkv, n, D]`` in their stored dtype (fp16): each layer's K and V are
+def attended(rules: LayerRules, query, keys, values, shown, logits=None):
+    """``(logits, probs [L, Hkv, g, n], out [L, Hkv, g, D])`` of ``query [L, Hkv, g, D]`` over
+    ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
+    what ``shown`` hides; with ``logits`` given the keys are not read. Each layer's K and V are
     converted to float32 in one small buffer that stays in the core's cache, instead of a
-    float32 copy of the whole K/V (a memory-bound matmul reads each value once, not three
-    times). Bit for bit the batched ``rules.logits`` and ``matmul`` (each layer is one batch entry)."""
+    float32 copy of the whole K/V (a memory-bound matmul then reads each value once, not three
+    times); bit for bit the batched ``rules.logits`` and ``matmul`` over float32 copies (each
+    layer is one batch entry)."""
     import torch
 
     from ..attention import softmax
 
-    n_l, n_kv, n, d = keys.shape
+    n_l, n_kv, n, d = values.shape
     scratch = torch.empty(n_kv, n, d)  # [Hkv, n, D] float32, one layer at a time
-    logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
-    for layer, rule in enumerate(rules.rules):
-        logits[layer] = rule.logits(query[layer], scratch.copy_(keys[layer]))
+    if logits is None:
+        logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
+        for layer, rule in enumerate(rules.rules):
+            logits[layer] = rule.logits(query[layer], scratch.copy_(keys[layer]))
     probs = softmax(logits, shown)
     out = torch.empty(query.shape)  # [L, Hkv, g, D]
     for layer in range(n_l):
         torch.matmul(probs[layer], scratch.copy_(values[layer]), out=out[layer])
-    return probs, out
+    return logits, probs, out
+
+
+def _torch(x):
+    import torch
+
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
 def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:

@@ -98,13 +98,15 @@ class SampleReplay:
         self.reader = SampleReader(setup.ds, s, setup.group)
         r = self.reader
         self.colsum, self.tail = r.prefill()
+        presses = any(policy.reads_queries for policy in setup.policies)
         self.kv = self.kv32 = self.queries = None
-        if any(policy.reads_queries for policy in setup.policies):
+        if presses:
             self.queries = r.queries()  # [pos, layer, head, D] (kvpress presses)
         if setup.has_qkv:
+            self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
+        if setup.has_qkv and presses:  # the float32 K/V every press of this sample shares
             import torch
 
-            self.kv = r.kv()  # [layer, kv_head, pos, D] as recorded (fp16 by default)
             self.kv32 = tuple(torch.from_numpy(x).float() for x in self.kv)
         self.runs: list[Run] = []
 
@@ -242,7 +244,7 @@ class SampleReplay:
         of an intra-op team of the main thread beside them (which only oversubscribes the cores)."""
         if not any(self._compares(run, error_event) for run in self.runs):
             return None
-        return reference(self.setup.rules, self.reader.query(t), *self.kv32, int(self.reader.query_pos[t]))
+        return reference(self.setup.rules, self.reader.query(t), *self.kv, int(self.reader.query_pos[t]))
 
     def _compared(self, run: Run, inputs: StepInputs) -> np.ndarray | None:
         """``run`` against full KV at step ``t`` (after its append, before its decision): the
@@ -250,7 +252,7 @@ class SampleReplay:
         setup, t = self.setup, inputs.t
         exact = setup.observe == "exact" and run.driver.policy.observes
         compare = functools.partial(
-            against_full, setup.rules, run.state, inputs.ref, *self.kv32, int(self.reader.query_pos[t])
+            against_full, setup.rules, run.state, inputs.ref, *self.kv, int(self.reader.query_pos[t])
         )
         row, l1, out_err = compare(row=exact)
         if setup.with_errors and inputs.error_event is not None:
