@@ -225,6 +225,25 @@ def test_logquant_index_hand_cases():
     assert long.reserve == [0, 4, 8, 10] and long.local == [12, 13, 14, 15, 16]
 
 
+def test_logquant_prefill_lists_equal_the_papers_loop():
+    """after_prefill computes LogQuant's loop in O(length); the loop itself, literally, as reference."""
+
+    def loop(length, W):
+        tmp, reserve, local = list(range(length)), [], list(range(length))
+        if length >= 3 * W:
+            while len(tmp) >= 3 * W:
+                reserve, local = tmp[0 : 2 * W : 2], tmp[2 * W :]
+                tmp = reserve + local
+        elif W < length < 3 * W:
+            reserve, local = tmp[:W], tmp[W:]
+        return reserve, local
+
+    cases = [(length, W) for W in range(1, 13) for length in range(0, 90)] + [(4099, 64), (8193, 7)]
+    for length, W in cases:
+        index = LogQuantIndex.after_prefill(length, W)
+        assert (index.reserve, index.local) == loop(length, W), (length, W)
+
+
 def test_logquant_policy_tiers_follow_the_index_lists():
     state, tiers, _ = drive("logquant", 0.4)
     index = LogQuantIndex.after_prefill(P, state.W)

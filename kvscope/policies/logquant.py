@@ -50,17 +50,18 @@ class LogQuantIndex:
     def after_prefill(cls, length: int, W: int) -> LogQuantIndex:
         if W < 1:
             raise ValueError(f"LogQuant W must be ≥ 1 (got {W})")
-        tmp = list(range(length))
+        # LogQuant's loop over tmp = reserve + local (while len(tmp) ≥ 3W: reserve = tmp[0:2W:2],
+        # local = tmp[2W:]), with local kept as the range start..length−1 it always is: O(length)
         reserve: list[int] = []
-        local = tmp
+        start = 0
         if length >= 3 * W:
-            while len(tmp) >= 3 * W:
-                reserve = tmp[0 : 2 * W : 2]
-                local = tmp[2 * W :]
-                tmp = reserve + local
+            reserve, start = list(range(0, 2 * W, 2)), 2 * W
+            while W + length - start >= 3 * W:
+                reserve = (reserve + list(range(start, start + W)))[::2]
+                start += W
         elif W < length < 3 * W:
-            reserve, local = tmp[:W], tmp[W:]
-        return cls(W, reserve, list(local))
+            reserve, start = list(range(W)), W
+        return cls(W, reserve, list(range(start, length)))
 
     def append(self, position: int) -> None:
         self.local.append(position)
