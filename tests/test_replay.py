@@ -22,7 +22,7 @@ from kvscope.analysis.lir import lir_kernel, transition_counts
 from kvscope.errors import KvscopeError
 from kvscope.policies import CacheState, Ledger, make
 from kvscope.replay import effective_kv, open_result, tiers_for
-from kvscope.replay.output_error import against_full, reference
+from kvscope.replay.output_error import against_full, attended, reference
 from kvscope.replay.store import rename_into_place, written_in_place
 from kvscope.synthetic import write_synthetic_store
 
@@ -136,6 +136,34 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
             _, err, _ = against_full(rules, state, ref, torch.from_numpy(k), torch.from_numpy(v), qpos)
             l1[how].append(float(err.mean()))
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
+
+
+def test_attention_in_blocks_of_positions_equals_the_naive_rule():
+    """attended() converts fp16 K/V to float32 a block of positions at a time: any block gives
+    the whole computation to float32 rounding (the same dot products and sums, grouped by block),
+    and all of it is the attention rule computed naively in float64 (one layer with a softcap)."""
+    import torch
+
+    from kvscope.attention import AttentionRule, LayerRules
+
+    rng = np.random.default_rng(3)
+    n_l, n_kv, g, n, d = 2, 2, 3, 37, 8
+    rules = LayerRules((AttentionRule(0.35), AttentionRule(0.35, softcap=2.0)))
+    q = torch.from_numpy(rng.normal(size=(n_l, n_kv, g, d)).astype(np.float32))
+    k, v = (torch.from_numpy(rng.normal(size=(n_l, n_kv, n, d)).astype(np.float16)) for _ in range(2))
+    shown = torch.from_numpy(rng.random((n_l, n_kv, 1, n)) < 0.8)
+    whole = attended(rules, q, k, v, shown)
+    for block in (1, 5, 36):
+        parts = attended(rules, q, k, v, shown, block=block)
+        for got, want in zip(parts, whole):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-6)
+    s = np.einsum("lhgd,lhnd->lhgn", q.numpy().astype(np.float64), k.numpy().astype(np.float64)) * 0.35
+    s[1] = 2.0 * np.tanh(s[1] / 2.0)
+    s = np.where(shown.numpy(), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(whole[1].numpy(), p, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(whole[2].numpy(), p @ v.numpy().astype(np.float64), rtol=0, atol=1e-5)
 
 
 def test_logquant_table_2_order(qkv_trace):

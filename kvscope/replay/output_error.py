@@ -89,28 +89,44 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     return probs.mean(2).numpy() if row else None, l1.numpy(), rel.numpy()
 
 
-def attended(rules: LayerRules, query, keys, values, shown, logits=None):
+SCRATCH_BYTES = 1 << 20  # a float32 block of one KV head's K or V (stays in cache; not split with the heads)
+
+
+def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: int | None = None):
     """``(logits, probs [L, Hkv, g, n], out [L, Hkv, g, D])`` of ``query [L, Hkv, g, D]`` over
     ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
-    what ``shown`` hides; with ``logits`` given the keys are not read. Each layer's K and V are
-    converted to float32 in one small buffer that stays in the core's cache, instead of a
-    float32 copy of the whole K/V (a memory-bound matmul then reads each value once, not three
-    times); bit for bit the batched ``rules.logits`` and ``matmul`` over float32 copies (each
-    layer is one batch entry)."""
+    what ``shown`` hides; with ``logits`` given the keys are not read.
+
+    K and V are converted to float32 a block of ``block`` positions of one layer at a time
+    (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead of a
+    float32 copy of the whole K/V: a memory-bound matmul then reads each value once, not three
+    times. Where one block covers every position this is bit for bit the batched computation
+    over float32 copies (each layer one batch entry); with several, each logit is the same dot
+    product (the matmul kernel may differ with the block's width: equal to float32 rounding) and
+    ``out = Σ_blocks probs[.., block] · V[block]`` the same sum grouped by block."""
     import torch
 
     from ..attention import softmax
 
     n_l, n_kv, n, d = values.shape
-    scratch = torch.empty(n_kv, n, d)  # [Hkv, n, D] float32, one layer at a time
+    block = block or max(1, SCRATCH_BYTES // (4 * d))  # the same spans whatever KV heads a task holds
+    spans = [slice(a, min(a + block, n)) for a in range(0, n, block)]
+    scratch = torch.empty(n_kv, min(block, n), d)  # [Hkv, block, D] float32
     if logits is None:
         logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
         for layer, rule in enumerate(rules.rules):
-            logits[layer] = rule.logits(query[layer], scratch.copy_(keys[layer]))
+            for span in spans:
+                k = scratch[:, : span.stop - span.start].copy_(keys[layer, :, span])
+                logits[layer, :, :, span] = rule.logits(query[layer], k)
     probs = softmax(logits, shown)
-    out = torch.empty(query.shape)  # [L, Hkv, g, D]
+    out = torch.zeros(query.shape)  # [L, Hkv, g, D]
     for layer in range(n_l):
-        torch.matmul(probs[layer], scratch.copy_(values[layer]), out=out[layer])
+        for span in spans:
+            v = scratch[:, : span.stop - span.start].copy_(values[layer, :, span])
+            if span.start == 0:
+                torch.matmul(probs[layer, :, :, span], v, out=out[layer])
+            else:
+                out[layer].baddbmm_(probs[layer, :, :, span], v)
     return logits, probs, out
 
 
