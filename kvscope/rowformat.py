@@ -3,7 +3,7 @@ or with fewer mantissa bits (opt-in, lossy; ``kvscope compact``, docs/trace-form
 
     fmt = row_format("round4-peaks")  # one of FORMATS, refused with one line otherwise
     fmt.round(rows, n_sink)           # rows [..., pos] as this format stores them
-    fmt.bound(p)                      # |stored − exact| ≤ 2^-(K+1) · max(p, smallest normal)
+    fmt.bound(p, top)                 # the largest |stored − exact| of a value p in a row whose largest is top
     fmt.line()                        # "rows: round4-peaks (lossy, ≤ 3.12% relative, …)"
     RowFormat.of(attrs)               # what a store's ``row_format`` attribute says (exact when absent)
 
@@ -19,13 +19,30 @@ the store's usual lossless codecs. The dropped bits are zeros, which bit-shuffle
 almost for free, and any zarr reader reads the rows without kvscope (no codec to know). For a
 value ``p`` stored as ``d``, with ``m`` the dtype's smallest normal (2^-14 fp16, 2^-126 fp32)::
 
-    |d − p| ≤ 2^-(K+1) · max(p, m)
+    |d − p| ≤ h · max(p, m),   h = 2^-(K+1)
 
 (a normal value keeps ``K`` bits after its leading one: half a unit in the last kept place; a
 subnormal's spacing is that of ``m``). Hence a row of ``n`` values that summed to 1 within the
-dtype's tolerance ``T(n)`` sums to 1 within ``T(n) + 2^-(K+1) · (1 + T(n) + n·m)``
-(:attr:`RowFormat.slack` is the ``2^-(K+1)`` the row checks add; 0 for exact rows). Zeros stay 0
+dtype's tolerance ``T(n)`` sums to 1 within ``T(n) + h · (1 + T(n) + n·m)``
+(:attr:`RowFormat.slack` is the ``h`` the row checks add; 0 for exact rows). Zeros stay 0
 and NaN stays NaN, so the positions a row covers do not change.
+
+``…-carry`` (``roundK-carry``, ``roundK-peaks-carry``) feeds each rounding error forward along
+the row (error diffusion): in position order, each value to round becomes
+``y_i = p_i + c_{i-1}`` (``c_0 = 0``), is stored as ``d_i``, the nearest ``K``-bit value to
+``y_i`` clamped into ``[0, max(1, p_i)]``, and leaves ``c_i = y_i − d_i`` to the next; a value
+kept exact (peaks, zeros, NaN, or one whose ``d_i`` would reach the kept) passes ``c`` on unchanged.
+Then ``d_i − p_i = c_{i-1} − c_i``, so the errors telescope: with ``M`` the row's largest
+rounded value and ``s = h / (1 − h)``::
+
+    |c_i| ≤ s · max(M, m)                          (induction: docs/trace-format.md)
+    |Σ_{a ≤ i ≤ b} d_i − Σ_{a ≤ i ≤ b} p_i| ≤ 2s · max(M, m)   (any run of positions: a window)
+    |Σ_i d_i − Σ_i p_i| = |c_n| ≤ s · max(M, m) ≤ s · (1 + T(n))   (the row)
+
+— the row sum is off by one carry instead of a sum of ``n`` errors (the readers add ``s``), and
+every window's mass by at most two. A single value may move by up to ``2s · max(M, m)`` (its own and its
+neighbour's carry), more than ``h · p`` for a small value after a large one. In fp16 every
+quantity is a multiple of 2^-24 below 4, so the float64 arithmetic is exact.
 """
 
 from __future__ import annotations
@@ -39,16 +56,22 @@ from .errors import KvscopeError
 
 ROW_ARRAYS = ("attn", "attn_sink", "prefill_tail")  # the probability rows a format applies to
 ATTR = "row_format"  # the group attribute that records a store's format
-FORMATS = ("exact", *(f"round{k}{p}" for k in (5, 4, 3, 2) for p in ("", "-peaks")))
+FORMATS = (
+    "exact",
+    *(f"round{k}{p}" for k in (5, 4, 3, 2) for p in ("", "-peaks")),
+    *(f"round{k}{p}-carry" for k in (5, 4, 3, 2) for p in ("", "-peaks")),
+)
 
 
 @dataclass(frozen=True)
 class RowFormat:
-    """One row format: ``exact``, ``roundK`` or ``roundK-peaks`` (``keepbits = K``)."""
+    """One row format: ``exact``, ``roundK``, ``roundK-peaks``, ``roundK-carry`` or
+    ``roundK-peaks-carry`` (``keepbits = K``)."""
 
     name: str
     keepbits: int | None = None  # None: exact
     peaks: bool = False  # each row's largest values kept exact
+    carry: bool = False  # each rounding error fed forward to the row's next rounded value
 
     @property
     def lossy(self) -> bool:
@@ -56,11 +79,20 @@ class RowFormat:
 
     @property
     def slack(self) -> float:
-        """The relative bound ``2^-(K+1)`` of a rounded value (0 for exact rows)."""
-        return 2.0 ** -(self.keepbits + 1) if self.lossy else 0.0
+        """What the row checks add (relative to 1): ``h = 2^-(K+1)``, a rounded value's relative
+        bound; with ``-carry`` ``s = h / (1 − h)``, the bound of a carry relative to the row's
+        largest rounded value; 0 for exact rows."""
+        if not self.lossy:
+            return 0.0
+        h = 2.0 ** -(self.keepbits + 1)
+        return h / (1 - h) if self.carry else h
 
-    def bound(self, p, smallest_normal: float = 2.0**-14):
-        """The largest ``|stored − exact|`` of a value ``p`` (fp16's smallest normal by default)."""
+    def bound(self, p, top=None, smallest_normal: float = 2.0**-14):
+        """The largest ``|stored − exact|`` of a value ``p`` (fp16's smallest normal ``m`` by
+        default): ``h · max(p, m)``; with ``-carry`` ``2s · max(top, m)``, ``top`` the largest
+        value of ``p``'s row (required)."""
+        if self.carry:
+            return 2 * self.slack * np.maximum(top, smallest_normal)
         return self.slack * np.maximum(np.abs(p), smallest_normal)
 
     @staticmethod
@@ -73,24 +105,29 @@ class RowFormat:
         stores them (a new array; ``x`` itself when exact)."""
         if not self.lossy:
             return x
+        x = np.ascontiguousarray(x)
+        keep = self.kept(n_sink)
+        if self.peaks and x.shape[-1] <= keep:  # every value is among the kept
+            return x.copy()
+        hold, low = np.zeros(x.shape, bool), np.full(x.shape[:-1] + (1,), np.inf)  # [..., pos], [..., 1]
+        if self.peaks:  # each row's keep-th largest value, and every value at or above it
+            filled = np.where(np.isnan(x), -np.inf, x)
+            low = -np.partition(-filled, keep - 1, axis=-1)[..., keep - 1 : keep]
+            hold = filled >= low
+        if self.carry:
+            return _carried(x, self.keepbits, hold, low)
         from numcodecs import BitRound
 
-        x = np.ascontiguousarray(x)
         d = np.asarray(BitRound(self.keepbits).encode(x)).view(x.dtype).reshape(x.shape)
-        keep = self.kept(n_sink)
-        if not self.peaks:
-            return d
-        if x.shape[-1] <= keep:  # every value is among the kept
-            return x.copy()
-        filled = np.where(np.isnan(x), -np.inf, x)  # [..., pos]
-        low = -np.partition(-filled, keep - 1, axis=-1)[..., keep - 1 : keep]  # [..., 1] the keep-th largest
-        return np.where((filled >= low) | (d >= low), x, d)
+        return np.where(hold | (d >= low), x, d)
 
     def attrs(self, n_sink: int | None = None) -> dict:
         """The group attribute ``row_format`` of a store in this format (``-peaks``: ``n_sink`` of the store)."""
         doc = {"format": self.name, "lossy": self.lossy}
         if self.lossy:
             doc |= {"keepbits": self.keepbits, "relative_error": self.slack}
+        if self.carry:
+            doc["error_carried"] = True
         if self.peaks:
             doc["kept_exact_per_row"] = self.kept(n_sink)
         return doc
@@ -100,6 +137,12 @@ class RowFormat:
         if not self.lossy:
             return f"rows: {self.name} (lossless)"
         kept = ", each row's largest values exact" if self.peaks else ""
+        if self.carry:
+            return (
+                f"rows: {self.name} (lossy, errors carried along each row: a row's sum within "
+                f"{100 * self.slack:.3g}% and any run of positions within {200 * self.slack:.3g}% of "
+                f"its largest rounded value{kept})"
+            )
         return (
             f"rows: {self.name} (lossy, ≤ {100 * self.slack:.3g}% relative, "
             f"≤ 2^-{15 + self.keepbits} absolute below 2^-14 in fp16{kept})"
@@ -130,5 +173,32 @@ def row_format(name: str) -> RowFormat:
         raise KvscopeError(f"--rows {name!r} is not a row format; choose one of {', '.join(FORMATS)}")
     if name == "exact":
         return EXACT
-    bits, _, peaks = name.removeprefix("round").partition("-")
-    return RowFormat(name, int(bits), peaks == "peaks")
+    bits, *flags = name.removeprefix("round").split("-")
+    return RowFormat(name, int(bits), "peaks" in flags, "carry" in flags)
+
+
+def _grid(y: np.ndarray, keepbits: int, smallest_normal: float) -> np.ndarray:
+    """The nearest value to ``y ≥ 0`` with ``keepbits`` mantissa bits (ties to even), its
+    exponent floored at that of ``smallest_normal`` (a subnormal's spacing)."""
+    _, e = np.frexp(np.maximum(y, smallest_normal))  # y = f · 2^e, f ∈ [½, 1)
+    step = np.ldexp(1.0, e - 1 - keepbits)
+    return np.rint(y / step) * step
+
+
+def _carried(x: np.ndarray, keepbits: int, hold: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Rows ``x [..., pos]`` rounded with each error carried to the row's next rounded value
+    (module docstring); ``hold [..., pos]`` marks values kept exact (NaN and zeros too),
+    ``low [..., 1]`` the value a rounded one must stay below (else it is kept exact too). One numpy step per position,
+    over all rows at once."""
+    m = float(np.finfo(x.dtype).smallest_normal)
+    p = x.reshape(-1, x.shape[-1]).astype(np.float64)  # [row, pos]
+    hold, low = hold.reshape(p.shape) | np.isnan(p) | (p == 0), low.reshape(-1)  # [row, pos], [row]
+    out = np.empty_like(p)
+    c = np.zeros(p.shape[0])  # [row] the carry
+    for i in range(p.shape[1]):
+        y = p[:, i] + c
+        d = np.clip(_grid(y, keepbits, m), 0.0, np.maximum(1.0, p[:, i]))
+        d = np.where(hold[:, i] | (d >= low), p[:, i], d)
+        out[:, i] = d
+        c = np.where(np.isnan(d), c, y - d)
+    return out.astype(x.dtype).reshape(x.shape)
