@@ -2,7 +2,7 @@
 or with fewer mantissa bits (opt-in, lossy; ``kvscope compact``, docs/trace-format.md).
 
     fmt = row_format("round4-peaks")  # one of FORMATS, refused with one line otherwise
-    fmt.round(rows, n_sink)           # rows [..., pos] as this format stores them
+    fmt.round(rows, n_sink, w)        # rows [..., pos] as this format stores them
     fmt.bound(p, top)                 # the largest |stored − exact| of a value p in a row whose largest is top
     fmt.line()                        # "rows: round4-peaks (lossy, ≤ 3.12% relative, …)"
     RowFormat.of(attrs)               # what a store's ``row_format`` attribute says (exact when absent)
@@ -100,9 +100,11 @@ class RowFormat:
         """Values per row a ``-peaks`` format keeps exact: the peaks' ``k`` + the sinks + the query."""
         return defaults.PEAKS_TOP_K + n_sink + 1
 
-    def round(self, x: np.ndarray, n_sink: int) -> np.ndarray:
+    def round(self, x: np.ndarray, n_sink: int, w: int) -> np.ndarray:
         """Rows ``x [..., pos]`` (fp16 or fp32, NaN where nothing is stored) as this format
-        stores them (a new array; ``x`` itself when exact)."""
+        stores them (a new array; ``x`` itself when exact). ``w``: the store's windows, in
+        values of ``x``'s last axis (the trace's ``w`` for rows of tokens, 1 for rows of
+        windows) — a ``-carry`` error stays inside its window (the sinks are one)."""
         if not self.lossy:
             return x
         x = np.ascontiguousarray(x)
@@ -114,8 +116,8 @@ class RowFormat:
             filled = np.where(np.isnan(x), -np.inf, x)
             low = -np.partition(-filled, keep - 1, axis=-1)[..., keep - 1 : keep]
             hold = filled >= low
-        if self.carry:
-            return _carried(x, self.keepbits, hold, low)
+        if self.carry and w > 1:  # (windows of one value: each error stays where it is, plain rounding)
+            return _carried(x, self.keepbits, hold, low, _window_starts(x.shape[-1], n_sink, w))
         from numcodecs import BitRound
 
         d = np.asarray(BitRound(self.keepbits).encode(x)).view(x.dtype).reshape(x.shape)
@@ -185,18 +187,26 @@ def _grid(y: np.ndarray, keepbits: int, smallest_normal: float) -> np.ndarray:
     return np.rint(y / step) * step
 
 
-def _carried(x: np.ndarray, keepbits: int, hold: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """Rows ``x [..., pos]`` rounded with each error carried to the row's next rounded value
-    (module docstring); ``hold [..., pos]`` marks values kept exact (NaN and zeros too),
-    ``low [..., 1]`` the value a rounded one must stay below (else it is kept exact too). One numpy step per position,
-    over all rows at once."""
+def _window_starts(n: int, n_sink: int, w: int) -> np.ndarray:
+    """``[pos]`` True where a window of a row of ``n`` tokens starts: 0 (the sinks), then every
+    ``w`` from ``n_sink``. (Rows of windows, ``w = 1``, are not carried: :meth:`RowFormat.round`.)"""
+    i = np.arange(n)
+    return (i == 0) | ((i >= n_sink) & ((i - n_sink) % w == 0))
+
+
+def _carried(x: np.ndarray, keepbits: int, hold: np.ndarray, low: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Rows ``x [..., pos]`` rounded with each error carried to the next rounded value of its
+    window (module docstring); ``hold [..., pos]`` marks values kept exact (NaN and zeros too),
+    ``low [..., 1]`` the value a rounded one must stay below (else it is kept exact too),
+    ``starts [pos]`` where the carry restarts at 0. One numpy step per position, over all rows
+    at once."""
     m = float(np.finfo(x.dtype).smallest_normal)
     p = x.reshape(-1, x.shape[-1]).astype(np.float64)  # [row, pos]
     hold, low = hold.reshape(p.shape) | np.isnan(p) | (p == 0), low.reshape(-1)  # [row, pos], [row]
     out = np.empty_like(p)
     c = np.zeros(p.shape[0])  # [row] the carry
     for i in range(p.shape[1]):
-        y = p[:, i] + c
+        y = p[:, i] if starts[i] else p[:, i] + c
         d = np.clip(_grid(y, keepbits, m), 0.0, np.maximum(1.0, p[:, i]))
         d = np.where(hold[:, i] | (d >= low), p[:, i], d)
         out[:, i] = d
