@@ -3,7 +3,7 @@ or with fewer mantissa bits (opt-in, lossy; ``kvscope compact``, docs/trace-form
 
     fmt = row_format("round4-peaks")  # one of FORMATS, refused with one line otherwise
     fmt.round(rows, n_sink, w)        # rows [..., pos] as this format stores them
-    fmt.bound(p, top)                 # the largest |stored − exact| of a value p in a row whose largest is top
+    fmt.bound(p, top)                 # the largest |stored − exact| of a value p (-carry: top ≥ its window's largest)
     fmt.line()                        # "rows: round4-peaks (lossy, ≤ 3.12% relative, …)"
     RowFormat.of(attrs)               # what a store's ``row_format`` attribute says (exact when absent)
 
@@ -27,21 +27,23 @@ dtype's tolerance ``T(n)`` sums to 1 within ``T(n) + h · (1 + T(n) + n·m)``
 (:attr:`RowFormat.slack` is the ``h`` the row checks add; 0 for exact rows). Zeros stay 0
 and NaN stays NaN, so the positions a row covers do not change.
 
-``…-carry`` (``roundK-carry``, ``roundK-peaks-carry``) feeds each rounding error forward along
-the row (error diffusion): in position order, each value to round becomes
-``y_i = p_i + c_{i-1}`` (``c_0 = 0``), is stored as ``d_i``, the nearest ``K``-bit value to
-``y_i`` clamped into ``[0, max(1, p_i)]``, and leaves ``c_i = y_i − d_i`` to the next; a value
-kept exact (peaks, zeros, NaN, or one whose ``d_i`` would reach the kept) passes ``c`` on unchanged.
-Then ``d_i − p_i = c_{i-1} − c_i``, so the errors telescope: with ``M`` the row's largest
-rounded value and ``s = h / (1 − h)``::
+``…-carry`` (``roundK-carry``, ``roundK-peaks-carry``) feeds each rounding error forward
+inside its window (error diffusion; the windows of the store: the sinks, then every ``w``
+positions): in position order, each value to round becomes ``y_i = p_i + c_{i-1}``
+(``c = 0`` at a window's start), is stored as ``d_i``, the nearest ``K``-bit value to ``y_i``
+clamped into ``[0, max(1, p_i)]``, and leaves ``c_i = y_i − d_i`` to the next; a value kept
+exact (peaks, zeros, NaN, or one whose ``d_i`` would reach the kept) passes ``c`` on
+unchanged. Then ``d_i − p_i = c_{i-1} − c_i``, so a window's errors telescope: with ``M`` the
+window's largest rounded value and ``s = h / (1 − h)``::
 
-    |c_i| ≤ s · max(M, m)                          (induction: docs/trace-format.md)
-    |Σ_{a ≤ i ≤ b} d_i − Σ_{a ≤ i ≤ b} p_i| ≤ 2s · max(M, m)   (any run of positions: a window)
-    |Σ_i d_i − Σ_i p_i| = |c_n| ≤ s · max(M, m) ≤ s · (1 + T(n))   (the row)
+    |c_i| ≤ s · max(M, m)                                 (induction: docs/trace-format.md)
+    |Σ_{window} d − Σ_{window} p| = |c_last| ≤ s · max(M, m)        (a window's mass)
+    |Σ_row d − Σ_row p| ≤ s · Σ_windows max(M, m) ≤ s · (1 + T(n) + n·m)   (the row)
 
-— the row sum is off by one carry instead of a sum of ``n`` errors (the readers add ``s``), and
-every window's mass by at most two. A single value may move by up to ``2s · max(M, m)`` (its own and its
-neighbour's carry), more than ``h · p`` for a small value after a large one. In fp16 every
+— a window's mass is off by one carry, not by the sum of its ``w`` errors; the readers add
+``s``. A single value may move by up to ``2s · max(M, m)`` (its own and its predecessor's
+carry), more than ``h · p`` for a small value after a large one of its window. Rows of
+windows (window resolution) are not carried (``w = 1``: plain rounding). In fp16 every
 quantity is a multiple of 2^-24 below 4, so the float64 arithmetic is exact.
 """
 
@@ -80,8 +82,8 @@ class RowFormat:
     @property
     def slack(self) -> float:
         """What the row checks add (relative to 1): ``h = 2^-(K+1)``, a rounded value's relative
-        bound; with ``-carry`` ``s = h / (1 − h)``, the bound of a carry relative to the row's
-        largest rounded value; 0 for exact rows."""
+        bound; with ``-carry`` ``s = h / (1 − h)``, the bound of a carry relative to its
+        window's largest rounded value; 0 for exact rows."""
         if not self.lossy:
             return 0.0
         h = 2.0 ** -(self.keepbits + 1)
@@ -90,7 +92,7 @@ class RowFormat:
     def bound(self, p, top=None, smallest_normal: float = 2.0**-14):
         """The largest ``|stored − exact|`` of a value ``p`` (fp16's smallest normal ``m`` by
         default): ``h · max(p, m)``; with ``-carry`` ``2s · max(top, m)``, ``top`` the largest
-        value of ``p``'s row (required)."""
+        value of ``p``'s window or anything above it, such as its row's largest (required)."""
         if self.carry:
             return 2 * self.slack * np.maximum(top, smallest_normal)
         return self.slack * np.maximum(np.abs(p), smallest_normal)
@@ -141,9 +143,8 @@ class RowFormat:
         kept = ", each row's largest values exact" if self.peaks else ""
         if self.carry:
             return (
-                f"rows: {self.name} (lossy, errors carried along each row: a row's sum within "
-                f"{100 * self.slack:.3g}% and any run of positions within {200 * self.slack:.3g}% of "
-                f"its largest rounded value{kept})"
+                f"rows: {self.name} (lossy, errors carried within each window: its mass within "
+                f"{100 * self.slack:.3g}% of its largest rounded value{kept})"
             )
         return (
             f"rows: {self.name} (lossy, ≤ {100 * self.slack:.3g}% relative, "
