@@ -207,7 +207,9 @@ def _carried(x: np.ndarray, keepbits: int, hold: np.ndarray, low: np.ndarray, st
     out = np.empty_like(p)
     c = np.zeros(p.shape[0])  # [row] the carry
     for i in range(p.shape[1]):
-        y = p[:, i] if starts[i] else p[:, i] + c
+        if starts[i]:  # a window's first value: nothing carried into it, whatever came before
+            c = np.zeros(p.shape[0])
+        y = p[:, i] + c
         d = np.clip(_grid(y, keepbits, m), 0.0, np.maximum(1.0, p[:, i]))
         d = np.where(hold[:, i] | (d >= low), p[:, i], d)
         out[:, i] = d
