@@ -556,7 +556,8 @@ def _add_compact(sub) -> None:
         "--rows",
         required=True,
         metavar="FORMAT",
-        help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), exact (a copy)",
+        help="roundK (K = 5, 4, 3, 2 mantissa bits kept), roundK-peaks (each row's largest values exact), "
+        "…-carry (each rounding error carried to the row's next value: window masses nearly exact), exact (a copy)",
     )
     p.add_argument("--level", type=int, default=9, help="zstd level of the rows, 1-9 (default 9: smallest, slowest)")
     p.add_argument("--json", action="store_true")

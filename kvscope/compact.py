@@ -80,9 +80,10 @@ def _write(checked, tmp: Path, fmt: RowFormat, level: int) -> None:
         names = [name for name, _ in source.arrays()]
     for name in names:
         a, b = source[name], target[name]
+        w = 1 if a.metadata.dimension_names[-1] == "window" else checked.layout.window  # values per window of a row
         for region in _chunk_regions(a.shape, a.chunks):
             block = a[region]
-            b[region] = fmt.round(block, n_sink) if name in ROW_ARRAYS else block
+            b[region] = fmt.round(block, n_sink, w) if name in ROW_ARRAYS else block
     consolidate(tmp)
 
 
