@@ -345,16 +345,25 @@ class _ShufflerState(CacheState):
     kv_dtype=st.sampled_from([None, torch.float16]),
 )
 def test_serving_copy_is_the_dequantized_codes(tiny_llama, seed, bits, key_axis, prerope, kv_dtype):
-    """After any sequence of random quantizations, promotions and evictions the Q rows' serving
-    copy (dequantized once per row, filtered as rows leave) equals a dequantization of every Q
-    row from its codes, bit for bit, and the cache's record of its rows equals its rows
-    (check=True compares both at every step); the values served are those the ledger gives."""
+    """After any sequence of random quantizations, promotions and evictions the served buffer
+    (updated in place: rows quantized overwritten with their dequantized values once, holes of
+    evicted rows filled with the last ones) holds exactly the rows a fresh gather gives — FP
+    rows as stored, Q rows dequantized from every code — set-wise by (head, position), bit for
+    bit, and the cache's record of its rows equals its rows (check=True compares both at every
+    step); the values served are those the ledger gives."""
     model = tiny_llama
     cache = PolicyCache(model, _Shuffler(seed, bits, key_axis, prerope), 1.0, 10, kv_dtype=kv_dtype, check=True)
     decode(model, list(range(5, 45)), cache, 10)
     tiers, done = cache.state.tiers[..., : cache.seen], cache.state.ledger.done[..., : cache.seen]
     assert (tiers == Q).any() and (tiers == EVICTED).any() and (done & (tiers == FP)).any()
+    permuted = False
     for layer, pool in enumerate(cache.pools):
-        full_k, full_v = cache._dequantized(pool.q, pool.group_size, layer)
-        assert torch.equal(pool.deq_k, full_k) and torch.equal(pool.deq_v, full_v)
-    assert cache.bytes_serving[-1] == sum(2 * p.n_q() * cache.head_dim * 4 for p in cache.pools)
+        served = pool.served
+        heads, pos, keys, values = cache._gathered(layer, torch.float32)  # a fresh gather from the pools
+        slots = served.slot_of[heads, pos]  # every held row has one slot of its head, below its count
+        assert ((slots >= 0) & (slots < served.count[heads])).all()
+        assert np.array_equal(served.pos_at[heads, slots], pos) and (served.pos_at >= 0).sum() == len(pos)
+        assert torch.equal(served.keys[heads, slots], keys) and torch.equal(served.values[heads, slots], values)
+        permuted |= any((np.diff(served.pos_at[h, : served.count[h]]) < 0).any() for h in range(served.n_kv))
+    assert permuted  # an eviction filled a hole: the slots are not in position order any more
+    assert cache.bytes_serving[-1] == sum(p.served.nbytes() for p in cache.pools)
