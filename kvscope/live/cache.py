@@ -363,13 +363,21 @@ class PolicyCache(DynamicCache):
             pool.served = Served(self.n_kv, self.head_dim, self.state.spec.final_len, dtype, self.device)
             pool.served.fill(*self._gathered(layer, dtype))
         new_k, new_v = (x[0, :, 0].to(self.kv_dtype).to(dtype) for x in (key_states, value_states))
-        return pool.served.append(self.seen - 1, new_k, new_v)
+        served = pool.served.append(self.seen - 1, new_k, new_v)
+        if self.check:
+            self._check_forward(layer, served[2])
+        return served
 
     def _gathered(self, layer: int, dtype):
-        """``heads, pos [n]`` (numpy) and ``keys, values [n, D]`` (``dtype``) of every row the
-        layer's pools hold: FP rows as stored, Q rows dequantized from their codes."""
+        """``heads, pos [n]`` (numpy) and ``keys, values [n, D]`` (``dtype``) of every position
+        the layer's pools hold: FP rows as stored, Q rows dequantized from their codes. An FP
+        row whose position is also held as Q (quantized at an append, before the forward; the
+        FP row leaves at the step's end) is not served: the position is Q."""
         pool = self.pools[layer]
         heads, pos, keys, values = pool.fp_head, pool.fp_pos, pool.fp_k.to(dtype), pool.fp_v.to(dtype)
+        fresh = ~torch.from_numpy(self._held[1, layer][heads.cpu().numpy(), pos.cpu().numpy()]).to(heads.device)
+        if not bool(fresh.all()):
+            heads, pos, keys, values = heads[fresh], pos[fresh], keys[fresh], values[fresh]
         if pool.q is not None:
             qk, qv = self._dequantized(pool.q, pool.group_size, layer)
             heads, pos = torch.cat([heads, pool.q["q_head"]]), torch.cat([pos, pool.q["q_pos"]])
@@ -585,6 +593,16 @@ class PolicyCache(DynamicCache):
                 raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
             if not np.array_equal(held > 0, self._held[:, layer, :, : self.seen]):
                 raise AssertionError(f"layer {layer}: the cache's record of its rows differs from its rows")
+
+    def _check_forward(self, layer: int, slot_pos: torch.Tensor) -> None:
+        """What this forward attends to (``slot_pos [kv_head, W]``): every accessible position
+        of the tiers now (after the append) once, nothing else."""
+        slot_pos = slot_pos.cpu().numpy()
+        heads, slots = np.nonzero(slot_pos >= 0)
+        times = np.zeros((self.n_kv, self.seen), dtype=np.int64)
+        np.add.at(times, (heads, slot_pos[heads, slots]), 1)
+        if not np.array_equal(times, (self.state.tiers[layer, :, : self.seen] >= TIER_Q).astype(np.int64)):
+            raise AssertionError(f"layer {layer}: this forward's keys differ from the policy's tiers")
 
 
 @dataclass
