@@ -10,8 +10,9 @@ and prints, per policy and budget β (default 10% and 20%):
 
     peak bytes / full      the cache's own tensors (codes + scale/zero + FP rows) at its peak,
                            over the full cache's tensors at the end (both at the model's dtype)
-    serving copy / full    the quantizing caches' Q rows dequantized once into the model's
-                           dtype (``bytes_serving``: time bought with memory, reported apart)
+    serving / full         the served buffer: the keys/values attention reads, FP rows and Q
+                           rows dequantized once, kept in place at the model's dtype
+                           (``bytes_serving``: time bought with memory, reported apart)
     time / full            decode time (the same forwards) over the full-KV decode
     agreement              share of identical greedy tokens with full KV
 

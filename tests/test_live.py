@@ -297,7 +297,8 @@ def test_sliding_window_models_are_refused(tiny_models):
 @dataclass
 class _Shuffler(Policy):
     """A test policy that moves random positions between tiers at every step: quantizes random
-    groups of FP positions of random heads (write-once, as every quantizing policy), promotes
+    groups of FP positions of random heads (write-once, as every quantizing policy; at the
+    append too, before the forward attends), promotes
     random Q positions back to FP (served from their codes, as QEvict's promotions), and evicts
     random accessible positions (never position 0, so that no head runs empty)."""
 
@@ -321,15 +322,26 @@ class _ShufflerState(CacheState):
         super().__init__(policy, spec, ledger)
         self.reached = False  # no budget: the point is the tier changes
 
-    def compress(self) -> None:
-        rng = np.random.default_rng([self.policy.seed, self.length])
-        tiers, done = self.tiers[..., : self.length], self.ledger.done[..., : self.length]
-        for layer, head in np.argwhere(rng.random(tiers.shape[:2]) < 0.6):
+    def _quantize_some(self, rng, n: int, share: float) -> None:
+        """Quantize a random group of FP positions below ``n`` in a ``share`` of the heads."""
+        tiers, done = self.tiers[..., :n], self.ledger.done[..., :n]
+        for layer, head in np.argwhere(rng.random(tiers.shape[:2]) < share):
             free = np.nonzero((tiers[layer, head] == FP) & ~done[layer, head])[0]
             if len(free) >= self.policy.G:
                 group = np.sort(rng.choice(free, self.policy.G, replace=False))
                 self.ledger.quantize(group[None], np.array([layer]), np.array([head]))
                 tiers[layer, head, group] = Q
+
+    def append(self, position: int) -> None:
+        """Quantizes at the append too, before the forward attends (as LogQuant when its
+        reserve moves on); never the new key, which the cache takes during the forward."""
+        super().append(position)
+        self._quantize_some(np.random.default_rng([self.policy.seed, position, 1]), position, 0.3)
+
+    def compress(self) -> None:
+        rng = np.random.default_rng([self.policy.seed, self.length])
+        self._quantize_some(rng, self.length, 0.6)
+        tiers = self.tiers[..., : self.length]
         tiers[(tiers == Q) & (rng.random(tiers.shape) < 0.1)] = FP  # promoted: served from the codes
         evict = (tiers >= Q) & (rng.random(tiers.shape) < 0.05)
         evict[..., 0] = False
@@ -345,16 +357,26 @@ class _ShufflerState(CacheState):
     kv_dtype=st.sampled_from([None, torch.float16]),
 )
 def test_serving_copy_is_the_dequantized_codes(tiny_llama, seed, bits, key_axis, prerope, kv_dtype):
-    """After any sequence of random quantizations, promotions and evictions the Q rows' serving
-    copy (dequantized once per row, filtered as rows leave) equals a dequantization of every Q
-    row from its codes, bit for bit, and the cache's record of its rows equals its rows
-    (check=True compares both at every step); the values served are those the ledger gives."""
+    """After any sequence of random quantizations, promotions and evictions the served buffer
+    (updated in place: rows quantized overwritten with their dequantized values once, holes of
+    evicted rows filled with the last ones) holds exactly the rows a fresh gather gives — FP
+    rows as stored, Q rows dequantized from every code — set-wise by (head, position), bit for
+    bit, the cache's record of its rows equals its rows, and every forward attends to each
+    accessible position exactly once (check=True compares all three at every step); the values
+    served are those the ledger gives."""
     model = tiny_llama
     cache = PolicyCache(model, _Shuffler(seed, bits, key_axis, prerope), 1.0, 10, kv_dtype=kv_dtype, check=True)
     decode(model, list(range(5, 45)), cache, 10)
     tiers, done = cache.state.tiers[..., : cache.seen], cache.state.ledger.done[..., : cache.seen]
     assert (tiers == Q).any() and (tiers == EVICTED).any() and (done & (tiers == FP)).any()
+    permuted = False
     for layer, pool in enumerate(cache.pools):
-        full_k, full_v = cache._dequantized(pool.q, pool.group_size, layer)
-        assert torch.equal(pool.deq_k, full_k) and torch.equal(pool.deq_v, full_v)
-    assert cache.bytes_serving[-1] == sum(2 * p.n_q() * cache.head_dim * 4 for p in cache.pools)
+        served = pool.served
+        heads, pos, keys, values = cache._gathered(layer, torch.float32)  # a fresh gather from the pools
+        slots = served.slot_of[heads, pos]  # every held row has one slot of its head, below its count
+        assert ((slots >= 0) & (slots < served.count[heads])).all()
+        assert np.array_equal(served.pos_at[heads, slots], pos) and (served.pos_at >= 0).sum() == len(pos)
+        assert torch.equal(served.keys[heads, slots], keys) and torch.equal(served.values[heads, slots], values)
+        permuted |= any((np.diff(served.pos_at[h, : served.count[h]]) < 0).any() for h in range(served.n_kv))
+    assert permuted  # an eviction filled a hole: the slots are not in position order any more
+    assert cache.bytes_serving[-1] == sum(p.served.nbytes() for p in cache.pools)

@@ -8,7 +8,7 @@ tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
 
     EVICTED        the position's K/V are deleted
     Q              packed codes + 16-bit scale/zero (the policy's write-once ledger holds
-                   the codes), dequantized once, when quantized, into a serving copy
+                   the codes), dequantized once, when quantized, into the served buffer
     FP             the original K/V in ``kv_dtype`` (the model's dtype by default)
     FP, promoted   (QEvict) a promotion restores the dequantized values, which the ledger's
                    codes already give: served from the codes, counted as FP by the byte model
@@ -22,24 +22,24 @@ Per layer the cache holds two flat pools of rows, each row one (kv_head, positio
     k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
                       [n_q, D/g_k]                     or per token (key_axis=token)
     q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
-    deq_k, deq_v      [n_q, D]           model dtype   serving copy: the Q rows dequantized
+    served            :class:`~kvscope.live.served.Served`   what attention reads
 
-A Q row's codes never change while it is held (the ledger is write-once) and dequantization
-is elementwise per row, so each row is dequantized once, when it is quantized, and the copy
-is filtered with the codes when rows leave: ``deq_k`` equals a dequantization of every Q row
-from the codes bit for bit (checked at every step under ``check``), without redoing it at every
-step. The copy is a CPU-speed trade (no fused unpack + matmul kernel here): it is reported
-apart, ``bytes_serving``, not in ``bytes_actual``.
-
-At each forward a layer hands attention ``[1, kv_head, T, D]`` keys/values: per KV head its
-FP rows and dequantized Q rows in position order, right-aligned (heads that keep fewer
-positions are padded on the left and masked per head by the kvscope attention function, so
-the newest key is always the last slot). A cache whose heads keep the same positions with
-nothing quantized hands over exactly what a ``DynamicCache`` would.
+At each decode forward a layer hands attention ``[1, kv_head, W, D]`` keys/values, a view of
+its served buffer: per KV head its FP rows and its Q rows dequantized, left-aligned, the
+newest key in the last slot of every head (free slots of heads that hold fewer masked per
+head by the kvscope attention function). The buffer changes in place where rows change
+(:mod:`kvscope.live.served`): a Q row's codes never change while it is held (the ledger is
+write-once) and dequantization is elementwise per row, so each row is dequantized once, when
+quantized, and the buffer equals a fresh gather of the pools — FP rows as stored, Q rows
+dequantized from every code — set-wise by position, bit for bit (checked at every step under
+``check``). Evictions permute the slots; a cache that evicts nothing hands over exactly what a
+``DynamicCache`` would. The buffer is a CPU-speed trade (no fused unpack + matmul kernel
+here): it is reported apart, ``bytes_serving``, not in ``bytes_actual``.
 
 Bytes per step: ``bytes_model`` (SPEC §5 accounting, what replay reports) and
-``bytes_actual`` (``nbytes`` of every data tensor above but the serving copy; index tensors
-apart in ``bytes_index``, the serving copy in ``bytes_serving``); both must stay within ``β · FP_bytes(P + S)`` at ``kv_dtype``.
+``bytes_actual`` (``nbytes`` of every pool data tensor; index tensors apart in
+``bytes_index``, the served buffer in ``bytes_serving``); both must stay within
+``β · FP_bytes(P + S)`` at ``kv_dtype``.
 One sequence at a time (batch 1). Needs a kvscope attention implementation
 (:func:`prepare`), which also computes the rows the policy observes.
 """
@@ -63,6 +63,7 @@ from ..policies.quant import pack
 from ..rope import Rope, rotate_half
 from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
+from .served import Served
 
 INDEX = torch.int32  # dtype of the position / head / group index tensors
 
@@ -134,16 +135,13 @@ class _Pool:
         self.fp_head = torch.empty(0, dtype=INDEX, device=device)
         self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
         self.group_size = 0  # key groups all of this many consecutive rows (0: mixed sizes)
-        self.deq_k = self.deq_v = None  # [n_q, D] the serving copy (module docstring)
+        self.served: Served | None = None  # what attention reads, from the first decode forward
 
     def data_tensors(self):
         out = [self.fp_k, self.fp_v]
         if self.q is not None:
             out += [self.q[k] for k in ("k_codes", "v_codes", "v_scale", "v_zero", "k_scale", "k_zero")]
         return out
-
-    def serving_tensors(self):
-        return [] if self.deq_k is None else [self.deq_k, self.deq_v]
 
     def index_tensors(self):
         out = [self.fp_pos, self.fp_head]
@@ -233,7 +231,6 @@ class PolicyCache(DynamicCache):
         self.kv_dtype = kv_dtype or parameter.dtype
         self.itemsize = self.kv_dtype.itemsize
         self.device = parameter.device
-        self.serve_dtype = parameter.dtype  # of the serving copy: what attention computes in
         self.n_sink, self.w, self.obs_window = n_sink, w, obs_window
         self.every = every or w
         rope = Rope.from_model(model, self.n_layers)
@@ -250,7 +247,7 @@ class PolicyCache(DynamicCache):
         self.bytes_model: list[float] = []  # [step] SPEC accounting, all layers and heads
         self.bytes_actual: list[int] = []  # [step] nbytes of the data tensors
         self.bytes_index: list[int] = []  # [step] nbytes of the index tensors
-        self.bytes_serving: list[int] = []  # [step] nbytes of the serving copy of the Q rows
+        self.bytes_serving: list[int] = []  # [step] nbytes of the served buffers (and slot maps)
         self._held: np.ndarray | None = None  # [2 (FP, Q), layer, kv_head, pos] rows the pools hold
         self.tier_events: dict[int, np.ndarray] = {}  # step → tiers [layer, kv_head, pos] after deciding
 
@@ -332,14 +329,6 @@ class PolicyCache(DynamicCache):
         if layer == 0:
             self._begin_forward(n_new)
         self.layers[layer].n_seen += n_new
-        pool = self.pools[layer]
-        positions = torch.arange(self.seen - n_new, self.seen, dtype=INDEX, device=key_states.device)
-        heads = torch.arange(self.n_kv, dtype=INDEX, device=key_states.device)
-        pool.fp_k = torch.cat([pool.fp_k, key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
-        pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
-        pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
-        pool.fp_head = torch.cat([pool.fp_head, heads.repeat_interleave(n_new)])
-        self._held[0, layer, :, self.seen - n_new : self.seen] = True
         recorder = self.recorder if self.recorder.enabled else None
         if self._pending == "prefill":  # every position of every head, in order: as given
             if self.kv_dtype == key_states.dtype:
@@ -350,59 +339,50 @@ class PolicyCache(DynamicCache):
                     value_states.to(self.kv_dtype).to(value_states.dtype),
                 )
             view = SlotView(keys, None, None, recorder)
-        else:
-            keys, values, slot_pos, head_mask = self._served(layer, key_states.dtype)
+        else:  # before the pools take the new row (the served buffer may be built from them)
+            keys, values, slot_pos, head_mask = self._served(layer, key_states, value_states)
             view = SlotView(keys, slot_pos, head_mask, recorder)
+        pool = self.pools[layer]
+        positions = torch.arange(self.seen - n_new, self.seen, dtype=INDEX, device=key_states.device)
+        heads = torch.arange(self.n_kv, dtype=INDEX, device=key_states.device)
+        pool.fp_k = torch.cat([pool.fp_k, key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
+        pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
+        pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
+        pool.fp_head = torch.cat([pool.fp_head, heads.repeat_interleave(n_new)])
+        self._held[0, layer, :, self.seen - n_new : self.seen] = True
         self._views.append(view)
         offer_slots(view)
         return keys, values
 
-    def _served(self, layer: int, dtype):
-        """``keys, values [1, kv_head, T, D]``, ``slot_pos [kv_head, T]`` (−1: padding) and
-        ``head_mask [kv_head, T]`` (None when every head has T real slots).
+    def _served(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The layer's served buffer with this forward's key appended (:meth:`Served.append`);
+        built from the pools at the first decode forward, or again when attention's dtype
+        changes."""
+        pool, dtype = self.pools[layer], key_states.dtype
+        if pool.served is None or pool.served.dtype != dtype:
+            pool.served = Served(self.n_kv, self.head_dim, self.state.spec.final_len, dtype, self.device)
+            pool.served.fill(*self._gathered(layer, dtype))
+        new_k, new_v = (x[0, :, 0].to(self.kv_dtype).to(dtype) for x in (key_states, value_states))
+        served = pool.served.append(self.seen - 1, new_k, new_v)
+        if self.check:
+            self._check_forward(layer, served[2])
+        return served
 
-        Every row goes straight to its slot ``head·T + rank`` (rank in position order,
-        right-aligned): one write per pool, no intermediate concatenation of K/V."""
+    def _gathered(self, layer: int, dtype):
+        """``heads, pos [n]`` (numpy) and ``keys, values [n, D]`` (``dtype``) of every position
+        the layer's pools hold: FP rows as stored, Q rows dequantized from their codes. An FP
+        row whose position is also held as Q (quantized at an append, before the forward; the
+        FP row leaves at the step's end) is not served: the position is Q."""
         pool = self.pools[layer]
-        n_fp = pool.fp_pos.shape[0]
-        if pool.n_q():
-            if pool.deq_k.dtype != dtype:  # attention runs in another dtype than the model's weights
-                pool.deq_k, pool.deq_v = (x.to(dtype) for x in self._dequantized(pool.q, pool.group_size, layer))
-            qk, qv = pool.deq_k, pool.deq_v
-            pos = torch.cat([pool.fp_pos, pool.q["q_pos"]])
-            head = torch.cat([pool.fp_head, pool.q["q_head"]])
-        else:
-            qk = qv = None
-            pos, head = pool.fp_pos, pool.fp_head
-        final = self.state.spec.final_len
-        order = torch.argsort(head * final + pos)
-        head_sorted = head[order].long()
-        counts = torch.bincount(head_sorted, minlength=self.n_kv)
-        width = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(order.numel(), device=order.device) - starts[head_sorted]
-        slot_sorted = head_sorted * width + rank + (width - counts)[head_sorted]  # [rows] flat slot, sorted
-        padded = not bool((counts == width).all())
-        dest = torch.empty_like(slot_sorted)
-        dest[order] = slot_sorted  # flat slot of every row in pool order
-        n_slots = self.n_kv * width
-        make = torch.zeros if padded else torch.empty
-        keys = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
-        values = make((n_slots, self.head_dim), dtype=dtype, device=pool.fp_k.device)
-        keys.index_copy_(0, dest[:n_fp], pool.fp_k.to(dtype))
-        values.index_copy_(0, dest[:n_fp], pool.fp_v.to(dtype))
-        if qk is not None:
-            keys.index_copy_(0, dest[n_fp:], qk)
-            values.index_copy_(0, dest[n_fp:], qv)
-        slot_pos = (
-            torch.full((n_slots,), -1, dtype=torch.long, device=pos.device)
-            if padded
-            else torch.empty(n_slots, dtype=torch.long, device=pos.device)
-        )
-        slot_pos[slot_sorted] = pos[order].long()
-        slot_pos = slot_pos.view(self.n_kv, width)
-        shape = (1, self.n_kv, width, self.head_dim)
-        return keys.view(shape), values.view(shape), slot_pos, (slot_pos >= 0) if padded else None
+        heads, pos, keys, values = pool.fp_head, pool.fp_pos, pool.fp_k.to(dtype), pool.fp_v.to(dtype)
+        fresh = ~torch.from_numpy(self._held[1, layer][heads.cpu().numpy(), pos.cpu().numpy()]).to(heads.device)
+        if not bool(fresh.all()):
+            heads, pos, keys, values = heads[fresh], pos[fresh], keys[fresh], values[fresh]
+        if pool.q is not None:
+            qk, qv = self._dequantized(pool.q, pool.group_size, layer)
+            heads, pos = torch.cat([heads, pool.q["q_head"]]), torch.cat([pos, pool.q["q_pos"]])
+            keys, values = torch.cat([keys, qk.to(dtype)]), torch.cat([values, qv.to(dtype)])
+        return heads.cpu().numpy().astype(np.int64), pos.cpu().numpy().astype(np.int64), keys, values
 
     # -- quantized rows -------------------------------------------------------------------
     def _quantize(self, positions: np.ndarray, layers: np.ndarray, heads: np.ndarray) -> None:
@@ -444,14 +424,14 @@ class PolicyCache(DynamicCache):
                 new["k_scale"] = torch.from_numpy(qk.scale.reshape(n * g, -1)).to(dev)  # [token, D/g_k]
                 new["k_zero"] = torch.from_numpy(qk.zero.reshape(n * g, -1)).to(dev)
                 new["k_group"] = torch.empty(0, dtype=INDEX, device=dev)
-            deq_k, deq_v = (x.to(self.serve_dtype) for x in self._dequantized(new, g, layer))
+            if pool.served is not None:  # dequantized once, into the rows served (the prefill's: when built)
+                q_heads = np.repeat(heads[rows], g).astype(np.int64)
+                pool.served.write(q_heads, pos.reshape(-1).astype(np.int64), *self._dequantized(new, g, layer))
             self._held[1, layer, heads[rows][:, None], pos] = True
             if pool.q is None:
                 pool.q, pool.group_size = new, g
-                pool.deq_k, pool.deq_v = deq_k, deq_v
             else:
                 pool.q = {name: torch.cat([pool.q[name], new[name]]) for name in new}
-                pool.deq_k, pool.deq_v = torch.cat([pool.deq_k, deq_k]), torch.cat([pool.deq_v, deq_v])
                 if pool.group_size != g:
                     pool.group_size = 0
 
@@ -515,6 +495,9 @@ class PolicyCache(DynamicCache):
             )
         self._views = []
         offer_slots(None)
+        for pool in self.pools:  # the new rows take their places before any row changes
+            if pool.served is not None:
+                pool.served.settle()
         used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
         self._sync()
@@ -524,7 +507,7 @@ class PolicyCache(DynamicCache):
         self.bytes_model.append(float(used.sum()))
         self.bytes_actual.append(data)
         self.bytes_index.append(index)
-        self.bytes_serving.append(sum(t.nbytes for pool in self.pools for t in pool.serving_tensors()))
+        self.bytes_serving.append(sum(pool.served.nbytes() for pool in self.pools if pool.served is not None))
         if self.check:
             self._check_content()
         if self.keep_tiers and self.step % self.every == 0:
@@ -556,15 +539,18 @@ class PolicyCache(DynamicCache):
         if st.ledger is not None:
             want_fp &= ~st.ledger.done[..., : self.seen]
         held = self._held[..., : self.seen]  # [2, layer, kv_head, pos]
-        drop = (held[0] & ~want_fp).any((1, 2)) | (held[1] & (tiers < TIER_Q)).any((1, 2))  # [layer]
+        gone = (held[0] | held[1]) & (tiers < TIER_Q)  # [layer, kv_head, pos] evicted now
+        drop = (held[0] & ~want_fp).any((1, 2)) | gone.any((1, 2))  # [layer]
         held[0] &= want_fp
         held[1] &= tiers >= TIER_Q
         for layer in np.nonzero(drop)[0]:
             self._drop(layer, torch.from_numpy(want_fp[layer]), torch.from_numpy(tiers[layer] >= TIER_Q))
+            if self.pools[layer].served is not None:
+                self.pools[layer].served.remove(*np.nonzero(gone[layer]))
 
     def _drop(self, layer: int, want_fp: torch.Tensor, want_q: torch.Tensor) -> None:
         """Keep the layer's FP rows where ``want_fp [kv_head, pos]`` and its Q rows (codes,
-        parameters, serving copy) where ``want_q [kv_head, pos]``."""
+        parameters) where ``want_q [kv_head, pos]``."""
         pool = self.pools[layer]
         keep = want_fp[pool.fp_head.cpu(), pool.fp_pos.cpu()]
         if not bool(keep.all()):
@@ -588,24 +574,35 @@ class PolicyCache(DynamicCache):
             kept["k_scale"], kept["k_zero"] = q["k_scale"][keep], q["k_zero"][keep]
             kept["k_group"] = q["k_group"]
         pool.q = kept
-        pool.deq_k, pool.deq_v = pool.deq_k[keep], pool.deq_v[keep]
 
     def _check_content(self) -> None:
         """Every accessible position is held exactly once, nothing else is; ``_held`` says
-        which; the serving copy equals a dequantization of every Q row, bit for bit."""
+        which; the served buffer holds exactly the held rows (FP as stored, Q dequantized from
+        the codes), bit for bit."""
         tiers = self.state.tiers[..., : self.seen]
         for layer, pool in enumerate(self.pools):
             held = np.zeros((2, *tiers.shape[1:]), dtype=np.int64)  # [FP / Q, kv_head, pos]
             np.add.at(held[0], (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
             if pool.q is not None:
                 np.add.at(held[1], (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
-                full = self._dequantized(pool.q, pool.group_size, layer)
-                if not all(torch.equal(x.to(c.dtype), c) for x, c in zip(full, pool.serving_tensors())):
-                    raise AssertionError(f"layer {layer}: the serving copy differs from the dequantized codes")
+            if pool.served is not None:  # set-wise by (head, position): the slots are a permutation
+                heads, pos, *gathered = self._gathered(layer, pool.served.dtype)
+                if not all(torch.equal(x, y) for x, y in zip(pool.served.rows(heads, pos), gathered)):
+                    raise AssertionError(f"layer {layer}: the served rows differ from the held rows, dequantized")
             if not np.array_equal(held.sum(0), (tiers[layer] >= TIER_Q).astype(np.int64)):  # evicted: held 0 times
                 raise AssertionError(f"layer {layer}: the cache's rows differ from the policy's tiers")
             if not np.array_equal(held > 0, self._held[:, layer, :, : self.seen]):
                 raise AssertionError(f"layer {layer}: the cache's record of its rows differs from its rows")
+
+    def _check_forward(self, layer: int, slot_pos: torch.Tensor) -> None:
+        """What this forward attends to (``slot_pos [kv_head, W]``): every accessible position
+        of the tiers now (after the append) once, nothing else."""
+        slot_pos = slot_pos.cpu().numpy()
+        heads, slots = np.nonzero(slot_pos >= 0)
+        times = np.zeros((self.n_kv, self.seen), dtype=np.int64)
+        np.add.at(times, (heads, slot_pos[heads, slots]), 1)
+        if not np.array_equal(times, (self.state.tiers[layer, :, : self.seen] >= TIER_Q).astype(np.int64)):
+            raise AssertionError(f"layer {layer}: this forward's keys differ from the policy's tiers")
 
 
 @dataclass
