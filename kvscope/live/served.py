@@ -71,9 +71,18 @@ class Served:
         slots[order] = np.arange(len(order)) - (np.cumsum(count) - count)[heads[order]]  # rank in its head
         self._grow(int(count.max(initial=0)))
         self.pos_at[heads, slots], self.slot_of[heads, pos], self.count = pos, slots, count
-        flat = self._flat(heads, slots)
+        self._put(self._flat(heads, slots), keys, values)
+
+    def _put(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys, values [n, D]`` into the flat slots ``flat [n]`` (head · cap + slot)."""
         self.keys.view(-1, self.head_dim).index_copy_(0, flat, keys.to(self.dtype))
         self.values.view(-1, self.head_dim).index_copy_(0, flat, values.to(self.dtype))
+
+    def _move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The rows in flat slots ``src [n]`` copied to ``dst [n]``, keys and values."""
+        for t in (self.keys, self.values):
+            rows = t.view(-1, self.head_dim)
+            rows[dst] = rows[src]
 
     def append(self, pos: int, key: torch.Tensor, value: torch.Tensor):
         """The new row ``key, value [kv_head, D]`` of position ``pos`` into slot ``W − 1`` of
@@ -96,10 +105,7 @@ class Served:
             return
         heads = np.nonzero(self.count < w - 1)[0]
         if len(heads):
-            src, dst = self._flat(heads, np.full(len(heads), w - 1)), self._flat(heads, self.count[heads])
-            for t in (self.keys, self.values):
-                flat = t.view(-1, self.head_dim)
-                flat[dst] = flat[src]
+            self._move(self._flat(heads, self.count[heads]), self._flat(heads, np.full(len(heads), w - 1)))
             pos = self.pos_at[heads, w - 1]
             self.pos_at[heads, self.count[heads]], self.pos_at[heads, w - 1] = pos, -1
             self.slot_of[heads, pos] = self.count[heads]
@@ -110,9 +116,7 @@ class Served:
         slots = self.slot_of[heads, pos]
         if (slots < 0).any():
             raise RuntimeError("a row written to the served keys is not held there")
-        flat = self._flat(heads, slots)
-        self.keys.view(-1, self.head_dim).index_copy_(0, flat, keys.to(self.dtype))
-        self.values.view(-1, self.head_dim).index_copy_(0, flat, values.to(self.dtype))
+        self._put(self._flat(heads, slots), keys, values)
 
     def remove(self, heads: np.ndarray, pos: np.ndarray) -> None:
         """Stop holding (``heads``, ``pos``) ``[k]`` (distinct, held): per head, the held rows
@@ -130,10 +134,7 @@ class Served:
         pos_flat = self.pos_at.reshape(-1)
         if len(holes):
             moved = pos_flat[movers]
-            dst, src = torch.from_numpy(holes).to(self.device), torch.from_numpy(movers).to(self.device)
-            for t in (self.keys, self.values):
-                rows = t.view(-1, self.head_dim)
-                rows[dst] = rows[src]
+            self._move(torch.from_numpy(holes).to(self.device), torch.from_numpy(movers).to(self.device))
             pos_flat[holes] = moved
             self.slot_of[holes // self.cap, moved] = holes % self.cap
         pos_flat[tail] = -1
