@@ -12,7 +12,6 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 
 from __future__ import annotations
 
-import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -251,10 +250,8 @@ class SampleReplay:
         errors recorded after an event; returns the exact row for observe=exact (else None)."""
         setup, t = self.setup, inputs.t
         exact = setup.observe == "exact" and run.driver.policy.observes
-        compare = functools.partial(
-            against_full, setup.rules, run.state, inputs.ref, *self.kv, int(self.reader.query_pos[t])
-        )
-        row, l1, out_err = compare(row=exact)
+        qpos = int(self.reader.query_pos[t])
+        row, l1, out_err = against_full(setup.rules, run.state, inputs.ref, *self.kv, qpos, row=exact)
         if setup.with_errors and inputs.error_event is not None:
             run.record.l1[inputs.error_event] = l1
             run.record.out[inputs.error_event] = out_err
