@@ -151,6 +151,37 @@ def test_second_writer_is_refused(tmp_path, smollm2_dir):
         first.wait()
 
 
+def test_a_failed_creation_is_raised_and_removes_nothing(tmp_path, tiny_models):
+    """The writer creates a new store while the prompt prefills: a creation that fails is
+    raised on the main thread as the store's error, and whatever is at the path stays."""
+    from kvscope.models import load, resolve
+    from kvscope.prompts import Prompt
+    from kvscope.tracing.runner import TraceSettings, _discard_uncommitted, trace_loaded
+    from kvscope.tracing.writer import StoreWriter
+
+    source = resolve(str(tiny_models["llama"]))
+    model, tokenizer = load(source)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    settings = TraceSettings(model=str(tiny_models["llama"]), max_new_tokens=3)
+    with pytest.raises(StoreError, match="cannot create"):
+        trace_loaded(model, tokenizer, source, [Prompt(PROMPT, "test")], blocker / "t.zarr", settings)
+    assert blocker.read_text() == "not a folder"
+
+    theirs = tmp_path / "theirs.zarr"  # what another process created first (the rename then fails)
+    theirs.mkdir()
+    (theirs / "zarr.json").write_text("{}")
+
+    def create():
+        raise StoreError(f"cannot create {theirs}: Directory not empty")
+
+    writer = StoreWriter(theirs, [0], [False], create=create)
+    _discard_uncommitted(theirs, writer)
+    assert not writer.created and (theirs / "zarr.json").read_text() == "{}"
+    with pytest.raises(StoreError, match="Directory not empty"):
+        writer.flush()
+
+
 def test_resume_refuses_different_settings(tmp_path, tiny_models):
     out = tmp_path / "p.zarr"
     proc = subprocess.Popen(_trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

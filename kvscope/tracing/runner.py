@@ -316,16 +316,22 @@ def trace_loaded(
     check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
     rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
     layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
-    locks = None
+    locks, create = None, None
     if existing is None:
         attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, settings_doc, cache)
         if settings.question_agnostic:
             attrs["question_tokens"] = [len(q) for q in questions]
         if shard is not None:
             attrs["shards"] = shard.count
-        locks = _create_store(out, layout, attrs, encoded, rope, shard)
-        if locks is None:  # another shard created the store first: join it
-            existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
+            locks = _create_store(out, layout, attrs, encoded, rope, shard)
+            if locks is None:  # another shard created the store first: join it
+                existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
+        else:  # one process's new store: the writer creates it while the prompt prefills
+            locks = []
+
+            def create():
+                return _create_store(out, layout, attrs, encoded, rope)
+
     if locks is None:
         locks = _writer_locks(out, shard)
         existing = read_attrs(out) if shard is not None else existing  # read again under the locks
@@ -334,7 +340,7 @@ def trace_loaded(
     mine = batches(len(encoded), settings.batch_size, shard)
     writer = None
     try:
-        writer = StoreWriter(out, committed, done, shared=shard is not None)
+        writer = StoreWriter(out, committed, done, shared=shard is not None, create=create)
         eos = set(eos_ids(model, tokenizer)) if settings.stop_at_eos else set()
 
         def on_step(done_steps: int, total: int, tokens: int, seconds: float) -> None:
@@ -355,7 +361,7 @@ def trace_loaded(
             writer.abandon()  # the blocks already handed over are written and committed
         raise
     finally:
-        for lock in reversed(locks):
+        for lock in reversed(locks + (writer.locks if writer is not None else [])):
             lock.release()
 
 
@@ -410,12 +416,13 @@ def _complete_if_done(out: Path) -> bool:
 
 def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
     """A new store whose run failed before committing a step is removed, so that a re-run starts
-    afresh; once a step is committed it stays (``partial``) for ``--resume``."""
-    if writer is not None:
-        writer.abandon()  # the blocks already handed over are written first
-        if any(writer.committed):
-            return
-    shutil.rmtree(out, ignore_errors=True)
+    afresh; once a step is committed it stays (``partial``) for ``--resume``. Only a store the
+    writer created is removed (not one that a failed creation found at ``out``)."""
+    if writer is None:
+        return
+    writer.abandon()  # the store is created and the blocks already handed over are written first
+    if writer.created and not any(writer.committed):
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _dynamic_cache(model, layout: Layout, batch: list[int]):

@@ -25,6 +25,7 @@ import fcntl
 import os
 import queue
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,15 +127,28 @@ class Block:
 class StoreWriter:
     """Writes blocks on a background thread; the main thread never blocks on I/O
     unless a block is already queued (back-pressure), so a killed run loses at most
-    the block being written besides the steps not yet handed over."""
+    the block being written besides the steps not yet handed over.
 
-    def __init__(self, path: Path, committed: list[int], done: list[bool], max_queue: int = 1, shared: bool = False):
-        import zarr
+    ``create``: a new store is made by this callable (returning the writer locks it holds) as
+    the thread's first job, so that its creation overlaps the prompt's prefill; ``created``
+    says whether it succeeded (a failure is raised on the main thread like a failed write)."""
 
+    def __init__(
+        self,
+        path: Path,
+        committed: list[int],
+        done: list[bool],
+        max_queue: int = 1,
+        shared: bool = False,
+        create: Callable[[], list[StoreLock]] | None = None,
+    ):
         self.path = Path(path)
         self.shared = shared  # a shard's writer: commits under the commit lock (module docstring)
         self._spanning: dict[str, bool] = {}
-        self.group = zarr.open_group(str(path), mode="r+")
+        self.group = None if create is not None else self._open()
+        self._create = create
+        self.created = False  # the store was made by ``create`` (and ``locks`` are held)
+        self.locks: list[StoreLock] = []
         self.committed = list(committed)
         self.done = list(done)
         self.bytes_written = 0
@@ -165,7 +179,19 @@ class StoreWriter:
         if self._error is not None:
             raise self._error
 
+    def _open(self):
+        import zarr
+
+        return zarr.open_group(str(self.path), mode="r+")
+
     def _run(self) -> None:
+        if self._create is not None:
+            try:
+                self.locks = self._create()
+                self.created = True
+                self.group = self._open()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                self._error = exc
         while True:
             block = self._queue.get()
             try:
