@@ -70,33 +70,6 @@ def test_window_resolution_and_mean_heads_via_cli(tmp_path, tiny_models):
     assert ds.sizes["head"] == 1 and ds.attrs["w"] == 4
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--model", "/nonexistent/model-folder"], "model not found"),
-        (["--model", "no-such-model"], "model not found: 'no-such-model'"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-        (["--heads", "some"], "--heads must be one of all, kv, mean"),
-        (["--window", "6"], "--window must be a positive multiple of 4"),
-        (["--record", "logits"], "--record accepts qkv only"),
-        (["--device", "tpu"], "--device must be cpu or cuda"),
-    ],
-)
-def test_trace_bad_input(tmp_path, tiny_models, args, needle):
-    out = tmp_path / "never.zarr"
-    base = {"--model": str(tiny_models["llama"]), "--max-new-tokens": "4", "--prompt": PROMPT, "--out": str(out)}
-    flags = dict(base)
-    extra = []
-    for i in range(0, len(args), 2):
-        if args[i] in flags:
-            flags[args[i]] = args[i + 1]
-        else:
-            extra += args[i : i + 2]
-    cmd = [x for kv in flags.items() for x in kv] + extra
-    one_line_error(run_cli("trace", *cmd), needle)
-    assert not out.exists()
-
-
 def test_prompt_longer_than_context(tmp_path, tiny_models):
     out = tmp_path / "never.zarr"
     proc = run_cli(

@@ -19,6 +19,7 @@ from .test_capture import PROMPT
 CASES = [
     # -- trace --------------------------------------------------------------------------------
     ("trace-model-missing", ["trace", "--model", "/nonexistent/model", "--prompt", "hi", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "model not found"),
+    ("trace-model-unknown-name", ["trace", "--model", "no-such-model", "--prompt", "hi", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "model not found: 'no-such-model'"),
     ("trace-max-new-tokens-0", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "0", "--out", "{TMP}/a.zarr"], "--max-new-tokens must be at least 1"),
     ("trace-heads", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--heads", "some", "--out", "{TMP}/a.zarr"], "--heads must be one of all, kv, mean"),
     ("trace-window-6", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--window", "6", "--out", "{TMP}/a.zarr"], "--window must be a positive multiple of 4"),
