@@ -201,13 +201,14 @@ class AttentionRecorder:
         n_kv, kv_len = key.shape[1], key.shape[2]
         if slot_pos is not None and q_len == 1:
             probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
-            pos = slot_pos.repeat_interleave(h // n_kv, dim=0)[None].expand(b, h, kv_len)  # [batch, head, kv]
-            real = pos >= 0
-            by_pos = torch.zeros((b, h, ctx.seq_len), device=query.device)
-            by_pos.scatter_add_(-1, pos.clamp(min=0), torch.where(real, probs, torch.zeros((), device=probs.device)))
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
-            self._reduce_heads(by_pos, n_kv, out=self.rows[:, layer])
+            if self.heads == "kv":  # a group's heads share its KV head's slots: averaged before placing
+                _place(self._reduce_heads(probs, n_kv), slot_pos, self.rows[:, layer])
+            else:
+                by_pos = torch.zeros((b, h, ctx.seq_len), device=query.device)
+                _place(probs, slot_pos.repeat_interleave(h // n_kv, dim=0), by_pos)
+                self._reduce_heads(by_pos, n_kv, out=self.rows[:, layer])
             cap = LayerCapture()
             if self.record_qkv:  # the new key sits in the last slot of every head
                 cap.q = query.detach().to(torch.float32)
@@ -322,6 +323,15 @@ class AttentionRecorder:
                 o0 = t0 - (q_len - n_obs)
                 tail[:, :, o0 : o0 + (r1 - t0), :kv_end] = probs[:, :, t0 - r0 :]
         return colsum, tail
+
+
+def _place(x: torch.Tensor, slot_pos: torch.Tensor, out: torch.Tensor) -> None:
+    """Add ``x [batch, n, kv]`` (values of a live cache's key slots) into the zeros ``out
+    [batch, n, seq_len]`` at each slot's position ``slot_pos [n, kv]`` (−1: padding, adds
+    nothing). A position is held by at most one slot of a head, so each value lands as it is."""
+    pos = slot_pos[None].expand(x.shape)
+    real = pos >= 0
+    out.scatter_add_(-1, pos.clamp(min=0), torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device)))
 
 
 class _Activation:
