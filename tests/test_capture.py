@@ -198,6 +198,38 @@ def test_causal_prefill_blocks_equal_the_rule(P, heads, kv_heads, obs, softcap):
     np.testing.assert_allclose(tail.numpy(), masked_tail.numpy(), atol=1e-7)
 
 
+@pytest.mark.parametrize("heads", ["kv", "all", "mean"])
+def test_live_slot_rows_are_placed_by_position(heads):
+    """A live cache's decode row: each head's probability of each of its KV head's slots lands
+    at that slot's position (padding slots hidden), then the heads are reduced — for ``kv`` the
+    recorder averages a group in slot space first (its heads share the slots): equal bit for
+    bit to this per-slot reference."""
+    from kvscope.tracing.capture import _per_head_mask, attention_probs
+
+    g = torch.Generator().manual_seed(7)
+    n_kv, group, seq, kv = 3, 3, 40, 30
+    slot_pos = torch.full((n_kv, kv), -1, dtype=torch.long)
+    for head, held in enumerate((30, 24, 17)):  # heads hold different numbers of positions
+        slot_pos[head, torch.randperm(kv, generator=g)[:held]] = torch.randperm(seq, generator=g)[:held]
+    q, k, v = (torch.randn(1, n, length, 8, generator=g) for n, length in ((9, 1), (3, kv), (3, kv)))
+    mask = _per_head_mask(slot_pos >= 0, n_kv * group, 1, None)
+    stored = {"kv": n_kv, "all": n_kv * group, "mean": 1}[heads]
+    recorder = AttentionRecorder(n_layers=2, n_stored_heads=stored, heads=heads)
+    recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long)))
+    recorder.observe(type("Layer", (), {"layer_idx": 1}), q, k, v, mask, 0.3, None, slot_pos)
+
+    probs = attention_probs(q, k, mask, 0.3, None)[0, :, 0]  # [head, kv]
+    by_pos = torch.zeros(n_kv * group, seq)
+    for h in range(n_kv * group):
+        for slot in range(kv):
+            if slot_pos[h // group, slot] >= 0:
+                by_pos[h, slot_pos[h // group, slot]] = probs[h, slot]
+    expect = {"kv": by_pos.view(n_kv, group, seq).mean(1), "all": by_pos, "mean": by_pos.mean(0, keepdim=True)}
+    assert torch.equal(recorder.rows[0, 1], expect[heads])
+    assert not recorder.rows[0, 0].any()  # the other layer untouched
+    np.testing.assert_allclose(recorder.rows[0, 1].sum(-1).numpy(), 1.0, rtol=1e-6)
+
+
 def test_left_padded_batch_equals_each_alone(tmp_path, tiny_models):
     folder = str(tiny_models["llama"])
     prompts = [PROMPT, SHORT]
