@@ -266,9 +266,9 @@ class BlockBuffers:
                 self.attn[i, j] = window_sums(row, L.n_sink, L.window, L.n_windows)
             if L.record_qkv and t > 0:
                 caps = [recorder.layers[layer] for layer in range(L.n_layers)]
-                q = torch.stack([c.q[i, :, -1] for c in caps], 0).cpu().numpy()  # [L, H, D]
-                k = torch.stack([c.k[i, :, -1] for c in caps], 0).cpu().numpy()  # [L, Hkv, D]
-                v = torch.stack([c.v[i, :, -1] for c in caps], 0).cpu().numpy()
+                q = stored(torch.stack([c.q[i, :, -1] for c in caps], 0), self.dtype)  # [L, H, D]
+                k = stored(torch.stack([c.k[i, :, -1] for c in caps], 0), self.dtype)  # [L, Hkv, D]
+                v = stored(torch.stack([c.v[i, :, -1] for c in caps], 0), self.dtype)
                 self.qkv.append((i, qpos, q, k, v))
 
     def block(self, batch, t_end, prompt_ids, generated, n_steps, finished) -> Block:
@@ -298,10 +298,10 @@ class BlockBuffers:
             q = np.stack([item[1] for item in items])  # [n, L, H, D]
             k = np.stack([item[2] for item in items], axis=2)  # [L, Hkv, n, D]
             v = np.stack([item[3] for item in items], axis=2)
-            blk.writes.append(("q", (slice(s, s + 1), slice(p0, p1)), q[None].astype(self.dtype)))
+            blk.writes.append(("q", (slice(s, s + 1), slice(p0, p1)), q[None]))
             region = (slice(s, s + 1), slice(None), slice(None), slice(p0, p1))
-            blk.writes.append(("k", region, k[None].astype(self.dtype)))
-            blk.writes.append(("v", region, v[None].astype(self.dtype)))
+            blk.writes.append(("k", region, k[None]))
+            blk.writes.append(("v", region, v[None]))
 
     def _token_writes(self, blk: Block, batch, t_end, prompt_ids, generated, n_steps, finished) -> None:
         """Tokens, coordinates and the commit of the block."""
