@@ -24,6 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import defaults
+from ..dtypes import cast
 from ..errors import KvscopeError
 from ..params import check_params, field_values, spelled
 from ..rope import Rope, apply_rope, undo_rope
@@ -246,8 +247,8 @@ class Ledger:
                     np.tile(np.arange(n_h), n_l),
                 )
             if self.k_eff is not None:
-                keys = self.k_eff[:, :, positions].astype(np.float32)  # [L, Hkv, G, D]
-                values = self.v_eff[:, :, positions].astype(np.float32)
+                keys = cast(self.k_eff[:, :, positions], np.float32)  # [L, Hkv, G, D]
+                values = cast(self.v_eff[:, :, positions], np.float32)
                 n_l, n_h = keys.shape[:2]
                 ll = np.repeat(np.arange(n_l), n_h)
                 k_hat, v_hat = self._dequantized(
@@ -256,8 +257,8 @@ class Ledger:
                     np.broadcast_to(positions, (n_l * n_h, positions.size)),
                     ll,
                 )
-                self.k_eff[:, :, positions] = k_hat.reshape(keys.shape)
-                self.v_eff[:, :, positions] = v_hat.reshape(values.shape)
+                self.k_eff[:, :, positions] = cast(k_hat.reshape(keys.shape), self.k_eff.dtype)
+                self.v_eff[:, :, positions] = cast(v_hat.reshape(values.shape), self.v_eff.dtype)
             return
         layers = np.asarray(layers, dtype=np.int64)
         heads = np.asarray(heads, dtype=np.int64)
@@ -273,9 +274,10 @@ class Ledger:
             for a in range(0, len(positions), QUANTIZE_ROWS):
                 p, layer = positions[a : a + QUANTIZE_ROWS], layers[a : a + QUANTIZE_ROWS]
                 at = (layer[:, None], heads[a : a + QUANTIZE_ROWS, None], p)
-                keys = self.k_eff[at].astype(np.float32)  # [n, G, D] still the originals
-                values = self.v_eff[at].astype(np.float32)
-                self.k_eff[at], self.v_eff[at] = self._dequantized(keys, values, p, layer)
+                keys = cast(self.k_eff[at], np.float32)  # [n, G, D] still the originals
+                values = cast(self.v_eff[at], np.float32)
+                k_hat, v_hat = self._dequantized(keys, values, p, layer)
+                self.k_eff[at], self.v_eff[at] = cast(k_hat, self.k_eff.dtype), cast(v_hat, self.v_eff.dtype)
 
     def _rotary(self, positions, layers):
         """``(cos, sin [n, G, D], scaling [n, 1, 1], n_rot)`` for pre-RoPE keys, or None."""

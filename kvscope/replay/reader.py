@@ -7,6 +7,7 @@ import numpy as np
 import xarray as xr
 
 from ..analysis.kernels import refuse_bad_rows, row_checks
+from ..dtypes import cast
 
 
 class SampleReader:
@@ -53,7 +54,7 @@ class SampleReader:
             refuse_bad_rows(
                 row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack), where
             )
-            self._rows[b] = self._kv_groups(np.nan_to_num(a.astype(np.float32), copy=False), 2)  # [step, L, Hkv, pos]
+            self._rows[b] = self._kv_groups(np.nan_to_num(cast(a, np.float32), copy=False), 2)  # [step, L, Hkv, pos]
         return self._rows[b][t - steps.start]
 
     def _recompute(self, steps: slice) -> np.ndarray:
@@ -85,7 +86,7 @@ class SampleReader:
                 del self._queries[old]
             qpos = self.query_pos[steps]
             q = self.ds["q"].isel(sample=self.s, qpos=slice(int(qpos[0]), int(qpos[-1]) + 1)).values
-            self._queries[b] = q.astype(np.float32)
+            self._queries[b] = cast(q, np.float32)
         return self._queries[b]
 
     def prefill(self) -> tuple[np.ndarray, np.ndarray]:
@@ -95,12 +96,12 @@ class SampleReader:
         tail = self.ds["prefill_tail"].isel(sample=self.s, pos=slice(0, p)).values
         return (
             self._kv_groups(np.nan_to_num(colsum.astype(np.float64)), 1),
-            self._kv_groups(np.nan_to_num(tail.astype(np.float32)), 1),
+            self._kv_groups(np.nan_to_num(cast(tail, np.float32), copy=False), 1),
         )
 
     def queries(self) -> np.ndarray:
         """Recorded queries of every position ``[final_len, layer, head, D]`` float32 (post-RoPE)."""
-        return self.ds["q"].isel(sample=self.s, qpos=slice(0, self.final_len)).values.astype(np.float32)
+        return cast(self.ds["q"].isel(sample=self.s, qpos=slice(0, self.final_len)).values, np.float32)
 
     def kv(self) -> tuple[np.ndarray, np.ndarray]:
         """Recorded ``k, v [layer, kv_head, final_len, D]`` in the stored dtype (read once)."""

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from ..dtypes import stored
 from ..errors import StoreError
 from ..schema import Layout
 from ..windows import window_sums
@@ -217,13 +218,6 @@ def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> 
             block.writes.append(("k", region, k[None]))
             block.writes.append(("v", region, v[None]))
     writer.submit(block)
-
-
-def stored(x: torch.Tensor, dtype) -> np.ndarray:
-    """``x`` as a numpy array of the storage ``dtype``, converted by torch: the same IEEE
-    round-to-nearest-even as numpy's ``astype``, but numpy converts values that land in fp16's
-    subnormal range (most attention probabilities) one at a time — ~60× slower on real rows."""
-    return x.to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
 
 
 class BlockBuffers:
