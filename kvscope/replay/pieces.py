@@ -174,14 +174,22 @@ class TierWindow:
     """A task's view of the result's tiers: a snapshot of its run ``(j, allocation, budget,
     0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event)`` and the
     task's units — once every run of the task has taken its snapshot of that event, all of them
-    in one write (:meth:`TierStore.write_runs`; the runs call from the pool's threads)."""
+    in one write (:meth:`TierStore.write_runs`; the runs call from the pool's threads), on a
+    writer thread of its own while the runs go on (at most :data:`WRITES_AHEAD` events queued;
+    :meth:`complete` waits for them and raises a failed write)."""
+
+    WRITES_AHEAD = 2
 
     def __init__(self, store: TierStore, piece: Piece):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.store, self.piece = store, piece
         self.runs = len(piece.policies) * store.array.shape[1] * store.array.shape[2]  # × allocations × budgets
         self.pending: dict[int, dict[tuple[int, int, int], np.ndarray]] = {}  # event → {(j, ai, bi): tiers}
         self.lock = threading.Lock()
         self.taken: list[tuple[int, ...]] = []
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kvscope-replay-tiers")
+        self.writes: list = []  # futures of the writes not yet waited for
 
     def write(self, index: tuple[int, ...], tiers: np.ndarray) -> None:
         j, ai, bi, _, event = index
@@ -191,6 +199,11 @@ class TierWindow:
             if len(got) < self.runs:
                 return
             del self.pending[event]
+            while len(self.writes) >= self.WRITES_AHEAD:
+                self.writes.pop(0).result()
+            self.writes.append(self.writer.submit(self._write_event, event, got))
+
+    def _write_event(self, event: int, got: dict[tuple[int, int, int], np.ndarray]) -> None:
         n_a, n_b = self.store.array.shape[1:3]
         block = np.stack(
             [got[j, ai, bi] for j in range(len(self.piece.policies)) for ai in range(n_a) for bi in range(n_b)]
@@ -208,13 +221,26 @@ class TierWindow:
             ]
 
     def complete(self) -> None:
-        """Snapshots of an event that not every run took (none, as runs step together) one by one."""
+        """Waits for the queued writes; then the snapshots of an event that not every run took
+        (none, as runs step together) one by one."""
+        try:
+            for write in self.writes:
+                write.result()
+        finally:
+            self.writes.clear()
+            self.writer.shutdown(wait=True)
         for event, got in self.pending.items():
             for (j, ai, bi), tiers in got.items():
                 at = (self.piece.policies[j], ai, bi, self.piece.sample, event)
                 self.store.write(at, tiers, self.piece.units)
                 self.taken.append(at)
         self.pending.clear()
+
+    def abandon(self) -> None:
+        """The task failed: queued writes dropped, the one under way waited for (its folder is
+        about to be removed)."""
+        self.writer.shutdown(wait=True, cancel_futures=True)
+        self.writes.clear()
 
 
 def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None, progress=None):
@@ -228,7 +254,11 @@ def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None,
         for (pi, ai, bi), split in splits.get(piece.sample, {}).items()
         for j in [piece.policies.index(pi)] if pi in piece.policies
     }  # fmt: skip
-    SampleReplay(sub, 0, part, local).run(pool, progress)
+    try:
+        SampleReplay(sub, 0, part, local).run(pool, progress)
+    except BaseException:
+        window.abandon()
+        raise
     window.complete()
     part.tiers = None
     return part, window.taken
