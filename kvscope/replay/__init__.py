@@ -31,6 +31,8 @@ metrics score the decision against the future (the analysis layer's definitions,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import time
@@ -176,6 +178,12 @@ class ReplaySetup:
     @property
     def has_qkv(self) -> bool:
         return self.ds.kvscope.has_qkv
+
+    @property
+    def uses_torch(self) -> bool:
+        """Some run computes with torch: errors, exact observation or a kvpress press (q/k/v recorded)."""
+        needs = self.with_errors or self.observe == "exact" or any(p.reads_queries for p in self.policies)
+        return self.has_qkv and needs
 
     @property
     def every(self) -> int:
@@ -370,16 +378,37 @@ def _run(setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: i
         pieces.run_pieces(setup, outputs, block=block, client=client, progress=advanced)
         return
     threads = threads if threads is not None else min(2, os.cpu_count() or 1)
-    pool = None
-    if threads > 1 and len(setup.grid) > 1:
-        from concurrent.futures import ThreadPoolExecutor
+    if threads <= 1 or len(setup.grid) <= 1:
+        pieces.run_pieces(setup, outputs, block=block, progress=advanced)
+        return
+    from concurrent.futures import ThreadPoolExecutor
 
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay")
-    try:
-        pieces.run_pieces(setup, outputs, block=block, pool=pool, progress=advanced)
-    finally:
-        if pool is not None:
+    with _torch_one_thread(setup.uses_torch) as initializer:
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="kvscope-replay", initializer=initializer)
+        try:
+            pieces.run_pieces(setup, outputs, block=block, pool=pool, progress=advanced)
+        finally:
             pool.shutdown()
+
+
+@contextlib.contextmanager
+def _torch_one_thread(uses_torch: bool):
+    """While the pool's threads advance the runs, torch's ops run on the thread that calls them
+    (``torch.set_num_threads(1)``, here and in each pool thread: OpenMP's and MKL's thread counts
+    are per calling thread), not each in an intra-op team of its own beside the pool's — which
+    oversubscribes the cores and spins (replay grid 6.6 → 5.7 s on 2 cores). Restored afterwards.
+    Yields the pool threads' initializer. A replay without q/k/v never imports torch."""
+    if not uses_torch:
+        yield None
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield functools.partial(torch.set_num_threads, 1)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:

@@ -239,8 +239,8 @@ class SampleReplay:
     def _reference(self, t: int, error_event: int | None):
         """The full-KV reference of step ``t``'s recorded query when a run compares with it
         this step (else None). Computed in a pool task where there is a pool, as the runs'
-        comparisons are: torch's ops then run in the pool's threads, one thread each, instead
-        of an intra-op team of the main thread beside them (which only oversubscribes the cores)."""
+        comparisons are (torch's ops then run on the pool's threads, one thread each: the
+        replay sets torch to one thread while its pool runs)."""
         if not any(self._compares(run, error_event) for run in self.runs):
             return None
         return reference(self.setup.rules, self.reader.query(t), *self.kv, int(self.reader.query_pos[t]))
