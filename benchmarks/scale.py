@@ -47,8 +47,9 @@ def status(key):
 store, policies, budgets, workers = sys.argv[1], sys.argv[2].split(","), [float(b) for b in sys.argv[3].split(",")], int(sys.argv[4])
 client = cluster = None
 if workers:
-    from distributed import Client, LocalCluster
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=None, silence_logs=50, memory_limit=0)
+    from distributed import Client
+    from kvscope.cluster import local_cluster
+    cluster = local_cluster(workers, memory_limit=0)
     client = Client(cluster)
     client.run(lambda: __import__("kvscope.replay"))
 t0 = time.perf_counter()

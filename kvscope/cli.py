@@ -774,7 +774,9 @@ class _DaskContext:
     def __enter__(self):
         if not self.spec:
             return None
-        from distributed import Client, LocalCluster
+        from distributed import Client
+
+        from .cluster import local_cluster
 
         if self.spec.startswith("local:"):
             try:
@@ -784,7 +786,7 @@ class _DaskContext:
             if n < 1:
                 raise KvscopeError("--dask local:N needs N ≥ 1")
             self.environ = dict(os.environ)  # the nanny sets OMP_NUM_THREADS=1 … here too, for its workers
-            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=None, silence_logs=50)
+            self.cluster = local_cluster(n)
             self.client = Client(self.cluster)
         elif self.spec.startswith(("tcp://", "tls://")):
             try:

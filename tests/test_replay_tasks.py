@@ -110,15 +110,20 @@ def test_kv_head_tasks_refused_under_adakv(small_qkv_trace):
 
 
 def test_local_cluster_gives_the_same(small_qkv_trace, whole):
-    """Two worker processes, tasks of some layers each (the press whole), snapshots written by
-    the workers."""
-    from distributed import Client, LocalCluster
+    """Two worker processes of kvscope's own cluster (``--dask local:N``: glibc's allocator left
+    at its defaults, not dask's trim setting), tasks of some layers each (the press whole),
+    snapshots written by the workers."""
+    import os
 
+    from distributed import Client
+
+    from kvscope.cluster import local_cluster
     from kvscope.replay import replay
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, silence_logs=50)
-    with cluster, Client(cluster) as client:
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        environ = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"))
         result = replay(small_qkv_trace, ["h2o", "qevict", "press:KnormPress"], [0.3], client=client).load()
+    assert list(environ.values()) == [None, None]
     assert_same(whole, result)
 
 
