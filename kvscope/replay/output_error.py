@@ -29,13 +29,15 @@ if TYPE_CHECKING:  # torch only where errors are computed (q/k/v recorded): repl
 @dataclass
 class Reference:
     """Full-KV attention of one query: logits and probabilities ``[L, Hkv, g, n]``, output
-    ``[L, Hkv, g, D]`` and which keys the query sees (``[L, 1, 1, n]``)."""
+    ``[L, Hkv, g, D]``, which keys the query sees (``[L, 1, 1, n]``) and the full cache's
+    values in float32 ``[L, Hkv, n, D]`` (converted once: every run that only evicts reads them)."""
 
     query: torch.Tensor  # [L, Hkv, g, D]
     logits: torch.Tensor
     shown: torch.Tensor
     probs: torch.Tensor
     out: torch.Tensor
+    values: torch.Tensor  # [L, Hkv, n, D] float32
 
 
 def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Reference:
@@ -46,8 +48,9 @@ def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Referenc
     n, n_kv = qpos + 1, k.shape[1]
     q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
     shown = rules.visible(qpos, n)[:, None, None, :]
-    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], _torch(v)[:, :, :n], shown)
-    return Reference(q, logits, shown, probs, out)
+    values = _torch(v)[:, :, :n].float()  # [L, Hkv, n, D]
+    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], values, shown)
+    return Reference(q, logits, shown, probs, out, values)
 
 
 def effective_kv(state: CacheState, k, v, n: int):
@@ -81,7 +84,9 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
         return ref.probs.mean(2).numpy() if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
     shown = ref.shown & torch.from_numpy(present)[:, :, None, :]
-    logits = None if dequantized(state) else ref.logits  # quantized values: the logits change too
+    changed = dequantized(state)
+    logits = None if changed else ref.logits  # quantized values: the logits change too
+    values = values if changed else ref.values  # evicted only: the full values, float32 already
     _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown, logits)
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
@@ -97,13 +102,14 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
     what ``shown`` hides; with ``logits`` given the keys are not read.
 
-    K and V are converted to float32 a block of ``block`` positions of one layer at a time
-    (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead of a
-    float32 copy of the whole K/V: a memory-bound matmul then reads each value once, not three
-    times. Where one block covers every position this is bit for bit the batched computation
-    over float32 copies (each layer one batch entry); with several, each logit is the same dot
-    product (the matmul kernel may differ with the block's width: equal to float32 rounding) and
-    ``out = Σ_blocks probs[.., block] · V[block]`` the same sum grouped by block."""
+    K and V in 16 bit are converted to float32 a block of ``block`` positions of one layer at a
+    time (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead
+    of a float32 copy of the whole K/V: a memory-bound matmul then reads each value once, not
+    three times; float32 ones are read in place, in the same blocks. Where one block covers every
+    position this is bit for bit the batched computation over float32 copies (each layer one
+    batch entry); with several, each logit is the same dot product (the matmul kernel may differ
+    with the block's width: equal to float32 rounding) and ``out = Σ_blocks probs[.., block] ·
+    V[block]`` the same sum grouped by block."""
     import torch
 
     from ..attention import softmax
@@ -112,17 +118,22 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     block = block or max(1, SCRATCH_BYTES // (4 * d))  # the same spans whatever KV heads a task holds
     spans = [slice(a, min(a + block, n)) for a in range(0, n, block)]
     scratch = torch.empty(n_kv, min(block, n), d)  # [Hkv, block, D] float32
+
+    def block_of(x, layer: int, span: slice):  # [Hkv, span, D] float32
+        if x.dtype == torch.float32:
+            return x[layer, :, span]
+        return scratch[:, : span.stop - span.start].copy_(x[layer, :, span])
+
     if logits is None:
         logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
         for layer, rule in enumerate(rules.rules):
             for span in spans:
-                k = scratch[:, : span.stop - span.start].copy_(keys[layer, :, span])
-                logits[layer, :, :, span] = rule.logits(query[layer], k)
+                logits[layer, :, :, span] = rule.logits(query[layer], block_of(keys, layer, span))
     probs = softmax(logits, shown)
     out = torch.zeros(query.shape)  # [L, Hkv, g, D]
     for layer in range(n_l):
         for span in spans:
-            v = scratch[:, : span.stop - span.start].copy_(values[layer, :, span])
+            v = block_of(values, layer, span)
             if span.start == 0:
                 torch.matmul(probs[layer, :, :, span], v, out=out[layer])
             else:

@@ -65,16 +65,18 @@ class Piece:
 
 def layer_bytes(setup) -> int:
     """What a task holds per layer, estimated: two blocks of float32 rows, K/V as recorded
-    (and their float32 copies where kvpress presses run) and each quantizing run's dequantized copy, every
-    run's state and pending snapshots, the future-mass stream — each ``[kv_head, pos]`` wide
-    (``/ n_kv`` per KV head). Quantizing the prompt adds temporaries of at most
-    :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups per thread, left out."""
+    (and their float32 copies where kvpress presses run) and each quantizing run's dequantized copy,
+    the float32 V of a step's full-KV reference (errors), every run's state and pending snapshots,
+    the future-mass stream — each ``[kv_head, pos]`` wide (``/ n_kv`` per KV head). Quantizing
+    the prompt adds temporaries of at most :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups
+    per thread, left out."""
     acc = setup.ds.kvscope
     per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
     if setup.has_qkv:
         quantizing = sum(1 for policy, _, _ in setup.grid if policy.quantizes)
         float32 = 4 if any(policy.reads_queries for policy, _, _ in setup.grid) else 0
         per_position += 2 * setup.head_dim * (setup.ds["k"].dtype.itemsize + float32 + 4 * quantizing)
+        per_position += 4 * setup.head_dim if setup.with_errors else 0
     per_position += len(setup.grid) * 40 + len(setup.horizons) * 16
     return int(setup.n_kv * setup.n_pos * per_position)
 
