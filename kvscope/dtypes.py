@@ -1,9 +1,9 @@
 """Float conversions between the stored 16-bit dtype and float32, done by torch.
 
-torch and numpy both round to nearest even (the same bits), but numpy converts values in
-fp16's subnormal range — most attention probabilities, and many dequantized values near
-zero — one at a time: on real rows fp32 → fp16 is ~20–60× and fp16 → fp32 ~4–25× slower
-than torch (measured in ``docs/replay.md``, "Conversions").
+torch and numpy both round to nearest even (the same bits, a NaN's payload aside), but numpy
+converts values in fp16's subnormal range — most attention probabilities, and many dequantized
+values near zero — one at a time: on real rows fp32 → fp16 is ~20–60× and fp16 → fp32 ~4–25×
+slower than torch (measured in ``docs/replay.md``, "Conversions").
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-LARGE = 1 << 20  # elements: past this torch is imported for a conversion (its import costs ~1 s)
+LARGE = 1 << 27  # elements: numpy converts this many (fp16 subnormals) in about the ~1 s torch takes to import
 
 
 def stored(x, dtype) -> np.ndarray:
@@ -24,8 +24,8 @@ def stored(x, dtype) -> np.ndarray:
 
 def cast(x: np.ndarray, dtype) -> np.ndarray:
     """``x`` in ``dtype`` (``x`` itself where it has that dtype): float16 ↔ float32 bit for bit
-    numpy's ``astype``, converted by torch where torch is loaded or ``x`` is large; other dtypes
-    by numpy."""
+    numpy's ``astype`` (a NaN stays NaN, its payload and sign may differ), converted by torch
+    where torch is loaded or ``x`` is large; other dtypes by numpy."""
     dtype = np.dtype(dtype)
     floats = {np.dtype(np.float16), np.dtype(np.float32)}
     if x.dtype == dtype:

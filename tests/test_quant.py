@@ -115,3 +115,27 @@ def test_ledger_quantizes_groups_in_chunks_exactly_as_at_once(monkeypatch):
     assert ledgers[0].done.all() and not np.array_equal(ledgers[0].k_eff, k)
     np.testing.assert_array_equal(ledgers[0].k_eff, ledgers[1].k_eff)
     np.testing.assert_array_equal(ledgers[0].v_eff, ledgers[1].v_eff)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float32, st.integers(1, 300), elements=st.floats(width=32, allow_nan=True, allow_infinity=True)))
+def test_torch_conversions_are_numpys_bit_for_bit(x):
+    """kvscope.dtypes.cast (by torch once torch is loaded) gives numpy's astype bits, fp32 →
+    fp16 → fp32: fp16 subnormals, overflow to ±inf and signed zeros included; NaN stays NaN (its
+    payload and sign may differ); an array already of the dtype is returned as it is."""
+    import torch  # noqa: F401  (loaded: cast converts by torch whatever the size)
+
+    from kvscope import dtypes
+
+    tiny = np.float32(2.0**-24) * np.arange(-8, 9, dtype=np.float32)  # fp16 subnormals and around them
+    x = np.concatenate([x, tiny, np.float32([65504, 65520, -65520, 1e-8, -0.0])])
+    nan = np.isnan(x)
+    half = dtypes.cast(x, np.float16)
+    assert half.dtype == np.float16 and (np.isnan(half) == nan).all()
+    with np.errstate(over="ignore"):  # numpy says so where a value overflows to ±inf
+        expected = x[~nan].astype(np.float16)
+    assert np.array_equal(half[~nan].view(np.uint16), expected.view(np.uint16))
+    back = dtypes.cast(half, np.float32)
+    assert back.dtype == np.float32 and (np.isnan(back) == nan).all()
+    assert np.array_equal(back[~nan].view(np.uint32), half[~nan].astype(np.float32).view(np.uint32))
+    assert dtypes.cast(back, np.float32) is back

@@ -205,6 +205,34 @@ def test_pyramid_split_of_some_layers_is_the_whole_split_there():
     assert Pyramid(beta=5).split(whole, floor).sum() == pytest.approx(whole.total_capacity)
 
 
+def test_a_failed_tier_write_is_raised_when_the_task_completes(tmp_path):
+    """A task's snapshots are written by its writer thread; a write that fails (here: a file
+    where the chunks' folder goes) is raised by complete(), and nothing is marked taken."""
+    from kvscope.replay.pieces import Piece, TierWindow
+    from kvscope.replay.store import TierStore
+
+    store = TierStore(tmp_path / "result", (1, 1, 1, 1, 2, 2, 1, 5))
+    (tmp_path / "result" / "tiers" / "c").write_text("not a folder")
+    window = TierWindow(store, Piece(0, 0, 2, 0, 1, (0,)))
+    window.write((0, 0, 0, 0, 0), np.zeros((2, 1, 5), np.int8))  # the task's only run: the event is written
+    with pytest.raises(OSError):
+        window.complete()
+    assert not store.taken.any() and window.taken == []
+
+
+def test_the_pool_gives_the_serial_numbers_and_leaves_torch_threads(small_qkv_trace):
+    """The runs advanced by a pool of 2 threads (torch at one thread meanwhile) give the serial
+    replay's numbers (errors included), and torch's thread count is what it was before."""
+    import torch
+
+    from kvscope.replay import replay
+
+    before = torch.get_num_threads()
+    pooled = replay(small_qkv_trace, ["h2o", "kivi", "qevict"], [0.3], threads=2).load()
+    assert torch.get_num_threads() == before
+    assert_same(pooled, replay(small_qkv_trace, ["h2o", "kivi", "qevict"], [0.3], threads=1).load())
+
+
 def test_snapshots_of_an_event_written_in_one_call(tmp_path):
     """TierStore.write_runs (a task's snapshots of one event together) puts each snapshot where
     write puts it, for policies that are not contiguous (a press between them runs whole) and a

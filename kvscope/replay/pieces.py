@@ -202,10 +202,12 @@ class TierWindow:
                 return
             del self.pending[event]
             while len(self.writes) >= self.WRITES_AHEAD:
-                self.writes.pop(0).result()
+                self.taken += self.writes.pop(0).result()
             self.writes.append(self.writer.submit(self._write_event, event, got))
 
-    def _write_event(self, event: int, got: dict[tuple[int, int, int], np.ndarray]) -> None:
+    def _write_event(self, event: int, got: dict[tuple[int, int, int], np.ndarray]) -> list[tuple[int, ...]]:
+        """The writer thread: one event's snapshots of every run written; returns what they are
+        (taken once the write is waited for; the thread takes no lock)."""
         n_a, n_b = self.store.array.shape[1:3]
         block = np.stack(
             [got[j, ai, bi] for j in range(len(self.piece.policies)) for ai in range(n_a) for bi in range(n_b)]
@@ -214,20 +216,15 @@ class TierWindow:
             (len(self.piece.policies), n_a, n_b) + block.shape[1:]
         )  # [j, ai, bi, layer, kv_head, pos]
         self.store.write_runs(self.piece.policies, self.piece.sample, event, block, self.piece.units)
-        with self.lock:
-            self.taken += [
-                (p, ai, bi, self.piece.sample, event)
-                for p in self.piece.policies
-                for ai in range(n_a)
-                for bi in range(n_b)
-            ]
+        s = self.piece.sample
+        return [(p, ai, bi, s, event) for p in self.piece.policies for ai in range(n_a) for bi in range(n_b)]
 
     def complete(self) -> None:
         """Waits for the queued writes; then the snapshots of an event that not every run took
         (none, as runs step together) one by one."""
         try:
             for write in self.writes:
-                write.result()
+                self.taken += write.result()
         finally:
             self.writes.clear()
             self.writer.shutdown(wait=True)
