@@ -22,16 +22,15 @@ def stored(x, dtype) -> np.ndarray:
     return x.to(torch.float16 if np.dtype(dtype) == np.float16 else torch.float32).cpu().numpy()
 
 
-def cast(x: np.ndarray, dtype) -> np.ndarray:
-    """``x`` in ``dtype`` (``x`` itself where it has that dtype): float16 ↔ float32 bit for bit
-    numpy's ``astype`` (a NaN stays NaN, its payload and sign may differ), converted by torch
-    where torch is loaded or ``x`` is large; other dtypes by numpy."""
+def cast(x: np.ndarray, dtype, copy: bool = True) -> np.ndarray:
+    """``x.astype(dtype, copy=copy)``: a new array, or with ``copy=False`` ``x`` itself where it
+    has that dtype already. float16 ↔ float32 bit for bit numpy's (a NaN stays NaN, its payload
+    and sign may differ), converted by torch where torch is loaded or ``x`` is large; other
+    dtypes by numpy."""
     dtype = np.dtype(dtype)
     floats = {np.dtype(np.float16), np.dtype(np.float32)}
-    if x.dtype == dtype:
-        return x
-    if x.dtype not in floats or dtype not in floats:
-        return x.astype(dtype)
+    if x.dtype == dtype or x.dtype not in floats or dtype not in floats:
+        return x.astype(dtype, copy=copy)
     if "torch" not in sys.modules and x.size < LARGE:
         return x.astype(dtype)
     import torch

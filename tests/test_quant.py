@@ -122,7 +122,7 @@ def test_ledger_quantizes_groups_in_chunks_exactly_as_at_once(monkeypatch):
 def test_torch_conversions_are_numpys_bit_for_bit(x):
     """kvscope.dtypes.cast (by torch once torch is loaded) gives numpy's astype bits, fp32 →
     fp16 → fp32: fp16 subnormals, overflow to ±inf and signed zeros included; NaN stays NaN (its
-    payload and sign may differ); an array already of the dtype is returned as it is."""
+    payload and sign may differ); an array already of the dtype is copied, or returned with copy=False."""
     import torch  # noqa: F401  (loaded: cast converts by torch whatever the size)
 
     from kvscope import dtypes
@@ -138,4 +138,6 @@ def test_torch_conversions_are_numpys_bit_for_bit(x):
     back = dtypes.cast(half, np.float32)
     assert back.dtype == np.float32 and (np.isnan(back) == nan).all()
     assert np.array_equal(back[~nan].view(np.uint32), half[~nan].astype(np.float32).view(np.uint32))
-    assert dtypes.cast(back, np.float32) is back
+    assert dtypes.cast(back, np.float32, copy=False) is back
+    same = dtypes.cast(back, np.float32)  # a new array by default, as numpy's astype: callers change it in place
+    assert same is not back and not np.shares_memory(same, back) and np.array_equal(same, back, equal_nan=True)

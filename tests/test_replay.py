@@ -453,3 +453,25 @@ def test_a_damaged_result_chunk_is_refused(small_trace, tmp_path):
         lazy.load()
     with pytest.raises(KvscopeError, match="not a kvscope replay result"):
         open_result(small_trace)
+
+
+def test_replay_leaves_an_in_memory_float32_trace_as_it_was(tmp_path, tiny_models):
+    """A float32 trace loaded into memory: the sample reader's float32 rows and prompt tail are
+    copies (their NaN beyond each row's length zeroed in place), never views of the caller's
+    arrays — read directly, and through a replay (whose tasks select their units)."""
+    from kvscope.replay.reader import SampleReader
+
+    out = tmp_path / "fp32.zarr"
+    kvscope.trace(
+        "The sea is large and the sky above it is wide and blue.", out, model=str(tiny_models["llama"]),
+        max_new_tokens=10, dtype="float32", record_qkv=True, stop_at_eos=False,
+    )  # fmt: skip
+    ds = kvscope.open_trace(out).load()
+    before = {name: ds[name].values.copy() for name in ("attn", "prefill_tail", "q", "k", "v")}
+    assert np.isnan(before["attn"]).any() and ds["attn"].dtype == np.float32
+    reader = SampleReader(ds, 0, 1)
+    row, (_, tail) = reader.row(1), reader.prefill()
+    assert not np.isnan(row).any() and not np.isnan(tail).any()
+    kvscope.replay(ds, ["h2o", "kivi"], [0.5], observe="exact")
+    for name, values in before.items():
+        np.testing.assert_array_equal(ds[name].values, values, err_msg=name)

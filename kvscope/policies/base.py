@@ -257,8 +257,8 @@ class Ledger:
                     np.broadcast_to(positions, (n_l * n_h, positions.size)),
                     ll,
                 )
-                self.k_eff[:, :, positions] = cast(k_hat.reshape(keys.shape), self.k_eff.dtype)
-                self.v_eff[:, :, positions] = cast(v_hat.reshape(values.shape), self.v_eff.dtype)
+                self.k_eff[:, :, positions] = cast(k_hat.reshape(keys.shape), self.k_eff.dtype, copy=False)
+                self.v_eff[:, :, positions] = cast(v_hat.reshape(values.shape), self.v_eff.dtype, copy=False)
             return
         layers = np.asarray(layers, dtype=np.int64)
         heads = np.asarray(heads, dtype=np.int64)
@@ -277,7 +277,8 @@ class Ledger:
                 keys = cast(self.k_eff[at], np.float32)  # [n, G, D] still the originals
                 values = cast(self.v_eff[at], np.float32)
                 k_hat, v_hat = self._dequantized(keys, values, p, layer)
-                self.k_eff[at], self.v_eff[at] = cast(k_hat, self.k_eff.dtype), cast(v_hat, self.v_eff.dtype)
+                self.k_eff[at] = cast(k_hat, self.k_eff.dtype, copy=False)
+                self.v_eff[at] = cast(v_hat, self.v_eff.dtype, copy=False)
 
     def _rotary(self, positions, layers):
         """``(cos, sin [n, G, D], scaling [n, 1, 1], n_rot)`` for pre-RoPE keys, or None."""

@@ -86,7 +86,7 @@ class SampleReader:
                 del self._queries[old]
             qpos = self.query_pos[steps]
             q = self.ds["q"].isel(sample=self.s, qpos=slice(int(qpos[0]), int(qpos[-1]) + 1)).values
-            self._queries[b] = cast(q, np.float32)
+            self._queries[b] = cast(q, np.float32, copy=False)
         return self._queries[b]
 
     def prefill(self) -> tuple[np.ndarray, np.ndarray]:
