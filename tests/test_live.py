@@ -74,6 +74,30 @@ def test_full_policy_is_plain_decoding(loaded, prompt_ids, full_decode):
     assert metrics["perplexity"] == metrics["perplexity_full"]
 
 
+def test_an_observing_cache_serves_the_row_it_observes(loaded, prompt_ids, full_decode):
+    """A policy that observes its decode rows gets them from the attention that produced the
+    output (probs · V, one pass over the keys): with every position held (H2O at β = 1) that is
+    plain decoding up to float summation order; per head with padding slots, the kernel's output."""
+    from kvscope.tracing.capture import _masked_output, _observed_row, _per_head_mask, attention_probs
+
+    _, model, _ = loaded
+    cache = PolicyCache(model, "h2o", 1.0, STEPS, check=True)
+    live = decode(model, prompt_ids, cache, STEPS)
+    assert live.tokens == full_decode.tokens
+    assert (live.logits - full_decode.logits).abs().max() < 1e-3
+    assert not torch.equal(live.logits, full_decode.logits)  # not the kernel's bits: the observed row's
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, n, r, 16, generator=g) for n, r in ((6, 1), (2, 11), (2, 11)))
+    held = torch.rand(2, 11, generator=g) > 0.3
+    held[:, 0] = True
+    mask = _per_head_mask(held, 6, 1, None)  # [1, head, 1, kv]
+    out, probs = _observed_row(query, key, value, mask, 0.25, None)
+    assert torch.equal(probs, attention_probs(query, key, mask, 0.25, None))
+    assert (probs[0, :, 0][~held.repeat_interleave(3, 0)] == 0).all()
+    torch.testing.assert_close(out, _masked_output(query, key, value, mask, 0.25, None), rtol=0, atol=1e-6)
+    assert out.shape == (1, 1, 6, 16)
+
+
 def test_generate_accepts_the_cache(loaded, prompt_ids, full_decode):
     _, model, _ = loaded
     cache = PolicyCache(model, "h2o", 0.3, 12)

@@ -192,6 +192,7 @@ class AttentionRecorder:
         scaling: float,
         softcap: float | None,
         slot_pos: torch.Tensor | None = None,  # [kv_head, kv] positions of a live cache's slots
+        probs: torch.Tensor | None = None,  # [batch, head, 1, kv] a decode row already computed
     ) -> None:
         ctx = self.ctx
         if ctx is None or not self.enabled:
@@ -200,7 +201,9 @@ class AttentionRecorder:
         b, h, q_len, _ = query.shape
         n_kv, kv_len = key.shape[1], key.shape[2]
         if slot_pos is not None and q_len == 1:
-            probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
+            if probs is None:
+                probs = attention_probs(query, key, mask, scaling, softcap)
+            probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             if self.heads == "kv":  # a group's heads share its KV head's slots: averaged before placing
@@ -393,6 +396,20 @@ def _masked_output(query, key, value, mask, scaling, softcap):
     return out.transpose(1, 2).contiguous()
 
 
+def _observed_row(query, key, value, mask, scaling, softcap):
+    """One decode row of a live cache whose policy observes it, computed once: ``(out [batch,
+    1, head, D], probs [batch, head, 1, kv])`` — ``probs`` by the rule (fp32, the row the
+    policy observes), ``out = probs · V`` in the value's dtype (eager's convention: weights
+    cast to the value's dtype), the heads of a GQA group as rows of one matmul on their
+    shared values. The kernel's output would need the same keys read a second time."""
+    b, h, r, d = query.shape
+    n_kv, kv = key.shape[1], key.shape[2]
+    probs = attention_probs(query, key, mask, scaling, softcap)
+    grouped = probs.view(b, n_kv, (h // n_kv) * r, kv).to(value.dtype)  # [batch, kv_head, group·1, kv]
+    out = torch.matmul(grouped, value).view(b, h, r, d)
+    return out.transpose(1, 2).contiguous(), probs
+
+
 def _base_forward(kernel: str):
     """The layer-output function of ``kernel``, resolved once (not per call)."""
     if kernel == "sdpa":
@@ -433,6 +450,11 @@ def _capturing(kernel: str):
                 recorders.append(view.recorder)
         if view is not None and view.head_mask is not None:  # padding slots of a live cache: mask them per head
             attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
+        probs = None
+        if slot_pos is not None and view.recorder is not None and view.recorder.enabled and not module.training:
+            with torch.no_grad():  # the policy observes this row: the output comes from the same probabilities
+                out, probs = _observed_row(query, key, value, attention_mask, scale, softcap)
+        elif view is not None and view.head_mask is not None:
             out = _masked_output(query, key, value, attention_mask, scale, softcap)
         else:
             out = base(
@@ -442,7 +464,7 @@ def _capturing(kernel: str):
             with torch.no_grad():
                 for recorder in recorders:
                     if recorder is not None:
-                        recorder.observe(module, query, key, value, attention_mask, scale, softcap, slot_pos)
+                        recorder.observe(module, query, key, value, attention_mask, scale, softcap, slot_pos, probs)
         return out, None
 
     kvscope_attention.__name__ = f"kvscope_{kernel}_attention"
