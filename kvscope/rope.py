@@ -95,19 +95,24 @@ class Rope:
         """Rotated channels per head."""
         return 2 * self.inv_freq.shape[1]
 
-    def cos_sin(self, layers: np.ndarray, positions: np.ndarray, head_dim: int):
-        """``cos, sin [..., D]`` for ``layers`` and ``positions`` of the same shape."""
-        cos, sin = self.tables(int(np.max(positions)) + 1, head_dim)
+    def cos_sin(self, layers: np.ndarray, positions: np.ndarray, head_dim: int, length: int = 0):
+        """``cos, sin [..., D]`` for ``layers`` and ``positions`` of the same shape; ``length``:
+        the positions the caller will ever ask for (tables built once for all of them)."""
+        cos, sin = self.tables(max(length, int(np.max(positions)) + 1), head_dim)
         return cos[layers, positions], sin[layers, positions]
 
     def tables(self, need: int, head_dim: int):
         """``cos, sin [layer, pos, D]`` float32 covering at least ``need`` positions (built once,
-        grown by doubling when needed)."""
+        grown by doubling when needed; layers with the same parameters share one computation)."""
         if self._tables is None or self._tables[0].shape[1] < need:
             size = max(need, 1024, 2 * (self._tables[0].shape[1] if self._tables else 0))
-            per_layer = [
-                rope_cos_sin(np.arange(size), self.inv_freq[layer], float(self.scaling[layer]), head_dim)
-                for layer in range(len(self.scaling))
-            ]
+            computed: dict[bytes, tuple] = {}
+            per_layer = []
+            for layer in range(len(self.scaling)):
+                params = (self.inv_freq[layer], float(self.scaling[layer]))
+                tag = params[0].tobytes() + np.float64(params[1]).tobytes()
+                if tag not in computed:
+                    computed[tag] = rope_cos_sin(np.arange(size), *params, head_dim)
+                per_layer.append(computed[tag])
             self._tables = (np.stack([c for c, _ in per_layer]), np.stack([s for _, s in per_layer]))
         return self._tables

@@ -285,7 +285,9 @@ class Ledger:
         rope = self.rope if (self.rope is not None and self.rope.usable()) else None
         if rope is None:
             return None
-        cos, sin = rope.cos_sin(np.broadcast_to(layers[:, None], positions.shape), positions, self.spec.head_dim)
+        cos, sin = rope.cos_sin(
+            np.broadcast_to(layers[:, None], positions.shape), positions, self.spec.head_dim, self.spec.final_len
+        )
         return cos, sin, rope.scaling[layers].astype(np.float32)[:, None, None], rope.n_rot
 
     def encode(self, keys, values, positions, layers):

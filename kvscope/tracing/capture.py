@@ -330,11 +330,10 @@ class AttentionRecorder:
 
 def _place(x: torch.Tensor, slot_pos: torch.Tensor, out: torch.Tensor) -> None:
     """Add ``x [batch, n, kv]`` (values of a live cache's key slots) into the zeros ``out
-    [batch, n, seq_len]`` at each slot's position ``slot_pos [n, kv]`` (−1: padding, adds
-    nothing). A position is held by at most one slot of a head, so each value lands as it is."""
-    pos = slot_pos[None].expand(x.shape)
-    real = pos >= 0
-    out.scatter_add_(-1, pos.clamp(min=0), torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+    [batch, n, seq_len]`` at each slot's position ``slot_pos [n, kv]``. A position is held by
+    at most one slot of a head, so each value lands as it is; a padding slot (−1) is masked
+    per head, its probability exactly 0, and adds that 0 to position 0 (``p + 0 = p``)."""
+    out.scatter_add_(-1, slot_pos.clamp(min=0)[None].expand(x.shape), x)
 
 
 class _Activation:
