@@ -24,6 +24,9 @@ Per layer the cache holds two flat pools of rows, each row one (kv_head, positio
     q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
     served            :class:`~kvscope.live.served.Served`   what attention reads
 
+(new FP rows wait as the tensors appended and join ``fp_*`` by one concatenation when a
+decision next reads the layer's pools — counted in the bytes held all along).
+
 At each decode forward a layer hands attention ``[1, kv_head, W, D]`` keys/values, a view of
 its served buffer: per KV head its FP rows and its Q rows dequantized, left-aligned, the
 newest key in the last slot of every head (free slots of heads that hold fewer masked per
@@ -125,26 +128,53 @@ def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 class _Pool:
-    """The rows of one layer (see the module docstring)."""
+    """The rows of one layer (see the module docstring). New FP rows wait in ``pending`` (the
+    tensors as appended, held and counted like the rest) and join ``fp_k, fp_v, fp_pos,
+    fp_head`` in one concatenation when those are next read — at a decision that touches the
+    layer, not at every step."""
+
+    _FP = ("fp_k", "fp_v", "fp_pos", "fp_head")
 
     def __init__(self, head_dim: int, kv_dtype, device):
         d = head_dim
-        self.fp_k = torch.empty((0, d), dtype=kv_dtype, device=device)
-        self.fp_v = torch.empty((0, d), dtype=kv_dtype, device=device)
-        self.fp_pos = torch.empty(0, dtype=INDEX, device=device)
-        self.fp_head = torch.empty(0, dtype=INDEX, device=device)
+        self._fp = {
+            "fp_k": torch.empty((0, d), dtype=kv_dtype, device=device),
+            "fp_v": torch.empty((0, d), dtype=kv_dtype, device=device),
+            "fp_pos": torch.empty(0, dtype=INDEX, device=device),
+            "fp_head": torch.empty(0, dtype=INDEX, device=device),
+        }
+        self.pending: list[tuple[torch.Tensor, ...]] = []  # (keys, values [n, D], pos, head [n]) in order
         self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
         self.group_size = 0  # key groups all of this many consecutive rows (0: mixed sizes)
         self.served: Served | None = None  # what attention reads, from the first decode forward
 
+    def append_fp(self, keys, values, pos, head) -> None:
+        self.pending.append((keys, values, pos, head))
+
+    def _joined(self) -> dict[str, torch.Tensor]:
+        if self.pending:
+            parts = list(zip(*self.pending))
+            self.pending = []
+            self._fp = {name: torch.cat([self._fp[name], *new]) for name, new in zip(self._FP, parts)}
+        return self._fp
+
+    fp_k = property(lambda self: self._joined()["fp_k"])
+    fp_v = property(lambda self: self._joined()["fp_v"])
+    fp_pos = property(lambda self: self._joined()["fp_pos"])
+    fp_head = property(lambda self: self._joined()["fp_head"])
+
+    def keep_fp(self, keep: torch.Tensor) -> None:
+        """Keep the FP rows where ``keep [n_fp]``."""
+        self._fp = {name: t[keep] for name, t in self._joined().items()}
+
     def data_tensors(self):
-        out = [self.fp_k, self.fp_v]
+        out = [self._fp["fp_k"], self._fp["fp_v"], *(t for row in self.pending for t in row[:2])]
         if self.q is not None:
             out += [self.q[k] for k in ("k_codes", "v_codes", "v_scale", "v_zero", "k_scale", "k_zero")]
         return out
 
     def index_tensors(self):
-        out = [self.fp_pos, self.fp_head]
+        out = [self._fp["fp_pos"], self._fp["fp_head"], *(t for row in self.pending for t in row[2:])]
         if self.q is not None:
             out += [self.q[k] for k in ("q_pos", "q_head", "k_group")]
         return out
@@ -345,10 +375,12 @@ class PolicyCache(DynamicCache):
         pool = self.pools[layer]
         positions = torch.arange(self.seen - n_new, self.seen, dtype=INDEX, device=key_states.device)
         heads = torch.arange(self.n_kv, dtype=INDEX, device=key_states.device)
-        pool.fp_k = torch.cat([pool.fp_k, key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
-        pool.fp_v = torch.cat([pool.fp_v, value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype)])
-        pool.fp_pos = torch.cat([pool.fp_pos, positions.repeat(self.n_kv)])
-        pool.fp_head = torch.cat([pool.fp_head, heads.repeat_interleave(n_new)])
+        pool.append_fp(
+            key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype),
+            value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype),
+            positions.repeat(self.n_kv),
+            heads.repeat_interleave(n_new),
+        )
         self._held[0, layer, :, self.seen - n_new : self.seen] = True
         self._views.append(view)
         offer_slots(view)
@@ -554,9 +586,7 @@ class PolicyCache(DynamicCache):
         pool = self.pools[layer]
         keep = want_fp[pool.fp_head.cpu(), pool.fp_pos.cpu()]
         if not bool(keep.all()):
-            keep = keep.to(pool.fp_k.device)
-            pool.fp_k, pool.fp_v = pool.fp_k[keep], pool.fp_v[keep]
-            pool.fp_pos, pool.fp_head = pool.fp_pos[keep], pool.fp_head[keep]
+            pool.keep_fp(keep.to(pool.fp_k.device))
         if pool.q is None:
             return
         q = pool.q
