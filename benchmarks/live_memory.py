@@ -45,8 +45,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.1,0.2")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--pairs", action=argparse.BooleanOptionalAction, default=True,
-                    help="time a full-KV decode right before each policy's (default)")
+    ap.add_argument(
+        "--pairs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time a full-KV decode right before each policy's (default)",
+    )
     args = ap.parse_args()
 
     import torch
