@@ -374,12 +374,12 @@ class PolicyCache(DynamicCache):
             view = SlotView(keys, slot_pos, head_mask, recorder)
         pool = self.pools[layer]
         device = key_states.device
+        heads = torch.arange(self.n_kv, dtype=INDEX, device=device)
         if n_new == 1:  # a decode row: one position, every head
             pos = torch.full((self.n_kv,), self.seen - 1, dtype=INDEX, device=device)
-            heads = torch.arange(self.n_kv, dtype=INDEX, device=device)
         else:  # head-major, as the rows below
             pos = torch.arange(self.seen - n_new, self.seen, dtype=INDEX, device=device).repeat(self.n_kv)
-            heads = torch.arange(self.n_kv, dtype=INDEX, device=device).repeat_interleave(n_new)
+            heads = heads.repeat_interleave(n_new)
         pool.append_fp(
             key_states[0].reshape(-1, self.head_dim).to(self.kv_dtype),
             value_states[0].reshape(-1, self.head_dim).to(self.kv_dtype),
