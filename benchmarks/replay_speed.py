@@ -48,9 +48,13 @@ warm_up = time.perf_counter() - t0
 t0 = time.perf_counter()
 r = kvscope.replay(store, policies, [float(b) for b in budgets.split(",")], observe=observe)
 seconds = time.perf_counter() - t0
-# VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork + exec)
+# VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork + exec);
+# the largest peak of the worker processes the replay forked (sharing this one's pages until written)
+import resource
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up, "rss_kib": hwm, "rows": comparison(r)}))
+workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"seconds": seconds, "warm_up_seconds": warm_up, "rss_kib": max(hwm, workers), "rows": comparison(r),
+                  "workers": r.attrs.get("replay_workers", "threads")}))
 """
 
 ALLOCATIONS = """
@@ -131,6 +135,7 @@ def main() -> None:
             "all_seconds": [r["seconds"] for r in runs],
             "warm_up_seconds": statistics.median(r["warm_up_seconds"] for r in runs),
             "rss_kib": max(r["rss_kib"] for r in runs),
+            "workers": runs[-1]["workers"],
             "rows": runs[-1]["rows"],
         }
         causal = [p for p in POLICIES if p != "full"]
@@ -165,6 +170,7 @@ def main() -> None:
         "replay_over_decode_steps_only": replayed["seconds"] / plain_decode,
         "re_decoding_would_cost_s": one_decode * len(POLICIES) * n_budgets,
         "replay_peak_rss_mib": replayed["rss_kib"] / 1024,
+        "replay_workers": replayed["workers"],
         "allocation_run_over_one_decode": {
             a: sec / ((len(POLICIES) - 1) * len(args.budgets.split(","))) / (plain_prefill + plain_decode)
             for a, sec in allocated["allocations"].items()
@@ -187,7 +193,7 @@ def main() -> None:
         f"{report['replay_over_one_decode']:.3f}  (target ≤ 1.0; re-decoding: {grid} decodes = "
         f"{report['re_decoding_would_cost_s']:.0f} s)\n"
         f"                        replay / decode steps only = {report['replay_over_decode_steps_only']:.3f}\n"
-        f"  replay peak RSS       {report['replay_peak_rss_mib']:.0f} MiB\n"
+        f"  replay peak RSS       {report['replay_peak_rss_mib']:.0f} MiB (per process; ran on {replayed['workers']})\n"
         f"  per run (policy × budget, errors off) over one decode, by allocation: "
         + ", ".join(f"{a} {r:.3f}" for a, r in report["allocation_run_over_one_decode"].items())
         + f"\n  tune, {report['tune_trials']} configurations: {report['tune_seconds']:.1f} s  →  over re-decoding 5 = "

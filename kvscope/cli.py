@@ -871,8 +871,13 @@ def _add_replay(sub) -> None:
         "and the --out folder)",
     )  # fmt: skip
     p.add_argument(
+        "--processes", type=int, default=None, metavar="N",
+        help="worker processes forked from this one that take the tasks (Linux; default: 2 for a grid of at least "
+        f"{defaults.REPLAY_FORK_CELLS:.0e} run × step × unit × position cells; 0: this process alone)",
+    )  # fmt: skip
+    p.add_argument(
         "--layers-per-task", type=int, default=None, metavar="N",
-        help="layers of one sample per task (default: as many as 2 GiB holds, fewer to keep dask workers busy)",
+        help="layers of one sample per task (default: as many as 2 GiB holds, fewer to keep the workers busy)",
     )  # fmt: skip
     p.add_argument(
         "--kv-heads-per-task", type=int, default=None, metavar="N",
@@ -905,7 +910,7 @@ def _cmd_replay(args) -> int:
         result = replay(
             args.store, policies, budgets, allocations=allocations, observe=args.observe, horizon=args.horizon, every=args.every,
             question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task,
-            kv_heads_per_task=args.kv_heads_per_task, client=client,
+            kv_heads_per_task=args.kv_heads_per_task, client=client, processes=args.processes,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
         )  # fmt: skip
     if args.plot:

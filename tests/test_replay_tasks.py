@@ -30,7 +30,7 @@ def assert_same(a: xr.Dataset, b: xr.Dataset) -> None:
             np.testing.assert_array_equal(x, y, err_msg=name)
         else:
             assert (x == y).all(), name
-    drop = {"replay_seconds", "trace", "policies", "allocations"}
+    drop = {"replay_seconds", "replay_workers", "trace", "policies", "allocations"}
     assert {k: v for k, v in a.attrs.items() if k not in drop} == {k: v for k, v in b.attrs.items() if k not in drop}
 
 
@@ -127,6 +127,36 @@ def test_local_cluster_gives_the_same(small_qkv_trace, whole):
     assert_same(whole, result)
 
 
+def test_forked_workers_give_the_same(small_qkv_trace, whole, whole_allocated):
+    """Two worker processes forked from this one (``processes=2``): tasks of 15 layers each (the
+    press whole), the oracle's probes in the workers too — every variable identical, and the
+    result says where it ran."""
+    from kvscope.replay import replay
+
+    result = replay(small_qkv_trace, POLICIES, [0.3], processes=2)
+    assert result.attrs["replay_workers"] == "forked:2" and whole.attrs["replay_workers"] == "threads:2"
+    assert_same(whole, result.load())
+    allocated = replay(small_qkv_trace, ["h2o", "qevict"], [0.3], allocations=ALLOCATIONS, processes=2)
+    assert_same(whole_allocated, allocated.load())
+
+
+def test_a_failure_in_a_forked_worker_is_one_line(small_qkv_trace, tmp_path):
+    """A damaged chunk read only by a worker's task (the last block of rows): the CLI names it
+    in one line, exit code 2, and leaves no result store behind."""
+    import shutil
+
+    trace = tmp_path / "trace.zarr"
+    shutil.copytree(small_qkv_trace, trace)
+    chunk = max((trace / "attn" / "c").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else -1)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    out = tmp_path / "result.zarr"
+    proc = run_main("replay", trace, "--policies", "h2o,qevict", "--budgets", "0.3", "--processes", "2", "--out", out)
+    one_line_error(proc, "attn")
+    assert not out.exists() and not list(tmp_path.glob(".result.zarr.partial-*"))
+
+
 def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp_path):
     """``kvscope replay --dask tcp://…`` against a scheduler and worker started apart: the result
     store equals the in-process one."""
@@ -167,6 +197,8 @@ def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp
         (["--kv-heads-per-task", "1", "--allocation", "oracle"], "the oracle allocation splits each layer's"),
         (["--dask", "local:x"], "--dask local:N needs a worker count"),
         (["--dask", "ftp://x"], "--dask takes local:N or tcp://host:port"),
+        (["--processes", "-1"], "processes must be an integer ≥ 0 (got -1)"),
+        (["--processes", "2", "--dask", "local:2"], "runs on a dask cluster or in forked processes, not both"),
     ],
 )
 def test_bad_task_options(small_qkv_trace, args, needle):
@@ -181,6 +213,8 @@ def test_a_cluster_needs_the_trace_by_path(small_qkv_trace):
 
     with pytest.raises(KvscopeError, match="takes the trace as a store path"):
         replay(open_trace(small_qkv_trace), ["h2o"], [0.3], client=object())
+    with pytest.raises(KvscopeError, match="in forked processes takes the trace as a store path"):
+        replay(open_trace(small_qkv_trace), ["h2o"], [0.3], processes=2)
 
 
 def test_pyramid_split_of_some_layers_is_the_whole_split_there():

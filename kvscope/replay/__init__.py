@@ -34,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -265,6 +267,7 @@ def replay(
     errors: bool = True,
     validate: bool = False,
     threads: int | None = None,
+    processes: int | None = None,
     n_boot: int = defaults.N_BOOT,
     seed: int = 0,
     resample: str = "samples",
@@ -285,8 +288,12 @@ def replay(
     ``name:key=value`` strings or :class:`~kvscope.policies.Allocation` objects; default
     ``uniform``): every policy runs under every allocation.
     ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
-    every policy invariant at every step (tests). ``threads``: cache states advanced in
-    parallel within a step (default: up to 2; numpy releases the GIL inside its loops).
+    every policy invariant at every step (tests). ``processes``: worker processes forked
+    from this one that take the tasks (Linux; default: up to 2 for a grid of at least
+    :data:`kvscope.defaults.REPLAY_FORK_CELLS` run × step × unit × position cells from a trace
+    given by its path; 0: none). ``threads``: where this process runs the tasks itself, cache
+    states advanced in parallel within a step (default: up to 2; numpy releases the GIL inside
+    its loops).
     ``resample``: what the confidence intervals resample, ``samples`` (prompts) or ``units``.
     ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
     compares with a live cache of an fp32 model). ``question_agnostic``: refuse a trace whose
@@ -299,9 +306,9 @@ def replay(
     ``kv_heads_per_task`` KV heads (default: as many layers as
     :data:`kvscope.defaults.REPLAY_TASK_BYTES` hold — all of them for a small trace — and every
     KV head, or some of one layer's where that layer alone does not fit and the allocations allow
-    it; :mod:`kvscope.replay.pieces`), in this process or, given a ``dask.distributed`` ``client``,
-    on its workers (the trace given by its path; workers and this process share the result's
-    folder). The numbers are the same either way.
+    it; :mod:`kvscope.replay.pieces`), in this process, in ``processes`` forked from it or, given a
+    ``dask.distributed`` ``client``, on its workers (the trace given by its path; workers and this
+    process share the result's folder). The numbers are the same either way.
 
     The tiers are streamed to a Zarr store as they are taken (memory never holds them all),
     and the result's ``tiers`` is a dask array reading that store, every other variable in
@@ -323,14 +330,17 @@ def replay(
     )  # fmt: skip
     if client is not None and path is None:
         raise KvscopeError("a replay on a dask cluster takes the trace as a store path (its workers open it)")
-    block = _block(setup, layers_per_task, kv_heads_per_task, client)
+    processes = _processes(setup, processes, client, path)
+    workers = sum(client.nthreads().values()) if client is not None else processes
+    block = _block(setup, layers_per_task, kv_heads_per_task, workers, 2 if client is not None else 1)
     with result_folder(out) as root:
         outputs = _result.Outputs.allocate(setup, root, block=block)
-        _run(setup, outputs, block, client, threads, progress)
+        workers = _run(setup, outputs, block, client, threads, processes, progress)
         outputs.tiers.complete()
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
+        result.attrs["replay_workers"] = workers
         if outputs.settings:
             result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
         if out is not None:
@@ -338,12 +348,38 @@ def replay(
     return open_result(out) if out is not None else result
 
 
-def _block(setup: ReplaySetup, layers: int | None, kv_heads: int | None, client) -> tuple[int, int]:
-    """(layers, KV heads) per task, checked, or chosen (:func:`kvscope.replay.pieces.layers_per_task`,
-    :func:`~kvscope.replay.pieces.kv_heads_per_task`)."""
+def _processes(setup: ReplaySetup, processes: int | None, client, path: str | None) -> int:
+    """Worker processes to fork (0: none): ``processes`` checked, or the default (``replay``'s docstring)."""
+    forkable = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
+    if processes is None:
+        cells = len(setup.grid) * int(setup.ds.kvscope.n_steps.sum()) * setup.n_layers * setup.n_kv * setup.n_pos
+        wanted = cells >= defaults.REPLAY_FORK_CELLS and setup.n_layers > 1 and len(setup.grid) > 1
+        n = min(2, os.cpu_count() or 1) if wanted and forkable and client is None and path is not None else 0
+        return n if n > 1 else 0
+    if isinstance(processes, bool) or not isinstance(processes, (int, np.integer)) or processes < 0:
+        raise KvscopeError(f"processes must be an integer ≥ 0 (got {processes!r})")
+    if processes <= 1:
+        return 0
+    if client is not None:
+        raise KvscopeError(
+            "a replay runs on a dask cluster or in forked processes, not both (processes=0 with a client)"
+        )
+    if path is None:
+        raise KvscopeError("a replay in forked processes takes the trace as a store path (each process opens it)")
+    if not forkable:
+        raise KvscopeError(
+            f"forked worker processes need Linux (this is {sys.platform}): use a dask cluster (--dask local:N)"
+        )
+    return int(processes)
+
+
+def _block(
+    setup: ReplaySetup, layers: int | None, kv_heads: int | None, workers: int, per_worker: int
+) -> tuple[int, int]:
+    """(layers, KV heads) per task, checked, or chosen for ``workers`` to keep busy
+    (:func:`kvscope.replay.pieces.layers_per_task`, :func:`~kvscope.replay.pieces.kv_heads_per_task`)."""
     if layers is None:
-        workers = sum(client.nthreads().values()) if client is not None else 0
-        layers = pieces.layers_per_task(setup, workers)
+        layers = pieces.layers_per_task(setup, workers, tasks_per_worker=per_worker)
     layers = _count(layers, setup.n_layers, "layers per task")
     if kv_heads is None:
         return layers, pieces.kv_heads_per_task(setup, layers)
@@ -363,9 +399,13 @@ def _count(value, most: int, what: str) -> int:
     return int(value)
 
 
-def _run(setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: int | None, progress) -> None:
-    """Every task (:mod:`kvscope.replay.pieces`); in this process, the runs of a step advanced by
-    ``threads`` (default: up to 2; numpy releases the GIL inside its loops)."""
+def _run(
+    setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: int | None, processes: int, progress
+) -> str:
+    """Every task (:mod:`kvscope.replay.pieces`): on the ``client``, in ``processes`` forked
+    workers, or in this process with the runs of a step advanced by ``threads`` (default: up to
+    2; numpy releases the GIL inside its loops). Returns where they ran (the result's
+    ``replay_workers``): ``dask:N`` (N worker threads), ``forked:N`` or ``threads:N``."""
     pieces_of = pieces.plan(setup, *block)
     done, total = [0], sum(int(setup.ds.kvscope.n_steps[p.sample]) for p in pieces_of)
 
@@ -376,11 +416,15 @@ def _run(setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: i
 
     if client is not None:
         pieces.run_pieces(setup, outputs, block=block, client=client, progress=advanced)
-        return
+        return f"dask:{sum(client.nthreads().values())}"
+    if processes:
+        with pieces.ForkedWorkers(processes, setup.uses_torch) as workers:
+            pieces.run_pieces(setup, outputs, block=block, client=workers, progress=advanced)
+        return f"forked:{processes}"
     threads = threads if threads is not None else min(2, os.cpu_count() or 1)
     if threads <= 1 or len(setup.grid) <= 1:
         pieces.run_pieces(setup, outputs, block=block, progress=advanced)
-        return
+        return "threads:1"
     from concurrent.futures import ThreadPoolExecutor
 
     with _torch_one_thread(setup.uses_torch) as initializer:
@@ -389,6 +433,7 @@ def _run(setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: i
             pieces.run_pieces(setup, outputs, block=block, pool=pool, progress=advanced)
         finally:
             pool.shutdown()
+    return f"threads:{threads}"
 
 
 @contextlib.contextmanager

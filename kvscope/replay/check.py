@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,10 @@ ATTRIBUTES = {
     "kv_itemsize": _int(1),
     "protocol": (lambda v: v in (None, *PROTOCOLS), "question-aware or question-agnostic"),  # absent before 0.3
     "replay_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number ≥ 0"),
+    "replay_workers": (
+        lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"(threads|forked|dask):[1-9]\d*", v) is not None),
+        "threads:N, forked:N or dask:N",
+    ),  # absent in results written before 2026-12-02
 }
 
 

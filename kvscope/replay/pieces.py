@@ -19,7 +19,8 @@ things cross units, and are handled so:
 
 Tasks hold some of a layer's KV heads only where one layer does not fit the task's memory
 (:func:`kv_heads_per_task`). :func:`run_pieces` runs the tasks in this process (runs of a step
-advanced by a thread pool), or on a ``dask.distributed`` client: each worker opens the trace by
+advanced by a thread pool), in worker processes forked from it (:class:`ForkedWorkers`), or on a
+``dask.distributed`` client: each worker opens the trace by
 its path and writes its snapshots into the result store's chunks of its own units (chunked by
 the task's block), and sends back only its small per-unit records, which :meth:`Outputs.absorb`
 puts in place.
@@ -31,6 +32,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass, replace
+from typing import Self
 
 import numpy as np
 
@@ -81,13 +83,17 @@ def layer_bytes(setup) -> int:
     return int(setup.n_kv * setup.n_pos * per_position)
 
 
-def layers_per_task(setup, workers: int = 0, memory: int = defaults.REPLAY_TASK_BYTES) -> int:
+def layers_per_task(
+    setup, workers: int = 0, memory: int = defaults.REPLAY_TASK_BYTES, tasks_per_worker: int = 2
+) -> int:
     """Layers per task: as many as ``memory`` holds (all of them for a small trace) — and,
-    with ``workers`` to keep busy, few enough that every sample gives 2·workers tasks in all."""
+    with ``workers`` to keep busy, few enough that the samples give ``tasks_per_worker``·workers
+    tasks in all (2 on a cluster, whose workers may differ; 1 for :class:`ForkedWorkers`: each
+    task pays the per-step work that does not shrink with its layers)."""
     fit = max(1, min(setup.n_layers, memory // max(layer_bytes(setup), 1)))
     if workers:
         samples = max(1, int((setup.ds.kvscope.n_steps > 0).sum()))
-        fit = min(fit, max(1, math.ceil(setup.n_layers / math.ceil(2 * workers / samples))))
+        fit = min(fit, max(1, math.ceil(setup.n_layers / math.ceil(tasks_per_worker * workers / samples))))
     return fit
 
 
@@ -306,16 +312,67 @@ def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, 
 
 
 def _gather(client, function, state, pieces, *args, progress=None, setup=None) -> list:
-    """``function(setup, piece, *args)`` per piece on the cluster, results in the pieces' order
-    (``progress(k)`` with a finished task's steps)."""
-    from distributed import as_completed
-
-    futures = [client.submit(_remote, function, state, piece, *args, pure=False) for piece in pieces]
-    index = {f.key: i for i, f in enumerate(futures)}
+    """``function(setup, piece, *args)`` per piece on the cluster (or :class:`ForkedWorkers`),
+    results in the pieces' order (``progress(k)`` with a finished task's steps)."""
     results: list = [None] * len(pieces)
-    for future in as_completed(futures):
-        i = index[future.key]
-        results[i] = future.result()
+    calls = [(function, state, piece, *args) for piece in pieces]
+    for i, result in _completed(client, calls):
+        results[i] = result
         if progress is not None:
             progress(int(setup.ds.kvscope.n_steps[pieces[i].sample]))
     return results
+
+
+def _completed(client, calls: list[tuple]):
+    """``(i, _remote(*calls[i]))`` as the tasks finish."""
+    if isinstance(client, ForkedWorkers):
+        yield from client.pool.imap_unordered(_indexed, list(enumerate(calls)))
+        return
+    from distributed import as_completed
+
+    futures = [client.submit(_remote, *call, pure=False) for call in calls]
+    index = {f.key: i for i, f in enumerate(futures)}
+    for future in as_completed(futures):
+        yield index[future.key], future.result()
+
+
+def _indexed(item: tuple[int, tuple]) -> tuple[int, object]:
+    i, call = item
+    return i, _remote(*call)
+
+
+class ForkedWorkers:
+    """``n`` worker processes forked from this one (multiprocessing's ``fork`` start, Linux) that
+    take the tasks as a dask cluster's workers do — each opens the trace by its path and writes
+    its snapshots into the result store — without a cluster: they inherit this process's modules,
+    so none is imported again (a LocalCluster's workers take ~3 s to start, about what a 1K-token
+    grid costs). Two processes do not share a GIL: the runs of one process, advanced by threads,
+    overlap only ~20% (their steps are many short numpy calls). Each worker runs torch on one
+    thread and leaves Ctrl-C to this process, which terminates them (leaving the block)."""
+
+    def __init__(self, n: int, uses_torch: bool):
+        import multiprocessing
+
+        self.n = n
+        self.pool = multiprocessing.get_context("fork").Pool(n, initializer=_forked, initargs=(uses_torch,))
+
+    def nthreads(self) -> dict[int, int]:
+        return dict.fromkeys(range(self.n), 1)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+def _forked(uses_torch: bool) -> None:
+    """A forked worker's start: Ctrl-C ignored (this process's parent handles it), torch on one thread."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if uses_torch:
+        import torch
+
+        torch.set_num_threads(1)

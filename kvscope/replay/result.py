@@ -136,6 +136,16 @@ class RunRecord:
         self.churn_stream = ChurnStream(n_valid, earlier_only=True)
         self.lir_stream = LirStream(shape, n_valid, o.lir.m, o.lir.h_lir, o.lir.delta)  # shape [layer, kv_head, pos]
 
+    BYTES_GRID = 1024  # a unit's bytes are summed on a grid of 1/1024 B (record_bytes)
+
+    def record_bytes(self, t: int, used: np.ndarray) -> None:
+        """Step ``t``'s bytes: the sum over ``used [layer, kv_head]``, each unit's bytes first
+        rounded to :data:`BYTES_GRID` — a position's share of its key group's parameters
+        (``4·D/G`` B) is not a binary fraction for every group size ``G``, and float sums
+        grouped by task would differ in the last bit; on the grid every sum is exact, so a
+        task's total adds up to the whole replay's (< 2⁴² B a step)."""
+        self.bytes[t] = np.round(used * self.BYTES_GRID).sum() / self.BYTES_GRID
+
     def snapshot(self, event: int, tiers: np.ndarray) -> None:
         """``tiers [layer, kv_head, pos]`` after the policy acted at ``event``: written out, and
         its FP set advances churn (the pair event − 1, event) and the LIR walk."""

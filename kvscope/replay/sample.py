@@ -225,7 +225,7 @@ class SampleReplay:
                     else renormalized(self.reader.row(t)[..., : st.length], st.accessible())
                 )
             used = driver.decide(row, future, check=check)
-        run.record.bytes[t] = used.sum()
+        run.record.record_bytes(t, used)
         if inputs.event is not None:
             run.snapshot(inputs.event)
 
