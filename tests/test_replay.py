@@ -138,6 +138,44 @@ def test_quantizing_a_set_beats_evicting_it(qkv_trace, result):
     assert np.mean(l1["quantize"]) < 0.5 * np.mean(l1["evict"]), l1
 
 
+def test_evicted_errors_batched_are_each_runs_own():
+    """The errors of caches that only evicted, measured together (query rows of all runs stacked,
+    V read once), in batches of any size: bit for bit each run's own against_full — positions
+    in one block and in several, a softcapped layer, a unit that lost nothing (exactly 0)."""
+    import torch
+
+    from kvscope.attention import AttentionRule, LayerRules
+    from kvscope.replay import output_error
+
+    rng = np.random.default_rng(5)
+    n_l, n_kv, g, n, d = 2, 2, 3, 300, 8
+    rules = LayerRules((AttentionRule(0.35), AttentionRule(0.35, softcap=2.0)))
+    query = rng.normal(size=(n_l, n_kv * g, d)).astype(np.float32)
+    k, v = (rng.normal(size=(n_l, n_kv, n, d)).astype(np.float16) for _ in range(2))
+    spec = kvscope.policies.CacheSpec(n_l, n_kv, d, n - 8, n, 1.0)
+    states = []
+    for share in (0.2, 0.5, 0.9):
+        state = CacheState(make("h2o"), spec, None)
+        state.tiers[..., :n] = np.where(rng.random((n_l, n_kv, n)) < share, 2, 0)
+        state.tiers[..., -1] = 2
+        state.tiers[1, 0, :n] = 2  # this unit holds every key
+        state.length = n
+        states.append(state)
+    presents = [state.accessible() for state in states]
+    for block in (None, 64):  # one block of positions; blocks of 64
+        with pytest.MonkeyPatch.context() as mp:
+            if block:
+                mp.setattr(output_error, "SCRATCH_BYTES", 4 * d * block)
+            ref = reference(rules, query, k, v, n - 1)
+            own = [against_full(rules, st, ref, torch.from_numpy(k), torch.from_numpy(v), n - 1)[1:] for st in states]
+            for batch in (1 << 26, 4 * n_l * n_kv * g * n):  # all runs at once, one at a time
+                l1, rel = output_error.evicted_errors(rules, ref, presents, batch_bytes=batch)
+                for i, (l1_own, rel_own) in enumerate(own):
+                    np.testing.assert_array_equal(l1[i], l1_own)
+                    np.testing.assert_array_equal(rel[i], rel_own)
+        assert (l1[:, 1, 0] == 0).all() and (rel[:, 1, 0] == 0).all() and (l1[:, 0] > 0).all()
+
+
 def test_attention_in_blocks_of_positions_equals_the_naive_rule():
     """attended() converts fp16 K/V to float32 a block of positions at a time: any block gives
     the whole computation to float32 rounding (the same dot products and sums, grouped by block),

@@ -70,6 +70,50 @@ def dequantized(state: CacheState) -> bool:
     return ledger is not None and ledger.k_eff is not None and bool(ledger.n_quantized)
 
 
+def lossless(state: CacheState, n: int) -> bool:
+    """The state holds keys ``0..n−1`` exactly as full KV does (all FP, none ever quantized)."""
+    tiers = state.tiers[..., :n]
+    return bool((tiers == TIER_FP).all()) and (state.ledger is None or not state.ledger.done[..., :n].any())
+
+
+def only_evicted(state: CacheState, n: int) -> bool:
+    """The state's comparison over keys ``0..n−1`` reuses the full-KV logits and values: it lost
+    keys, and changed none (:func:`evicted_errors` batches such comparisons)."""
+    return not dequantized(state) and not lossless(state, n)
+
+
+BATCH_BYTES = 1 << 26  # the probabilities of the runs one evicted_errors batch holds
+
+
+def evicted_errors(
+    rules: LayerRules, ref: Reference, presents: list[np.ndarray], batch_bytes: int = BATCH_BYTES
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`against_full`'s errors for caches that :func:`only_evicted`, batched: each run's
+    held keys ``presents[i] [L, Hkv, n]`` → ``l1, rel [run, L, Hkv]``. The runs' query rows are
+    stacked (``[L, Hkv, runs·g, n]``): one softmax of the full-KV logits masked for all, and per
+    layer and block of positions one product with V for all — row by row the same operations as
+    each run's own (bit for bit; V is read once instead of once per run). At most ``batch_bytes``
+    of probabilities at a time."""
+    import torch
+
+    n_l, n_kv, g, n = ref.probs.shape
+    batch = max(1, batch_bytes // (4 * n_l * n_kv * g * n))
+    l1, rel = [], []
+    for a in range(0, len(presents), batch):
+        present = torch.from_numpy(np.stack(presents[a : a + batch], axis=2))  # [L, Hkv, runs, n]
+        runs = present.shape[2]
+        shown = (ref.shown[:, :, :, None] & present[:, :, :, None, :]).expand(n_l, n_kv, runs, g, n)
+        logits = ref.logits[:, :, None].expand(n_l, n_kv, runs, g, n)
+        stacked = (n_l, n_kv, runs * g, n)
+        _, probs, out = attended(rules, None, None, ref.values, shown.reshape(stacked), logits.reshape(stacked))
+        probs, out = probs.view(n_l, n_kv, runs, g, n), out.view(n_l, n_kv, runs, g, -1)
+        l1.append((probs - ref.probs[:, :, None]).abs().sum(-1).mean(-1))  # [L, Hkv, runs]
+        norm = torch.linalg.vector_norm(ref.out, dim=-1)[:, :, None]
+        error = torch.linalg.vector_norm(out - ref.out[:, :, None], dim=-1) / norm
+        rel.append(torch.where(norm > 0, error, torch.nan).mean(-1))
+    return torch.cat(l1, -1).permute(2, 0, 1).numpy(), torch.cat(rel, -1).permute(2, 0, 1).numpy()
+
+
 def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, row=True):
     """The state's kv-group row ``[L, Hkv, n]`` (None unless ``row``: only observe=exact reads
     it), the attention L1 distance and the output's relative L2 error ``[L, Hkv]`` (module
@@ -78,9 +122,8 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     import torch
 
     n = qpos + 1
-    tiers = state.tiers[..., :n]
-    if (tiers == TIER_FP).all() and (state.ledger is None or not state.ledger.done[..., :n].any()):
-        zeros = np.zeros(tiers.shape[:2])
+    if lossless(state, n):
+        zeros = np.zeros(state.tiers.shape[:2])
         return ref.probs.mean(2).numpy() if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
     shown = ref.shown & torch.from_numpy(present)[:, :, None, :]
@@ -100,7 +143,7 @@ SCRATCH_BYTES = 1 << 20  # a float32 block of one KV head's K or V (stays in cac
 def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: int | None = None):
     """``(logits, probs [L, Hkv, g, n], out [L, Hkv, g, D])`` of ``query [L, Hkv, g, D]`` over
     ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
-    what ``shown`` hides; with ``logits`` given the keys are not read.
+    what ``shown`` hides; with ``logits`` given the keys and the query are not read.
 
     K and V in 16 bit are converted to float32 a block of ``block`` positions of one layer at a
     time (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead
@@ -130,7 +173,7 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
             for span in spans:
                 logits[layer, :, :, span] = rule.logits(query[layer], block_of(keys, layer, span))
     probs = softmax(logits, shown)
-    out = torch.zeros(query.shape)  # [L, Hkv, g, D]
+    out = torch.zeros(*probs.shape[:-1], d)  # [L, Hkv, g, D]
     for layer in range(n_l):
         for span in spans:
             v = block_of(values, layer, span)

@@ -3,7 +3,9 @@
 Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 
     t = 0    driver.prefill(colsum, tail)            every run, from the trace's prompt attention
-    t ≥ 1    driver.append(P − 1 + t)                the new key at full precision
+    t ≥ 1    driver.append(P − 1 + t)                the new key at full precision (every run)
+             errors after an event                   against full KV; the runs that only evicted
+                                                     together (output_error.evicted_errors)
              seen = renormalized row | exact row     what the cache serves (observe=renorm | exact)
              driver.decide(seen)                     observe, compress, budget checked
     events   tiers snapshot, streamed to the result store; churn and LIR advanced; tier shares
@@ -13,7 +15,7 @@ Per step ``t`` (the loop of :mod:`kvscope.replay`)::
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from ..policies import CacheSpec
 from ..policies.allocation import AdaKV, Given, Pyramid
 from ..policies.driver import PolicyDriver
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
-from .output_error import against_full, reference, renormalized
+from .output_error import against_full, evicted_errors, only_evicted, reference, renormalized
 from .reader import SampleReader
 from .result import Outputs, RunRecord
 
@@ -78,6 +80,7 @@ class StepInputs:
     error_event: int | None
     ref: object  # Reference | None
     ahead: dict
+    compared: set = field(default_factory=set)  # id() of the runs whose errors this step are recorded already
 
 
 def _step(advance, run: Run, inputs: StepInputs, horizon: int) -> None:
@@ -178,6 +181,8 @@ class SampleReplay:
         horizon = setup.fmm.horizon
         inputs = self._inputs(0)
         for t in range(r.n_steps):
+            if t > 0:
+                self._appended(inputs)
             steps = [(self._advance, run, inputs, horizon) for run in self.runs]
             last = t + 1 == r.n_steps
             if pool is None:
@@ -214,8 +219,8 @@ class SampleReplay:
         if t == 0:
             used = driver.prefill(self.colsum, self.tail, future, check=check)
         else:
-            driver.append(int(self.reader.query_pos[t]))
-            exact_row = self._compared(run, inputs) if self._compares(run, inputs.error_event) else None
+            due = self._compares(run, inputs.error_event) and id(run) not in inputs.compared
+            exact_row = self._compared(run, inputs) if due else None
             row = None
             if policy.observes:
                 st = run.state
@@ -228,6 +233,27 @@ class SampleReplay:
         run.record.record_bytes(t, used)
         if inputs.event is not None:
             run.snapshot(inputs.event)
+
+    def _appended(self, inputs: StepInputs) -> None:
+        """Step ``t ≥ 1`` begins: every run appends the new key (at full precision); the errors of
+        the runs that :func:`only_evicted` are then measured together (:func:`evicted_errors`)."""
+        qpos = int(self.reader.query_pos[inputs.t])
+        for run in self.runs:
+            run.driver.append(qpos)
+        if not self.setup.with_errors or inputs.error_event is None:
+            return
+        exact = self.setup.observe == "exact"
+        batched = [
+            run for run in self.runs
+            if not (exact and run.driver.policy.observes) and only_evicted(run.state, qpos + 1)
+        ]  # fmt: skip
+        if not batched:
+            return
+        presents = [run.state.accessible()[..., : qpos + 1] for run in batched]
+        l1, rel = evicted_errors(self.setup.rules, inputs.ref, presents)
+        for run, l1_run, rel_run in zip(batched, l1, rel, strict=True):
+            run.record.l1[inputs.error_event], run.record.out[inputs.error_event] = l1_run, rel_run
+            inputs.compared.add(id(run))
 
     def _compares(self, run: Run, error_event: int | None) -> bool:
         """This step compares ``run`` with full KV: its errors after an event, or its exact row
