@@ -7,9 +7,10 @@ For each context length a synthetic store with the real schema is written
     disk        bytes on disk, and raw (every array at its dtype, uncompressed)
     analysis    FMM over the window rows, time vs a plain read of the same rows (ratio)
     replay      8 policies × 3 budgets, in a fresh process (rows recomputed from q/k per task,
-                tasks of as many layers as 2 GiB holds): time, time per step and per 1K
-                positions, peak RSS (VmHWM) of the process; then the same on a 2-worker
-                LocalCluster: time and the largest peak RSS of a worker and of the client
+                tasks of as many layers as 2 GiB holds; the process forks 2 workers for them,
+                replay's default): time, time per step and per 1K positions, the largest peak
+                RSS of the process and its workers; then the same on a 2-worker LocalCluster:
+                time and the largest peak RSS of a worker and of the client
 
 and how each cost grows with context (per step, relative to the smallest context: ≤ the
 context ratio is at most linear). Goal: the 32K grid completes with peak RSS ≤ 8 GB per process.
@@ -56,8 +57,13 @@ t0 = time.perf_counter()
 r = kvscope.replay(store, policies, budgets, client=client, n_boot=100)
 seconds = time.perf_counter() - t0
 fmm = {p: float(r["fmm_mean"].sel(policy=p, budget=budgets[0]).values.ravel()[0]) for p in policies}
-worker_kib = max(client.run(lambda: status("VmHWM")).values()) if client else 0
-print(json.dumps({"seconds": seconds, "peak_kib": status("VmHWM"), "worker_peak_kib": worker_kib, "fmm": fmm}))
+if client:
+    worker_kib = max(client.run(lambda: status("VmHWM")).values())
+else:  # the worker processes the replay forked (replay_workers forked:N), reaped by now
+    import resource
+    worker_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"seconds": seconds, "peak_kib": max(status("VmHWM"), worker_kib), "worker_peak_kib": worker_kib,
+                  "fmm": fmm, "workers": r.attrs.get("replay_workers", "")}))
 """
 
 
