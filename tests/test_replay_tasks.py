@@ -157,6 +157,37 @@ def test_a_failure_in_a_forked_worker_is_one_line(small_qkv_trace, tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".result.zarr.partial-*"))
 
 
+def test_a_forked_worker_that_dies_fails_the_replay_in_one_line(small_qkv_trace):
+    """A worker killed while its task runs (as the kernel's OOM killer would): the replay fails
+    with one line naming it, instead of waiting for a result that never comes."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+
+    from kvscope.errors import KvscopeError
+    from kvscope.replay import replay
+
+    def kill_a_worker():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            workers = multiprocessing.active_children()
+            if workers:
+                time.sleep(0.3)  # its task has started
+                os.kill(workers[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    try:
+        with pytest.raises(KvscopeError, match="a replay worker process died before its task ended"):
+            replay(small_qkv_trace, LOCAL, [0.2, 0.3, 0.5], processes=2)
+    finally:
+        killer.join()
+    assert multiprocessing.active_children() == []
+
+
 def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp_path):
     """``kvscope replay --dask tcp://…`` against a scheduler and worker started apart: the result
     store equals the in-process one."""

@@ -37,6 +37,7 @@ from typing import Self
 import numpy as np
 
 from .. import defaults
+from ..errors import KvscopeError
 from .result import Outputs
 from .sample import SampleReplay
 from .store import TierStore
@@ -326,7 +327,7 @@ def _gather(client, function, state, pieces, *args, progress=None, setup=None) -
 def _completed(client, calls: list[tuple]):
     """``(i, _remote(*calls[i]))`` as the tasks finish."""
     if isinstance(client, ForkedWorkers):
-        yield from client.pool.imap_unordered(_indexed, list(enumerate(calls)))
+        yield from client.completed(calls)
         return
     from distributed import as_completed
 
@@ -334,11 +335,6 @@ def _completed(client, calls: list[tuple]):
     index = {f.key: i for i, f in enumerate(futures)}
     for future in as_completed(futures):
         yield index[future.key], future.result()
-
-
-def _indexed(item: tuple[int, tuple]) -> tuple[int, object]:
-    i, call = item
-    return i, _remote(*call)
 
 
 class ForkedWorkers:
@@ -352,19 +348,46 @@ class ForkedWorkers:
 
     def __init__(self, n: int, uses_torch: bool):
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
         self.n = n
-        self.pool = multiprocessing.get_context("fork").Pool(n, initializer=_forked, initargs=(uses_torch,))
+        context = multiprocessing.get_context("fork")
+        self.pool = ProcessPoolExecutor(n, mp_context=context, initializer=_forked, initargs=(uses_torch,))
 
     def nthreads(self) -> dict[int, int]:
         return dict.fromkeys(range(self.n), 1)
 
+    def completed(self, calls: list[tuple]):
+        """``(i, _remote(*calls[i]))`` as the tasks finish; a worker that died (killed for
+        memory, say) fails the replay with one line instead of leaving it waiting."""
+        from concurrent.futures import as_completed
+        from concurrent.futures.process import BrokenProcessPool
+
+        futures = {self.pool.submit(_remote, *call): i for i, call in enumerate(calls)}
+        try:
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+        except BrokenProcessPool as exc:
+            raise KvscopeError(
+                "a replay worker process died before its task ended (killed for memory?): "
+                "rerun with fewer --layers-per-task or --processes 0"
+            ) from exc
+
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.pool.terminate()
-        self.pool.join()
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.pool.shutdown()
+            return
+        # failed or interrupted: the other tasks are stopped, not waited for (concurrent.futures
+        # keeps its processes in _processes; Python 3.14 adds terminate_workers for this)
+        processes = list((getattr(self.pool, "_processes", None) or {}).values())
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=10)
 
 
 def _forked(uses_torch: bool) -> None:
