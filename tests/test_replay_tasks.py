@@ -188,6 +188,30 @@ def test_a_forked_worker_that_dies_fails_the_replay_in_one_line(small_qkv_trace)
     assert multiprocessing.active_children() == []
 
 
+def _replay_in_a_daemon(trace, answers) -> None:
+    from kvscope.replay import replay
+
+    try:
+        replay(trace, ["h2o"], [0.3], processes=2)
+        answers.put("ran")
+    except Exception as exc:  # noqa: BLE001 - sent back to the test
+        answers.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_daemonic_process_does_not_fork(small_qkv_trace):
+    """A daemonic process (a dask worker runs so) may not have children: asked for forked
+    workers there, the replay says so in one line (and never forks by default)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    process = context.Process(target=_replay_in_a_daemon, args=(str(small_qkv_trace), answers), daemon=True)
+    process.start()
+    answer = answers.get(timeout=120)
+    process.join(timeout=30)
+    assert answer.startswith("KvscopeError: this is a daemonic process"), answer
+
+
 def test_a_scheduler_the_cli_did_not_start(small_qkv_trace, whole_allocated, tmp_path):
     """``kvscope replay --dask tcp://…`` against a scheduler and worker started apart: the result
     store equals the in-process one."""

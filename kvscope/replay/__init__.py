@@ -351,10 +351,11 @@ def replay(
 def _processes(setup: ReplaySetup, processes: int | None, client, path: str | None) -> int:
     """Worker processes to fork (0: none): ``processes`` checked, or the default (``replay``'s docstring)."""
     forkable = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
+    daemon = multiprocessing.current_process().daemon  # a dask worker, say: may not have children
     if processes is None:
         cells = len(setup.grid) * int(setup.ds.kvscope.n_steps.sum()) * setup.n_layers * setup.n_kv * setup.n_pos
         wanted = cells >= defaults.REPLAY_FORK_CELLS and setup.n_layers > 1 and len(setup.grid) > 1
-        n = min(2, os.cpu_count() or 1) if wanted and forkable and client is None and path is not None else 0
+        n = min(2, os.cpu_count() or 1) if wanted and forkable and not daemon and client is None and path else 0
         return n if n > 1 else 0
     if isinstance(processes, bool) or not isinstance(processes, (int, np.integer)) or processes < 0:
         raise KvscopeError(f"processes must be an integer ≥ 0 (got {processes!r})")
@@ -366,6 +367,10 @@ def _processes(setup: ReplaySetup, processes: int | None, client, path: str | No
         )
     if path is None:
         raise KvscopeError("a replay in forked processes takes the trace as a store path (each process opens it)")
+    if daemon:
+        raise KvscopeError(
+            "this is a daemonic process (a dask worker?), which may not fork worker processes: processes=0"
+        )
     if not forkable:
         raise KvscopeError(
             f"forked worker processes need Linux (this is {sys.platform}): use a dask cluster (--dask local:N)"
