@@ -335,12 +335,12 @@ def replay(
     block = _block(setup, layers_per_task, kv_heads_per_task, workers, 2 if client is not None else 1)
     with result_folder(out) as root:
         outputs = _result.Outputs.allocate(setup, root, block=block)
-        workers = _run(setup, outputs, block, client, threads, processes, progress)
+        ran_on = _run(setup, outputs, block, client, threads, processes, progress)
         outputs.tiers.complete()
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
-        result.attrs["replay_workers"] = workers
+        result.attrs["replay_workers"] = ran_on
         if outputs.settings:
             result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
         if out is not None:

@@ -249,7 +249,7 @@ class SampleReplay:
         ]  # fmt: skip
         if not batched:
             return
-        presents = [run.state.accessible()[..., : qpos + 1] for run in batched]
+        presents = [run.state.accessible() for run in batched]  # [L, Hkv, qpos + 1] after the append
         l1, rel = evicted_errors(self.setup.rules, inputs.ref, presents)
         for run, l1_run, rel_run in zip(batched, l1, rel, strict=True):
             run.record.l1[inputs.error_event], run.record.out[inputs.error_event] = l1_run, rel_run
