@@ -140,6 +140,39 @@ def test_forked_workers_give_the_same(small_qkv_trace, whole, whole_allocated):
     assert_same(whole_allocated, allocated.load())
 
 
+FORK_AFTER_TORCH = """
+import sys, numpy as np, torch
+from kvscope.replay import replay
+torch.set_num_threads(2)
+torch.rand(1 << 22).to(torch.float16)  # this process's OpenMP team has run
+forked = replay(sys.argv[1], ["h2o", "qevict"], [0.3], errors=False, processes=2).load()
+threaded = replay(sys.argv[1], ["h2o", "qevict"], [0.3], errors=False, processes=0).load()
+same = all(np.array_equal(forked[v].values, threaded[v].values, equal_nan=True) for v in forked.data_vars)
+print(forked.attrs["replay_workers"], same)
+"""
+
+
+def test_forked_workers_after_torch_ran_here(small_qkv_trace):
+    """A replay that computes nothing with torch (no errors), forked from a process whose torch
+    ran on two threads: the workers' float16 conversions still go through torch, which must run
+    on one thread there (a fork's child hangs in libgomp's first parallel region otherwise)."""
+    import os
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORK_AFTER_TORCH, str(small_qkv_trace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the forked workers hung")
+    assert proc.returncode == 0, err
+    assert out.split() == ["forked:2", "True"]
+
+
 def test_a_failure_in_a_forked_worker_is_one_line(small_qkv_trace, tmp_path):
     """A damaged chunk read only by a worker's task (the last block of rows): the CLI names it
     in one line, exit code 2, and leaves no result store behind."""

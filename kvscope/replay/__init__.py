@@ -183,9 +183,13 @@ class ReplaySetup:
 
     @property
     def uses_torch(self) -> bool:
-        """Some run computes with torch: errors, exact observation or a kvpress press (q/k/v recorded)."""
+        """Some step computes with torch: errors, exact observation or a kvpress press (q/k/v
+        recorded) — or, torch being loaded already, every float16 conversion (``dtypes.cast``).
+        Forked workers must then set torch to one thread before its first op: a child of a
+        process whose OpenMP team ran once hangs in its first parallel region (libgomp is not
+        fork-safe)."""
         needs = self.with_errors or self.observe == "exact" or any(p.reads_queries for p in self.policies)
-        return self.has_qkv and needs
+        return (self.has_qkv and needs) or "torch" in sys.modules
 
     @property
     def every(self) -> int:
