@@ -478,3 +478,19 @@ def test_selection_codes_from_tiers_by_hand():
     ]
     da = A.selection_from_tiers(xr.DataArray(tiers, dims=("event", "pos"), attrs={"policy": "x"}), n_sink=1)
     assert da.values.tolist() == [[-1, 1, 0, 1, 1, -1], [-1, 1, 1, 0, -1, -1]] and da.attrs["policy"] == "x"
+    with pytest.raises(KvscopeError, match="tier codes must be"):  # the lookup table knows −1..2 only
+        A.selection_from_tiers(xr.DataArray(np.array([[2, -2]], dtype=np.int8), dims=("event", "pos")))
+
+
+@given(st.lists(st.sampled_from([-1, 0, 1, 2]), min_size=1, max_size=40), st.booleans(), st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_selection_codes_table_is_the_rule(codes, accessible, n_sink):
+    """The lookup table gives the rule's codes: −1 where nothing exists, 1 for what is kept."""
+    from kvscope.analysis.common import selection_codes
+
+    tiers = np.array(codes, dtype=np.int8)
+    keep = tiers >= 1 if accessible else tiers == 2
+    want = np.where(tiers < 0, -1, np.where(keep, 1, 0)).astype(np.int8)
+    want[:n_sink] = -1
+    got = selection_codes(tiers, accessible, n_sink)
+    assert got.dtype == np.int8 and got.tolist() == want.tolist()

@@ -21,7 +21,7 @@ import xarray as xr
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..tiers import TIER_FP, TIER_Q
+from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from ..windows import Units
 from .kernels import cumulative, top_fraction_codes
 from .mass import prefill_unit_mass, unit_mass
@@ -30,18 +30,32 @@ NOT_CANDIDATE, NOT_SELECTED, SELECTED = -1, 0, 1
 
 
 def selection_codes(tiers: np.ndarray, accessible: bool = True, n_sink: int = 0) -> np.ndarray:
-    """int8 selection codes from tier codes ``[..., pos]``: −1 where nothing exists (and for
-    the first ``n_sink`` positions when given), 1 for FP or Q (``accessible``) or FP only, else 0."""
-    tiers = np.asarray(tiers)
-    keep = tiers >= TIER_Q if accessible else tiers == TIER_FP
-    sel = np.where(tiers < 0, NOT_CANDIDATE, np.where(keep, SELECTED, NOT_SELECTED)).astype(np.int8)
+    """int8 selection codes from tier codes ``[..., pos]`` (valid codes −1..2 only: checked where
+    tiers come in): −1 where nothing exists (and for the first ``n_sink`` positions when given),
+    1 for FP or Q (``accessible``) or FP only, else 0."""
+    sel = np.take(_SELECTION_OF_TIER[accessible], tiers)  # a table lookup: 3-8x a nested np.where
     sel[..., :n_sink] = NOT_CANDIDATE
     return sel
+
+
+def _selection_table(accessible: bool) -> np.ndarray:
+    """The code of each tier, indexed by the tier code (``TIER_NONE`` = −1: the last entry)."""
+    table = np.empty(4, dtype=np.int8)
+    table[TIER_NONE] = NOT_CANDIDATE
+    table[TIER_EVICTED] = NOT_SELECTED
+    table[TIER_Q] = SELECTED if accessible else NOT_SELECTED
+    table[TIER_FP] = SELECTED
+    return table
+
+
+_SELECTION_OF_TIER = {True: _selection_table(True), False: _selection_table(False)}
 
 
 def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True, n_sink: int = 0) -> xr.DataArray:
     """Binary selection from tiers (``pos`` last): selected = FP or Q (``accessible``) or FP
     only; the first ``n_sink`` positions are not candidates when ``n_sink`` is given."""
+    if not np.isin(tiers.values, (TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP)).all():
+        raise KvscopeError("tier codes must be −1 (none), 0 EVICTED, 1 Q or 2 FP")
     sel = tiers.copy(data=selection_codes(tiers.values, accessible, n_sink))
     sel.attrs = dict(tiers.attrs)
     return sel

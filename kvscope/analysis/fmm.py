@@ -57,11 +57,11 @@ def tier_fractions(future: np.ndarray, exists: np.ndarray, tiers: np.ndarray, va
     return np.where((valid & (den > 0))[..., None], out, np.nan)
 
 
-def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: int, present: tuple):
+def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: int, present: tuple, fp: bool = True):
     """:func:`tier_fractions` of one event: shares of ``future [..., pos]`` (total ``den [...]``
     over the existing positions ``< exists``) on FP, Q and EVICTED → 3 × ``[...]``;
     ``present`` (any FP, any Q, any EVICTED) says which tiers occur: absent ones are exactly 0
-    and an all-FP cache exactly 1."""
+    and an all-FP cache exactly 1. ``fp=False``: the FP share is not computed (None)."""
     f = future[..., :exists]
     t = tiers[..., :exists]
     has_fp, has_q, has_ev = present
@@ -72,14 +72,16 @@ def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: 
 
     q = on(TIER_Q) if has_q else zero
     ev = on(TIER_EVICTED) if has_ev else zero
-    if not has_fp:
-        fp = zero
+    if not fp:
+        share_fp = None
+    elif not has_fp:
+        share_fp = zero
     elif not (has_q or has_ev):
-        fp = den
+        share_fp = den
     else:
-        fp = on(TIER_FP)
+        share_fp = on(TIER_FP)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return [np.where(den > 0, part / den, np.nan) for part in (fp, q, ev)]
+        return [None if part is None else np.where(den > 0, part / den, np.nan) for part in (share_fp, q, ev)]
 
 
 @dataclass

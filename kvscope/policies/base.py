@@ -396,7 +396,7 @@ class CacheState:
         t = self.tiers[..., : self.length]
         total = np.count_nonzero(t == FP, axis=-1) * self.spec.fp_bytes
         if self.ledger is not None and self.ledger.n_quantized:
-            total = total + self.ledger.q_cost[..., : self.length].sum(-1, where=t == Q)
+            total = total + (self.ledger.q_cost[..., : self.length] * (t == Q)).sum(-1)  # sum(where=) is 6x slower
         return total
 
     def check(self) -> None:

@@ -193,6 +193,6 @@ def _torch(x):
 def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:
     """``row`` restricted to ``accessible`` and renormalized to sum 1 per (layer, kv_head):
     what a policy observes in open loop (``observe="renorm"``)."""
-    seen = np.where(accessible, row, 0.0)
+    seen = row * accessible  # rows are finite and ≥ 0: the same values as where(accessible, row, 0)
     total = seen.sum(-1, keepdims=True)
-    return np.divide(seen, total, out=np.zeros_like(seen), where=total > 0)
+    return seen / np.where(total > 0, total, 1.0)  # a unit with nothing seen stays 0

@@ -54,7 +54,7 @@ class Run:
         snapshot is dropped once its last horizon has ended (censored ones when the run ends)."""
         for r in resolved:
             tiers, present = self.pending[r.event]
-            fp, q, ev = tier_shares(r.future, r.den, tiers, r.exists, present)
+            fp, q, ev = tier_shares(r.future, r.den, tiers, r.exists, present, fp=r.horizon == horizon)
             self.record.curve[0, r.index, r.event] = ev
             self.record.curve[1, r.index, r.event] = q + ev
             if r.horizon == horizon:
