@@ -394,7 +394,7 @@ class CacheState:
     def bytes_used(self) -> np.ndarray:
         """``[layer, kv_head]`` bytes resident now."""
         t = self.tiers[..., : self.length]
-        total = np.count_nonzero(t == FP, axis=-1) * self.spec.fp_bytes
+        total = (t == FP).view(np.uint8).sum(-1, dtype=np.int32) * float(self.spec.fp_bytes)  # 2x count_nonzero(axis=)
         if self.ledger is not None and self.ledger.n_quantized:
             total = total + (self.ledger.q_cost[..., : self.length] * (t == Q)).sum(-1)  # sum(where=) is 6x slower
         return total
