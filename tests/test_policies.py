@@ -7,6 +7,8 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvscope.errors import KvscopeError
 from kvscope.policies import CacheSpec, LedgerError, LogQuantIndex, available, make, parse
@@ -408,3 +410,24 @@ def test_as_eviction_is_fitted_to_the_same_bytes():
         assert evicting.reached and parse(name + ":evict=true").kind == "eviction"
         _, _, used = drive(name + ":evict=true", 0.3)
         assert (used <= spec.capacity * (1 + 1e-6)).all()
+
+
+@given(
+    st.integers(1, 3), st.integers(1, 12), st.integers(0, 14), st.integers(0, 2**32 - 1), st.sampled_from([2, 5, 1000])
+)
+@settings(max_examples=80, deadline=None)
+def test_top_k_mask_is_the_k_best_newest_first_on_ties(units, n, k, seed, levels):
+    """The ``k`` best candidates by score, ties to the newer position — against a sort, with
+    ties frequent (scores from ``levels`` values) and rare, and units with fewer candidates than ``k``."""
+    from kvscope.policies.base import top_k_mask
+
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, levels, (units, n)).astype(np.float64)
+    candidates = rng.random((units, n)) < 0.8
+    want = np.zeros((units, n), dtype=bool)
+    for u in range(units):
+        ranked = sorted(np.flatnonzero(candidates[u]), key=lambda p: (-scores[u, p], -p))
+        want[u, ranked[:k]] = True
+    assert top_k_mask(scores, candidates, k).tolist() == want.tolist()
+    per_unit = np.full(units, k)  # the per-unit (array) path agrees
+    assert top_k_mask(scores, candidates, per_unit).tolist() == want.tolist()

@@ -482,7 +482,9 @@ def top_k_mask(scores: np.ndarray, candidates: np.ndarray, k) -> np.ndarray:
         threshold = -np.partition(-masked, k - 1, axis=-1)[..., k - 1 : k]
         above = masked > threshold
         equal = masked == threshold
-        need = k - above.sum(-1, keepdims=True)
+        need = k - above.view(np.uint8).sum(-1, keepdims=True, dtype=np.int64)
+        if (equal.view(np.uint8).sum(-1, keepdims=True, dtype=np.int64) <= need).all():
+            return candidates & (above | equal)  # no tie to break (the usual case): the cumsum below is skipped
         from_newest = np.cumsum(equal[..., ::-1], axis=-1)[..., ::-1]
         return candidates & (above | (equal & (from_newest <= need)))
     order = np.argsort(-masked[..., ::-1], axis=-1, kind="stable")
