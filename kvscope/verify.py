@@ -37,6 +37,7 @@ from .errors import KvscopeError, StoreError
 from .integrity import DamagedStore
 from .rowformat import RowFormat
 from .schema import schema
+from .tiers import valid_codes
 
 MAX_PROBLEMS = 200  # lines reported; the count says how many more
 
@@ -186,7 +187,7 @@ def check_rope(report: Report, ctx: Context, array: str, index, origin, data: np
 
 
 def check_policy(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
-    if array == "policy_tiers" and not np.isin(data, (-1, 0, 1, 2)).all():
+    if array == "policy_tiers" and not valid_codes(data):
         report.add(array, index, "tier codes outside −1 (none), 0 EVICTED, 1 Q, 2 FP")
     elif array != "policy_tiers":
         c = int(ctx.checked.committed[index[0]])

@@ -21,7 +21,7 @@ import xarray as xr
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
+from ..tiers import TIER_CODES_RULE, TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q, valid_codes
 from ..windows import Units
 from .kernels import cumulative, top_fraction_codes
 from .mass import prefill_unit_mass, unit_mass
@@ -54,8 +54,8 @@ _SELECTION_OF_TIER = {True: _selection_table(True), False: _selection_table(Fals
 def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True, n_sink: int = 0) -> xr.DataArray:
     """Binary selection from tiers (``pos`` last): selected = FP or Q (``accessible``) or FP
     only; the first ``n_sink`` positions are not candidates when ``n_sink`` is given."""
-    if not np.isin(tiers.values, (TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP)).all():
-        raise KvscopeError("tier codes must be −1 (none), 0 EVICTED, 1 Q or 2 FP")
+    if not valid_codes(tiers.values):
+        raise KvscopeError(TIER_CODES_RULE)
     sel = tiers.copy(data=selection_codes(tiers.values, accessible, n_sink))
     sel.attrs = dict(tiers.attrs)
     return sel

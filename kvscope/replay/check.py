@@ -43,6 +43,7 @@ from ..integrity import (
     is_int,
     read_metas,
 )
+from ..tiers import TIER_CODES_RULE, valid_codes
 from .store import CHECKSUM_ATTR, RUN, TIER_DIMS, attributes_checksum
 
 KIND = "kvscope replay"
@@ -132,7 +133,7 @@ VALUE_RULES = {
     "bytes": ("values must be NaN or finite and ≥ 0", _nan_or(lambda x: np.isfinite(x) & (x >= 0))),
     "count": ("counts must be ≥ 0", lambda x: bool((x >= 0).all())),
     "flag": ("flags must be true or false", lambda x: True),
-    "codes": ("tier codes must be −1 (none), 0 EVICTED, 1 Q or 2 FP", lambda x: bool(np.isin(x, (-1, 0, 1, 2)).all())),
+    "codes": (TIER_CODES_RULE, valid_codes),
 }
 
 
