@@ -12,7 +12,8 @@ shapes and kernels, not on trained weights.
    eager ``output_attentions`` (max |capture − eager|), for sdpa and flash_attention_2 where
    installed.
 2. overhead: the bf16 model, prompts of ``--tokens`` (1,024 and 8,192), 64 new tokens, traced
-   (kv rows, fp16) vs a plain untraced decode, medians of ``--repeats`` interleaved pairs.
+   (kv rows, fp16) under both layer-output modes (``--attn-output kernel`` and ``probs``) vs a
+   plain untraced decode, medians of ``--repeats`` interleaved repeats.
 3. replay: the 1,024-token trace recorded with q/k/v, 8 policies × 2 budgets, against one decode.
 
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
@@ -26,7 +27,6 @@ import json
 import math
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -72,7 +72,8 @@ def source_of(label: str):
 
 
 def check_capture(tokenizer, args, workdir: Path) -> dict:
-    """Max |capture − eager| over rows, column sums and tail rows, per attention kernel."""
+    """Max |capture − eager| over rows, column sums and tail rows, per attention kernel and
+    per layer-output mode (``sdpa+probs``: the outputs from the recorded probabilities)."""
     import numpy as np
     import torch
     from trace_overhead import prose_prompt
@@ -85,10 +86,11 @@ def check_capture(tokenizer, args, workdir: Path) -> dict:
     prompt = prose_prompt(tokenizer, 128 if args.small else 512)
     kernels = ["sdpa"] + (["flash_attention_2"] if _has_flash(args.device) else [])
     out = {}
-    for kernel in kernels:
-        store = workdir / f"capture-{kernel}.zarr"
+    for kernel, output in [(k, "kernel") for k in kernels] + [(k, "probs") for k in kernels]:
+        name = kernel if output == "kernel" else f"{kernel}+probs"
+        store = workdir / f"capture-{name}.zarr"
         settings = TraceSettings(max_new_tokens=16, heads="all", dtype="float32", device=args.device, attn=kernel,
-                                 model_dtype="float32", stop_at_eos=False)  # fmt: skip
+                                 attn_output=output, model_dtype="float32", stop_at_eos=False)  # fmt: skip
         trace_loaded(model, tokenizer, source_of("capture-check"), [Prompt(prompt, "pydoc_data")], store, settings)
         ds = kvscope.open_trace(store)
         p, n = int(ds.prompt_len[0]), int(ds.n_steps[0])
@@ -100,7 +102,7 @@ def check_capture(tokenizer, args, workdir: Path) -> dict:
         attn = ds.attn.values[0]  # [step, layer, head, pos]
         worst = max(float(np.abs(attn[t, :, :, : p + t] - ref[:, :, p - 1 + t, : p + t]).max()) for t in range(n))
         colsum = float(np.abs(ds.prefill_colsum.values[0][:, :, :p] - ref[:, :, :p, :p].sum(2)).max())
-        out[kernel] = {"rows_max_abs": worst, "colsum_max_abs": colsum, "steps": n, "prompt_tokens": p}
+        out[name] = {"rows_max_abs": worst, "colsum_max_abs": colsum, "steps": n, "prompt_tokens": p}
     return out
 
 
@@ -110,10 +112,11 @@ def _has_flash(device: str) -> bool:
     return device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None
 
 
-def overhead(model, tokenizer, args, prompt_tokens: int, workdir: Path) -> dict:
-    """Traced vs untraced decode of one prompt (medians of interleaved repeats; trace_overhead's pairs)."""
+def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
+    """Traced vs untraced decode of one prompt, both layer-output modes (trace_overhead's
+    interleaved repeats: medians of each traced run over the plain run of its repeat)."""
     import torch
-    from trace_overhead import one_pair, prose_prompt
+    from trace_overhead import prose_prompt, run_repeats, summarize
 
     from kvscope.tracing.runner import TraceSettings
 
@@ -121,23 +124,9 @@ def overhead(model, tokenizer, args, prompt_tokens: int, workdir: Path) -> dict:
     prompt = prose_prompt(tokenizer, prompt_tokens)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(args.device)
     settings = TraceSettings(max_new_tokens=args.new_tokens, device=args.device, stop_at_eos=False)
-    rows: dict[str, list] = {}
-    for r in range(args.repeats + 1):  # the first pair warms up
-        store = workdir / f"overhead-{prompt_tokens}-{r}.zarr"
-        measured = one_pair(model, tokenizer, source_of("overhead"), prompt, ids, settings, store, sync)
-        shutil.rmtree(store, ignore_errors=True)
-        if r:
-            for key, value in measured.items():
-                rows.setdefault(key, []).append(value)
-    tokens_equal = all(rows.pop("tokens_equal"))
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    return {
-        "prompt_tokens": int(ids.shape[1]),
-        **{f"{k}_s": v for k, v in med.items()},
-        "decode_ratio": med["traced_decode"] / med["plain_decode"],
-        "prefill_ratio": med["traced_prefill"] / med["plain_prefill"],
-        "traced_tokens_equal_untraced": tokens_equal,
-    }
+    outputs = ("kernel", "probs")
+    measured = run_repeats(model, tokenizer, source_of("overhead"), prompt, ids, settings, outputs, args.repeats, sync)
+    return {"prompt_tokens": int(ids.shape[1]), **summarize(measured, outputs)}
 
 
 def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict:
@@ -191,11 +180,11 @@ def main() -> None:
         _say(report, "capture_vs_eager", started)
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = build_model(tokenizer, args.layers, args.device, dtype, args.small)
-        report["overhead"] = [overhead(model, tokenizer, args, n, workdir) for n in args.tokens]
+        report["overhead"] = [overhead(model, tokenizer, args, n) for n in args.tokens]
         _say(report, "overhead", started)
         first = report["overhead"][0]
         report["replay"] = replay_check(
-            model, tokenizer, args, workdir, first["plain_prefill_s"] + first["plain_decode_s"]
+            model, tokenizer, args, workdir, first["plain_prefill_median_s"] + first["plain_decode_median_s"]
         )
         _say(report, "replay", started)
     finally:

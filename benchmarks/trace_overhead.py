@@ -7,17 +7,22 @@ that ship with Python in ``pydoc_data``), 128 new tokens, kv-group token rows (f
   kernel and a DynamicCache — what a user runs without kvscope;
 * traced: ``kvscope.trace`` on the same loaded model: capturing attention function,
   prefill column sums and tail rows, row assembly, background writer, Zarr store,
-  metadata consolidation — everything, store creation included.
+  metadata consolidation — everything, store creation included; once per layer-output
+  mode of ``--attn-output`` (default both: ``kernel``, the untraced model's outputs bit for
+  bit, and ``probs``, the outputs from the recorded probabilities).
 
-Repeats are interleaved (untraced, traced, untraced, …) and the medians compared.
+Repeats are interleaved (untraced, traced kernel, traced probs, untraced, …), each traced run
+is divided by the untraced run of its own repeat, and the medians of those ratios compared.
 Also reports bytes on disk per step of ``attn`` against raw fp16 rows.
 
     python benchmarks/trace_overhead.py [--repeats 5] [--prompt-tokens 1024] [--new-tokens 128] [--device cpu]
+        [--attn-output kernel,probs]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import shutil
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def prose_prompt(tokenizer, n_tokens: int) -> str:
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
@@ -59,17 +64,28 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     return stamps[1] - stamps[0], stamps[-1] - stamps[1], tokens
 
 
-def one_pair(model, tokenizer, source, prompt: str, input_ids, settings, out: Path, sync) -> dict:
-    """One plain decode and one ``trace_loaded`` of the same prompt into ``out``: their seconds
-    (traced prefill = store creation + prefill with capture, to the first step's callback; traced
-    decode = the remaining steps; total adds the final flush and consolidation) and whether the
-    traced tokens equal the untraced ones."""
-    import kvscope
-    from kvscope.prompts import Prompt
-    from kvscope.tracing.runner import trace_loaded
-
+def one_repeat(model, tokenizer, source, prompt: str, input_ids, settings, outputs, out: Path, sync) -> dict:
+    """One plain decode, then one ``trace_loaded`` of the same prompt per layer-output mode in
+    ``outputs`` (stores under the folder ``out``): ``{"plain": {prefill, decode, tokens},
+    mode: {prefill, decode, total, tokens, info}}``."""
     model.set_attn_implementation(settings.attn)
     p_prefill, p_decode, plain_tokens = untraced_decode(model, input_ids, settings.max_new_tokens, sync)
+    measured = {"plain": {"prefill": p_prefill, "decode": p_decode, "tokens": plain_tokens}}
+    for mode in outputs:
+        mode_settings = dataclasses.replace(settings, attn_output=mode)
+        measured[mode] = traced_run(model, tokenizer, source, prompt, mode_settings, out / f"{mode}.zarr", sync)
+    return measured
+
+
+def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync) -> dict:
+    """Seconds of one ``trace_loaded`` into ``out`` (prefill = store creation + prefill with
+    capture, to the first step's callback; decode = the remaining steps; total adds the final
+    flush and consolidation), the traced tokens and the store's ``store_info``."""
+    import kvscope
+    from kvscope.prompts import Prompt
+    from kvscope.store import store_info
+    from kvscope.tracing.runner import trace_loaded
+
     stamps = []
 
     def on_step(_progress):
@@ -84,13 +100,54 @@ def one_pair(model, tokenizer, source, prompt: str, input_ids, settings, out: Pa
     ds = kvscope.open_trace(out)
     P = int(ds.prompt_len[0])
     return {
-        "plain_prefill": p_prefill,
-        "plain_decode": p_decode,
-        "traced_prefill": stamps[0] - t0,
-        "traced_decode": stamps[-1] - stamps[0],
-        "traced_total": t_end - t0,
-        "tokens_equal": ds.tokens.values[0, P:].tolist() == plain_tokens,
+        "prefill": stamps[0] - t0,
+        "decode": stamps[-1] - stamps[0],
+        "total": t_end - t0,
+        "tokens": ds.tokens.values[0, P:].tolist(),
+        "info": store_info(out),
     }
+
+
+def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, repeats: int, sync) -> list[dict]:
+    """``repeats`` measured repeats of :func:`one_repeat` after one warm-up repeat (dropped);
+    each repeat's stores are removed once measured (the last repeat's ``info`` is kept)."""
+    measured = []
+    workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
+    try:
+        for r in range(repeats + 1):
+            out = workdir / f"r{r}"
+            out.mkdir()
+            m = one_repeat(model, tokenizer, source, prompt, input_ids, settings, outputs, out, sync)
+            shutil.rmtree(out, ignore_errors=True)
+            seconds = ", ".join(f"{mode} {run['prefill']:.2f} + {run['decode']:.2f} s" for mode, run in m.items())
+            print(f"repeat {r}{' (warm-up)' if r == 0 else ''} (prefill + decode): {seconds}", file=sys.stderr)
+            if r > 0:
+                measured.append(m)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return measured
+
+
+def summarize(measured: list[dict], outputs) -> dict:
+    """Medians over the repeats: the plain run's seconds and, per layer-output mode, its
+    seconds, its ratios to the plain run of the same repeat and whether every traced
+    decode gave the untraced tokens."""
+    plain = [m["plain"] for m in measured]
+    report = {f"plain_{k}_median_s": statistics.median(p[k] for p in plain) for k in ("prefill", "decode")}
+    for mode in outputs:
+        runs = [m[mode] for m in measured]
+        report[mode] = {
+            **{f"{k}_median_s": statistics.median(t[k] for t in runs) for k in ("prefill", "decode", "total")},
+            # decode: the per-step cost of tracing (the issue's target); end to end adds the
+            # O(P²) prefill column sums, store creation and consolidation
+            "decode_ratio": statistics.median(t["decode"] / p["decode"] for t, p in zip(runs, plain)),
+            "prefill_ratio": statistics.median(t["prefill"] / p["prefill"] for t, p in zip(runs, plain)),
+            "end_to_end_ratio": statistics.median(
+                t["total"] / (p["prefill"] + p["decode"]) for t, p in zip(runs, plain)
+            ),
+            "tokens_equal_untraced": all(t["tokens"] == p["tokens"] for t, p in zip(runs, plain)),
+        }
+    return report
 
 
 def main() -> None:
@@ -101,6 +158,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--attn-output", default="kernel,probs", help="layer-output modes traced, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -108,10 +166,10 @@ def main() -> None:
 
     from kvscope.cli import quiet_libraries
     from kvscope.models import load, resolve
-    from kvscope.store import store_info
     from kvscope.tracing.runner import TraceSettings
 
     quiet_libraries().__enter__()  # for the whole benchmark process
+    outputs = args.attn_output.split(",")
     source = resolve(args.model)
     model, tokenizer = load(source, args.device)
     prompt = prose_prompt(tokenizer, args.prompt_tokens)
@@ -120,27 +178,11 @@ def main() -> None:
     settings = TraceSettings(
         model=args.model, max_new_tokens=args.new_tokens, device=args.device, attn=args.attn, stop_at_eos=False
     )
-    workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
-    rows = {k: [] for k in ("plain_prefill", "plain_decode", "traced_prefill", "traced_decode", "traced_total")}
-    info = None
-    try:
-        for r in range(args.repeats + 1):  # the first pair warms up and is dropped
-            out = workdir / f"r{r}.zarr"
-            measured = one_pair(model, tokenizer, source, prompt, input_ids, settings, out, sync)
-            assert measured.pop("tokens_equal"), "traced tokens differ from untraced"
-            if r > 0:
-                for key, value in measured.items():
-                    rows[key].append(value)
-            info = store_info(out)
-            print(
-                f"repeat {r}{' (warm-up)' if r == 0 else ''}: "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in measured.items()),
-                file=sys.stderr,
-            )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-    attn = info["arrays"]["attn"]
+    measured = run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, args.repeats, sync)
+    summary = summarize(measured, outputs)
+    if "kernel" in outputs:  # the kernel's outputs are the untraced model's, bit for bit
+        assert summary["kernel"]["tokens_equal_untraced"], "traced tokens differ from untraced"
+    attn = measured[-1][outputs[0]]["info"]["arrays"]["attn"]
     n_steps = args.new_tokens
     _, _, n_layers, n_kv, n_pos = attn["shape"]
     raw_per_step = n_layers * n_kv * n_pos * 2
@@ -156,33 +198,31 @@ def main() -> None:
         "prompt_tokens": int(input_ids.shape[1]),
         "new_tokens": n_steps,
         "repeats": args.repeats,
-        **{f"{k}_median_s": statistics.median(v) for k, v in rows.items()},
-        # decode: per-step cost of tracing (the issue's target); end-to-end includes the
-        # O(P²) prefill column sums, store creation and consolidation
-        "decode_ratio": statistics.median([t / p for t, p in zip(rows["traced_decode"], rows["plain_decode"])]),
-        "prefill_ratio": statistics.median([t / p for t, p in zip(rows["traced_prefill"], rows["plain_prefill"])]),
-        "end_to_end_ratio": statistics.median(
-            [t / (a + b) for t, a, b in zip(rows["traced_total"], rows["plain_prefill"], rows["plain_decode"])]
-        ),
+        **summary,
         "attn_bytes_per_step_on_disk": stored_per_step,
         "attn_raw_fp16_bytes_per_step": raw_per_step,
         "disk_over_raw_fp16": stored_per_step / raw_per_step,
-        "store_total_bytes": info["stored_bytes"],
     }
     if args.json:
         print(json.dumps(report, indent=1))
-    else:
+        return
+    print(
+        f"trace overhead ({report['model']}, {report['device']}, {report['attn']}, "
+        f"{report['prompt_tokens']} + {n_steps} tokens, medians of {args.repeats}; "
+        f"untraced prefill {report['plain_prefill_median_s']:.2f} s, decode {report['plain_decode_median_s']:.2f} s):"
+    )
+    for mode in outputs:
+        r = report[mode]
         print(
-            f"trace overhead ({report['model']}, {report['device']}, {report['attn']}, "
-            f"{report['prompt_tokens']} + {n_steps} tokens, median of {args.repeats}):\n"
-            f"  decode   ({n_steps - 1} steps)  untraced {report['plain_decode_median_s']:.2f} s, "
-            f"traced {report['traced_decode_median_s']:.2f} s, ratio {report['decode_ratio']:.3f}  (target ≤ 1.10)\n"
-            f"  prefill  ({report['prompt_tokens']} tokens)  untraced {report['plain_prefill_median_s']:.2f} s, "
-            f"traced {report['traced_prefill_median_s']:.2f} s, ratio {report['prefill_ratio']:.3f}\n"
-            f"  end to end            ratio {report['end_to_end_ratio']:.3f}\n"
-            f"  attn on disk     {stored_per_step / 1024:.1f} KiB/step vs raw fp16 {raw_per_step / 1024:.1f} KiB/step"
-            f" = {report['disk_over_raw_fp16']:.3f}  (target ≤ 0.65, lossless)"
+            f"  --attn-output {mode:6s}  decode ({n_steps - 1} steps) {r['decode_median_s']:.2f} s, ratio "
+            f"{r['decode_ratio']:.3f} (target ≤ 1.10) · prefill {r['prefill_median_s']:.2f} s, ratio "
+            f"{r['prefill_ratio']:.3f} (≤ 1.25) · end to end {r['end_to_end_ratio']:.3f} · "
+            f"tokens {'equal' if r['tokens_equal_untraced'] else 'DIFFER'}"
         )
+    print(
+        f"  attn on disk     {stored_per_step / 1024:.1f} KiB/step vs raw fp16 {raw_per_step / 1024:.1f} KiB/step"
+        f" = {report['disk_over_raw_fp16']:.3f}  (target ≤ 0.65, lossless)"
+    )
 
 
 if __name__ == "__main__":

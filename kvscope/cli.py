@@ -94,6 +94,11 @@ def _add_trace(sub) -> None:
     p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2")
+    p.add_argument(
+        "--attn-output", default="kernel",
+        help="kernel: layer outputs from --attn, bit for bit the untraced model (default) | probs: from the "
+        "recorded probabilities, one pass over K and V (equal up to float summation order; faster)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--batch-size", type=int, default=1)
@@ -623,8 +628,9 @@ def _cmd_info(args) -> int:
 
     print(f"{info['path']}  status {info['status']}  schema v{info['schema_version']}")
     print(
-        f"model {info['model']} ({info['model_source']}), kernel {info['attn_kernel']}, "
-        f"heads={info['heads']}, resolution={info['resolution']}, dtype={info['dtype']}"
+        f"model {info['model']} ({info['model_source']}), kernel {info['attn_kernel']}"
+        + (", outputs from the recorded probabilities" if info["attn_output"] == "probs" else "")
+        + f", heads={info['heads']}, resolution={info['resolution']}, dtype={info['dtype']}"
     )
     print("dims " + ", ".join(f"{k}={v}" for k, v in info["dims"].items()))
     print(row_format(info["row_format"]["format"]).line())

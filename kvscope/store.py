@@ -228,6 +228,7 @@ def store_info(path: str | os.PathLike) -> dict:
         "dtype": attrs.get("dtype"),
         "row_format": RowFormat.of(attrs).attrs(attrs.get("n_sink")),
         "attn_kernel": attrs.get("attn_kernel"),
+        "attn_output": attrs.get("attn_output", "kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),
         "stored_bytes": int(total_stored),

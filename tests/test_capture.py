@@ -151,9 +151,9 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], attn_implementation=kernel).eval()
     ids = torch.randint(0, 1000, (1, 17), generator=torch.Generator().manual_seed(1))
 
-    def run(capture: bool):
+    def run(capture: bool, attn_output: str = "kernel"):
         model.set_attn_implementation(implementation_name(kernel) if capture else kernel)
-        recorder = AttentionRecorder(n_layers=model.config.num_hidden_layers, n_stored_heads=2)
+        recorder = AttentionRecorder(n_layers=model.config.num_hidden_layers, n_stored_heads=2, attn_output=attn_output)
         cache = DynamicCache(config=model.config)
         logits = []
         with torch.no_grad(), recorder.active():
@@ -170,6 +170,8 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
         return torch.cat(logits)
 
     assert torch.equal(run(False), run(True))
+    # the output from the recorded probabilities: the same up to float summation order
+    torch.testing.assert_close(run(True, "probs"), run(False), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -380,3 +382,105 @@ def test_gemma3_sliding_window_layers_match_eager(tmp_path):
     P = int(ds.prompt_len[0])
     row = ds.attn.values[0, 2, sliding_layer, 0]  # query at P + 1 sees keys P + 1 − 511 .. P + 1
     assert np.all(row[: P + 1 - 511] == 0) and row[P + 1 - 511 : P + 2].sum() == pytest.approx(1, abs=2e-6)
+
+
+# -- attn_output="probs": the layer's output from the recorded probabilities -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
+    """A causal prefill (600 rows of 9 heads on 3 KV heads: several blocks) and a decode row:
+    the output equals sdpa's up to float summation order (in bfloat16 by eager's convention:
+    weights cast to the value's dtype), and what is recorded equals the kernel mode's
+    recording bit for bit. A padded prefill is left to the kernel."""
+    from kvscope.tracing.capture import ATTN_OUTPUTS
+
+    g = torch.Generator().manual_seed(3)
+    P, heads, n_kv, d = 600, 9, 3, 16
+    q, k, v = (torch.randn(1, n, P, d, generator=g).to(dtype) for n in (heads, n_kv, n_kv))
+    layer = type("Layer", (), {"layer_idx": 0})
+
+    def both(seq_len, pad=0):
+        made = [
+            AttentionRecorder(n_layers=1, n_stored_heads=n_kv, obs_window=8, record_qkv=True, attn_output=output)
+            for output in ATTN_OUTPUTS
+        ]
+        for recorder in made:
+            recorder.begin(ForwardContext(seq_len=seq_len, pad=torch.tensor([pad])))
+        return made
+
+    def expect(query, causal):
+        a = torch.nn.functional.scaled_dot_product_attention(
+            query.double(), k.double().repeat_interleave(heads // n_kv, 1), v.double().repeat_interleave(heads // n_kv, 1),
+            is_causal=causal, scale=0.25,
+        )  # fmt: skip
+        return a.transpose(1, 2)
+
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for query, causal in ((q, True), (q[:, :, -1:], False)):  # the prefill, then the last row as a decode row
+        kernel, probs = both(P)
+        assert kernel.attend(layer, query, k, v, None, 0.25, None) is None
+        kernel.observe(layer, query, k, v, None, 0.25, None)
+        out = probs.attend(layer, query, k, v, None, 0.25, None)  # [batch, q, head, D]
+        assert out.dtype == dtype and out.shape == (1, query.shape[2], heads, d) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), expect(query, causal), **tol)
+        assert torch.equal(kernel.rows, probs.rows)
+        for name in ("colsum", "tail", "q", "k", "v"):
+            mine, theirs = getattr(probs.layers[0], name), getattr(kernel.layers[0], name)
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs), name
+    _, probs = both(P + 2, pad=2)
+    assert probs.attend(layer, q, k, v, None, 0.25, None) is None  # padded: the masked path, the kernel's output
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral_sliding", "gemma2"])
+def test_probs_output_traces_equal_eager_and_the_kernel(tmp_path, tiny_models, kind):
+    """A trace under ``attn_output="probs"`` (GQA; sliding-window layers, whose prefill keeps the
+    kernel; softcapping) decodes the kernel's tokens and records eager's probabilities."""
+    settings = {"max_new_tokens": 12, "dtype": "float32", "obs_window": 8, "block_steps": 5, "stop_at_eos": False}
+    for output in ("kernel", "probs"):
+        kvscope.trace(PROMPT, tmp_path / f"{output}.zarr", model=str(tiny_models[kind]), attn_output=output, **settings)
+    kernel, probs = (kvscope.open_trace(tmp_path / f"{output}.zarr") for output in ("kernel", "probs"))
+    assert probs.attrs["attn_output"] == "probs" and kernel.attrs["attn_output"] == "kernel"
+    assert stored_tokens(probs) == stored_tokens(kernel)
+    check_against_eager(probs, tiny_models[kind], "kv")
+    np.testing.assert_allclose(probs.attn.values, kernel.attn.values, atol=1e-6)
+
+
+def test_probs_output_resumes_bit_for_bit(tmp_path, tiny_models):
+    """An interrupted trace under ``attn_output="probs"`` resumed equals the uninterrupted one
+    (its committed steps are regenerated from the same probabilities); a store traced before
+    ``attn_output`` existed resumes as ``kernel``."""
+    import json
+
+    from kvscope.errors import KvscopeError
+
+    from .test_trace_shard import assert_same_store
+
+    settings = {"model": str(tiny_models["qwen2"]), "max_new_tokens": 12, "block_steps": 4, "stop_at_eos": False}
+
+    class Stop(Exception):
+        pass
+
+    def stop_after(step):
+        def progress(p):
+            if p.steps_done > step:
+                raise Stop
+
+        return progress
+
+    whole, resumed = tmp_path / "whole.zarr", tmp_path / "resumed.zarr"
+    kvscope.trace(PROMPT, whole, attn_output="probs", **settings)
+    with pytest.raises(Stop):
+        kvscope.trace(PROMPT, resumed, attn_output="probs", progress=stop_after(6), **settings)
+    with pytest.raises(KvscopeError, match="different attn_output"):
+        kvscope.trace(PROMPT, resumed, resume=True, **settings)
+    kvscope.trace(PROMPT, resumed, attn_output="probs", resume=True, **settings)
+    assert_same_store(whole, resumed)
+
+    older = tmp_path / "older.zarr"
+    with pytest.raises(Stop):
+        kvscope.trace(PROMPT, older, progress=stop_after(6), **settings)
+    meta = json.loads((older / "zarr.json").read_text())
+    del meta["attributes"]["settings"]["attn_output"]
+    (older / "zarr.json").write_text(json.dumps(meta))
+    assert kvscope.trace(PROMPT, older, resume=True, **settings).steps == [12]

@@ -22,6 +22,7 @@ CASES = [
     ("trace-model-unknown-name", ["trace", "--model", "no-such-model", "--prompt", "hi", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "model not found: 'no-such-model'"),
     ("trace-max-new-tokens-0", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "0", "--out", "{TMP}/a.zarr"], "--max-new-tokens must be at least 1"),
     ("trace-heads", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--heads", "some", "--out", "{TMP}/a.zarr"], "--heads must be one of all, kv, mean"),
+    ("trace-attn-output", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--attn-output", "fused", "--out", "{TMP}/a.zarr"], "--attn-output must be one of kernel, probs"),
     ("trace-window-6", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--window", "6", "--out", "{TMP}/a.zarr"], "--window must be a positive multiple of 4"),
     ("trace-record-logits", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--record", "logits", "--out", "{TMP}/a.zarr"], "--record accepts qkv only"),
     ("trace-device-tpu", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--device", "tpu", "--out", "{TMP}/a.zarr"], "--device must be cpu or cuda"),

@@ -10,6 +10,11 @@ sliding window and padding through transformers' mask)::
 
     a = softmax(mask(softcap(q · kᵀ · scaling)))          # [batch, head, q, kv]
 
+Under ``attn_output="probs"`` the layer's output is computed from those probabilities
+instead (``out = a·V``, :meth:`AttentionRecorder.attend`) wherever the recorder computes all
+of them — one pass over the keys instead of two, equal to the kernel's output up to float
+summation order; the default ``kernel`` keeps the untraced model's outputs bit for bit.
+
 Nothing model-specific is hooked: the function sees the real post-RoPE q/k/v of every model
 that routes through ``AttentionInterface``.
 
@@ -34,6 +39,9 @@ from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_ma
 from .. import attention
 
 KERNELS = ("sdpa", "eager", "flash_attention_2")
+# where a traced layer's output comes from: the chosen kernel (bit for bit the untraced model),
+# or the probabilities the recorder computes anyway (``out = a·V``: one pass over K and V, not two)
+ATTN_OUTPUTS = ("kernel", "probs")
 _BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
 HEAD_MODES = ("all", "kv", "mean")
 
@@ -136,6 +144,9 @@ class AttentionRecorder:
 
     ``heads``: ``all`` keeps every query head, ``kv`` averages the heads that share a KV
     head (a kv-group row, still sums to 1), ``mean`` averages all heads (one row).
+    ``attn_output``: ``kernel`` leaves the layer's output to the model's kernel; ``probs``
+    lets :meth:`attend` compute it from the recorded probabilities wherever the recorder
+    computes all of them (decode rows, unpadded causal prefills).
     """
 
     n_layers: int
@@ -144,6 +155,7 @@ class AttentionRecorder:
     obs_window: int = 32
     record_qkv: bool = False
     row_block: int = 256
+    attn_output: str = "kernel"  # one of ATTN_OUTPUTS
     enabled: bool = True
     ctx: ForwardContext | None = None
     layers: dict[int, LayerCapture] = field(default_factory=dict)
@@ -193,6 +205,7 @@ class AttentionRecorder:
         softcap: float | None,
         slot_pos: torch.Tensor | None = None,  # [kv_head, kv] positions of a live cache's slots
         probs: torch.Tensor | None = None,  # [batch, head, 1, kv] a decode row already computed
+        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # a causal prefill's (colsum, tail) already computed
     ) -> None:
         ctx = self.ctx
         if ctx is None or not self.enabled:
@@ -225,7 +238,9 @@ class AttentionRecorder:
                 "kvscope traces with a DynamicCache only"
             )
         if q_len == 1 and ctx.seq_len > 1:  # a decode row (a one-token prompt is a prefill: its row fills every slot)
-            probs = attention_probs(query, key, mask, scaling, softcap)[:, :, 0]  # [batch, head, kv]
+            if probs is None:
+                probs = attention_probs(query, key, mask, scaling, softcap)
+            probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             if kv_len == ctx.seq_len and not ctx.padded:
@@ -235,7 +250,7 @@ class AttentionRecorder:
             cap = LayerCapture()
         else:
             cap = LayerCapture()
-            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv)
+            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv, blocks)
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             self.rows[:, layer] = self._to_positions(row, kv_len)
@@ -245,13 +260,47 @@ class AttentionRecorder:
             cap.v = value[:, :, -q_len:].detach().to(torch.float32)
         self.layers[layer] = cap
 
-    def _prefill(self, query, key, mask, scaling, softcap, n_kv):
-        """Column sums, last ``obs_window`` rows and the last row of the prompt."""
+    def attend(self, module, query, key, value, mask, scaling, softcap) -> torch.Tensor | None:
+        """The layer's output ``[batch, q, head, D]`` from the probabilities the recorder
+        computes anyway, the forward recorded as by :meth:`observe` (when enabled)::
+
+            out = a.to(value.dtype) · V          # a: the rule's fp32 probabilities (eager's convention)
+
+        one pass over K and V instead of the kernel's and the capture's. ``None`` — the kernel
+        computes the output — under ``attn_output="kernel"`` and where the recorder does not
+        compute every probability of the forward (a padded, windowed or cached-slot prefill).
+        The output equals the kernel's up to float summation order; computed whether or not
+        the recorder is enabled, so a resumed trace regenerates the same tokens."""
+        ctx = self.ctx
+        if self.attn_output == "kernel" or ctx is None:
+            return None
+        b, h, q_len, d = query.shape
+        n_kv, kv_len = key.shape[1], key.shape[2]
+        if q_len == 1 and ctx.seq_len > 1:
+            out, probs = _observed_row(query, key, value, mask, scaling, softcap)
+            self.observe(module, query, key, value, mask, scaling, softcap, probs=probs)
+            return out
+        if not self._is_causal_prefill(mask, q_len, kv_len):
+            return None
+        out = torch.empty((b, h, q_len, d), dtype=value.dtype, device=value.device)  # [batch, head, q, D]
+        blocks = self._causal_blocks(query, key, scaling, softcap, n_kv, value=value, out=out)
+        self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks)
+        return out.transpose(1, 2).contiguous()
+
+    def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
+        """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
+        return mask is None and not self.ctx.padded and kv_len == q_len
+
+    def _prefill(self, query, key, mask, scaling, softcap, n_kv, blocks=None):
+        """Column sums, last ``obs_window`` rows and the last row of the prompt (``blocks``:
+        the causal prefill's ``(colsum, tail)`` when :meth:`attend` computed them)."""
         ctx = self.ctx
         q_len, kv_len = query.shape[2], key.shape[2]
         pad = ctx.pad.to(query.device)
         n_obs = self.obs_window
-        if mask is None and not ctx.padded and kv_len == q_len:
+        if blocks is not None:
+            colsum, tail = blocks
+        elif self._is_causal_prefill(mask, q_len, kv_len):
             colsum, tail = self._causal_blocks(query, key, scaling, softcap, n_kv)
         else:
             colsum, tail = self._masked_blocks(query, key, mask, scaling, softcap)
@@ -265,9 +314,10 @@ class AttentionRecorder:
             tail[:, :, -1],  # [batch, Hs, kv] the last prompt row = step 0, by key slot
         )
 
-    def _causal_blocks(self, query, key, scaling, softcap, n_kv):
+    def _causal_blocks(self, query, key, scaling, softcap, n_kv, value=None, out=None):
         """``(colsum [batch, head, P], tail [batch, head, obs, P])`` of an unpadded causal
-        prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``.
+        prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``;
+        with ``value`` and ``out [batch, head, P, D]``, ``out`` filled with ``a · V`` as well.
 
         Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
         diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
@@ -282,6 +332,7 @@ class AttentionRecorder:
         if query.device.type == "cpu":
             n = max(16, min(n, _BLOCK_PROBS // (h * P)))
         above = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)  # [row, key]: k > r
+        values = None if out is None else value.reshape(b * n_kv, P, d)  # [batch·kv_head, P, D]
         for r0 in range(0, P, n):
             r1 = min(P, r0 + n)
             rows = query[:, :, r0:r1].to(torch.float32).reshape(b * n_kv, g * (r1 - r0), d)
@@ -289,6 +340,9 @@ class AttentionRecorder:
             scores[..., r0:].masked_fill_(above[: r1 - r0, : r1 - r0], float("-inf"))
             probs = attention.softmax(scores)  # [batch·kv_head, group, rows, r1]
             colsum[..., :r1] += probs.sum(2)
+            if values is not None:  # the group's rows on their shared values, weights in the value's dtype
+                weights = probs.view(b * n_kv, g * (r1 - r0), r1).to(values.dtype)
+                out[:, :, r0:r1] = torch.matmul(weights, values[:, :r1]).view(b, h, r1 - r0, d)
             t0 = max(r0, P - n_obs)  # tail row o holds query slot P − n_obs + o
             if t0 < r1:
                 o0 = t0 - (P - n_obs)
@@ -396,11 +450,12 @@ def _masked_output(query, key, value, mask, scaling, softcap):
 
 
 def _observed_row(query, key, value, mask, scaling, softcap):
-    """One decode row of a live cache whose policy observes it, computed once: ``(out [batch,
-    1, head, D], probs [batch, head, 1, kv])`` — ``probs`` by the rule (fp32, the row the
-    policy observes), ``out = probs · V`` in the value's dtype (eager's convention: weights
-    cast to the value's dtype), the heads of a GQA group as rows of one matmul on their
-    shared values. The kernel's output would need the same keys read a second time."""
+    """One decode row computed once, for a live cache whose policy observes it or a trace
+    under ``attn_output="probs"``: ``(out [batch, 1, head, D], probs [batch, head, 1, kv])`` —
+    ``probs`` by the rule (fp32, the row observed), ``out = probs · V`` in the value's dtype
+    (eager's convention: weights cast to the value's dtype), the heads of a GQA group as rows
+    of one matmul on their shared values. The kernel's output would need the same keys read
+    a second time."""
     b, h, r, d = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
     probs = attention_probs(query, key, mask, scaling, softcap)
@@ -438,8 +493,14 @@ def _capturing(kernel: str):
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         view = _slot_view(key)
+        recorder = _ACTIVE.get()
+        if view is None and recorder is not None and not module.training:
+            with torch.no_grad():
+                out = recorder.attend(module, query, key, value, attention_mask, scale, softcap)
+            if out is not None:  # the output from the recorded probabilities (attn_output="probs")
+                return out, None
         slot_pos = None
-        recorders = [_ACTIVE.get()]
+        recorders = [recorder]
         if view is not None:
             view.used = True
             if query.shape[2] == 1:  # one unpadded sequence: a decode row needs no mask, and a mask

@@ -49,6 +49,7 @@ class BatchDecode:
             heads=settings.heads,
             obs_window=layout.obs_window,
             record_qkv=settings.record_qkv,
+            attn_output=settings.attn_output,
         )
         self.cache = cache
         self.records = CacheRecords(layout) if layout.policy_events else None

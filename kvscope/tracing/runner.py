@@ -43,7 +43,7 @@ from ..prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
 from ..rope import Rope
 from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
-from .capture import HEAD_MODES, KERNELS, implementation_name, register
+from .capture import ATTN_OUTPUTS, HEAD_MODES, KERNELS, implementation_name, register
 from .decode import decode_all
 from .shard import Shard, batches, owner
 from .writer import StoreLock, StoreWriter, commit_lock
@@ -64,6 +64,7 @@ class TraceSettings:
     dtype: str = "float16"  # storage dtype of attention rows and q/k/v
     device: str = "cpu"
     attn: str = "sdpa"
+    attn_output: str = "kernel"  # kernel | probs (kvscope.tracing.capture.ATTN_OUTPUTS)
     model_dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     seed: int = 0
     temperature: float = 0.0  # 0 = greedy
@@ -96,6 +97,8 @@ class TraceSettings:
             raise KvscopeError(f"--dtype must be float16 or float32 (got {self.dtype!r})")
         if self.attn not in KERNELS:
             raise KvscopeError(f"--attn must be one of {', '.join(KERNELS)} (got {self.attn!r})")
+        if self.attn_output not in ATTN_OUTPUTS:
+            raise KvscopeError(f"--attn-output must be one of {', '.join(ATTN_OUTPUTS)} (got {self.attn_output!r})")
         if self.batch_size < 1:
             raise KvscopeError(f"--batch-size must be at least 1 (got {self.batch_size})")
         if self.block_steps < 1:
@@ -251,9 +254,11 @@ def _prepare_out(
 def _same_settings(out: Path, attrs: dict, settings_doc: dict, flag: str) -> None:
     """The store passes its checks and was traced with exactly ``settings_doc`` — but for the
     index of a CUDA device: shards run on ``cuda:0``, ``cuda:1``, …, and a resumed trace may
-    continue on another GPU (it checks the tokens it regenerates)."""
+    continue on another GPU (it checks the tokens it regenerates). A setting the store does not
+    name was added to kvscope after it was written: the store was traced with its default."""
     check_store(out)
-    theirs, ours = _device_kind(attrs.get("settings", {})), _device_kind(settings_doc)
+    theirs = _device_kind({**asdict(TraceSettings()), **attrs.get("settings", {})})
+    ours = _device_kind(settings_doc)
     diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if diff:
         raise KvscopeError(f"{flag}: {out} was traced with different {', '.join(diff)}")
@@ -501,6 +506,7 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
         "dtype": settings.dtype,
         "device": settings.device,
         "attn_kernel": settings.attn,
+        "attn_output": settings.attn_output,
         "generation": {
             "max_new_tokens": S,
             "sampling": settings.temperature > 0,
