@@ -127,6 +127,26 @@ def test_non_finite_temperature(tmp_path, tiny_models):
     assert not out.exists()
 
 
+def test_flash_attention_is_traced_only_where_capture_needs_no_mask():
+    """flash_attention_2 hands capture no mask tensor: a model with sliding-window layers and a
+    batch of prompts of different lengths (left padding) are refused in one line, before any
+    store exists; equal lengths and global attention pass."""
+    from kvscope.model_spec import ModelSpec
+    from kvscope.tracing.runner import TraceSettings, check_kernel
+
+    fa2 = TraceSettings(attn="flash_attention_2", batch_size=2)
+    spec = ModelSpec(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
+    sliding = ModelSpec(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, sliding_window=8,
+                        layer_types=("sliding_attention", "full_attention"))  # fmt: skip
+    encoded = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    check_kernel(fa2, spec, encoded, [[0, 1]])
+    check_kernel(TraceSettings(batch_size=2), sliding, encoded, [[1, 2]])  # sdpa sees the mask
+    with pytest.raises(KvscopeError, match="samples 1–2 differ in length"):
+        check_kernel(fa2, spec, encoded, [[0], [1, 2]])
+    with pytest.raises(KvscopeError, match="sliding windows"):
+        check_kernel(fa2, sliding, encoded, [[0]])
+
+
 def test_numbers_of_the_python_api(tmp_path, tiny_models):
     model = str(tiny_models["llama"])
     for value in (float("inf"), float("-inf")):

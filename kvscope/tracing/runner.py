@@ -131,6 +131,27 @@ class TraceSettings:
 _FLAGS = {"n_sink": "--sinks"}  # the trace options whose flag is not the field's name
 
 
+def check_kernel(settings: TraceSettings, spec: ModelSpec, encoded: list[list[int]], mine: list[list[int]]) -> None:
+    """Capture sees what a kernel attends to through transformers' mask. flash_attention_2 is
+    handed none that says it — a 2D padding mask, the sliding window as a layer parameter — so
+    kvscope traces with it only where no mask is needed: no sliding-window layer, and in each
+    of the batches ``mine`` prompts of one length (no left padding)."""
+    if settings.attn != "flash_attention_2":
+        return
+    if not spec.global_only:
+        raise KvscopeError(
+            "--attn flash_attention_2: capture cannot see this model's sliding windows through that kernel; "
+            "trace it with --attn sdpa"
+        )
+    for batch in mine:
+        if len({len(encoded[s]) for s in batch}) > 1:
+            raise KvscopeError(
+                f"--attn flash_attention_2 with --batch-size {settings.batch_size}: the prompts of samples "
+                f"{batch[0]}–{batch[-1]} differ in length, and capture cannot see their padding through that "
+                "kernel; use --batch-size 1 or --attn sdpa"
+            )
+
+
 def check_cache(settings: TraceSettings, cache) -> None:
     """What a recording cache (``trace --policy``) needs of the trace."""
     if cache is None:
@@ -319,6 +340,8 @@ def trace_loaded(
     spec = ModelSpec.from_model(model)
     encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
     check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
+    mine = batches(len(encoded), settings.batch_size, shard)
+    check_kernel(settings, spec, encoded, mine)
     rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
     layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
     locks, create = None, None
@@ -342,7 +365,6 @@ def trace_loaded(
         existing = read_attrs(out) if shard is not None else existing  # read again under the locks
     committed = list(existing["steps_committed"]) if existing is not None else [0] * len(prompts)
     done = list(existing["samples_done"]) if existing is not None else [False] * len(prompts)
-    mine = batches(len(encoded), settings.batch_size, shard)
     writer = None
     try:
         writer = StoreWriter(out, committed, done, shared=shard is not None, create=create)
