@@ -16,6 +16,7 @@ there is exactly one implementation of the rule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,15 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
 def logits(query: torch.Tensor, key: torch.Tensor, scaling, softcap: float | None = None) -> torch.Tensor:
     """``[..., rows, D] × [..., keys, D]`` → ``[..., rows, keys]`` in the inputs' dtype.
 
-    ``scaling``: a number, or a tensor broadcastable to the result (one per layer: ``[L, 1, 1, 1]``)."""
-    scores = torch.matmul(query, key.transpose(-1, -2))
-    scores.mul_(scaling)
+    ``scaling``: a number, or a tensor broadcastable to the result (one per layer: ``[L, 1, 1, 1]``).
+    A power of two (``1/√D`` for D = 64, 256, …) scales the queries instead of the logits: a
+    shift of binary exponents commutes with every rounding of the matmul, so the bits are the
+    same (barring under- or overflow), at rows·D multiplications instead of rows·keys."""
+    if isinstance(scaling, float) and math.frexp(scaling)[0] == 0.5:
+        scores = torch.matmul(query * scaling, key.transpose(-1, -2))
+    else:
+        scores = torch.matmul(query, key.transpose(-1, -2))
+        scores.mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores

@@ -389,7 +389,7 @@ def test_gemma3_sliding_window_layers_match_eager(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
-    """A causal prefill (600 rows of 9 heads on 3 KV heads: several blocks) and a decode row:
+    """A causal prefill (two sequences of 600 rows of 9 heads on 3 KV heads: several blocks) and a decode row:
     the output equals sdpa's up to float summation order (in bfloat16 by eager's convention:
     weights cast to the value's dtype), and what is recorded equals the kernel mode's
     recording bit for bit. A padded prefill is left to the kernel."""
@@ -397,7 +397,7 @@ def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
 
     g = torch.Generator().manual_seed(3)
     P, heads, n_kv, d = 600, 9, 3, 16
-    q, k, v = (torch.randn(1, n, P, d, generator=g).to(dtype) for n in (heads, n_kv, n_kv))
+    q, k, v = (torch.randn(2, n, P, d, generator=g).to(dtype) for n in (heads, n_kv, n_kv))  # a batch of two
     layer = type("Layer", (), {"layer_idx": 0})
 
     def both(seq_len, pad=0):
@@ -406,7 +406,7 @@ def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
             for output in ATTN_OUTPUTS
         ]
         for recorder in made:
-            recorder.begin(ForwardContext(seq_len=seq_len, pad=torch.tensor([pad])))
+            recorder.begin(ForwardContext(seq_len=seq_len, pad=torch.full((2,), pad)))
         return made
 
     def expect(query, causal):
@@ -422,7 +422,7 @@ def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
         assert kernel.attend(layer, query, k, v, None, 0.25, None) is None
         kernel.observe(layer, query, k, v, None, 0.25, None)
         out = probs.attend(layer, query, k, v, None, 0.25, None)  # [batch, q, head, D]
-        assert out.dtype == dtype and out.shape == (1, query.shape[2], heads, d) and out.is_contiguous()
+        assert out.dtype == dtype and out.shape == (2, query.shape[2], heads, d) and out.is_contiguous()
         torch.testing.assert_close(out.double(), expect(query, causal), **tol)
         assert torch.equal(kernel.rows, probs.rows)
         for name in ("colsum", "tail", "q", "k", "v"):

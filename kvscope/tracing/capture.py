@@ -282,10 +282,10 @@ class AttentionRecorder:
             return out
         if not self._is_causal_prefill(mask, q_len, kv_len):
             return None
-        out = torch.empty((b, h, q_len, d), dtype=value.dtype, device=value.device)  # [batch, head, q, D]
+        out = torch.empty((b, q_len, h, d), dtype=value.dtype, device=value.device)  # [batch, q, head, D]
         blocks = self._causal_blocks(query, key, scaling, softcap, n_kv, value=value, out=out)
         self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks)
-        return out.transpose(1, 2).contiguous()
+        return out
 
     def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
         """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
@@ -317,7 +317,8 @@ class AttentionRecorder:
     def _causal_blocks(self, query, key, scaling, softcap, n_kv, value=None, out=None):
         """``(colsum [batch, head, P], tail [batch, head, obs, P])`` of an unpadded causal
         prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``;
-        with ``value`` and ``out [batch, head, P, D]``, ``out`` filled with ``a · V`` as well.
+        with ``value`` and ``out [batch, P, head, D]`` (the layout a layer's output takes), ``out``
+        filled with ``a · V`` as well.
 
         Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
         diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
@@ -342,7 +343,8 @@ class AttentionRecorder:
             colsum[..., :r1] += probs.sum(2)
             if values is not None:  # the group's rows on their shared values, weights in the value's dtype
                 weights = probs.view(b * n_kv, g * (r1 - r0), r1).to(values.dtype)
-                out[:, :, r0:r1] = torch.matmul(weights, values[:, :r1]).view(b, h, r1 - r0, d)
+                rows_out = torch.matmul(weights, values[:, :r1]).view(b, n_kv, g, r1 - r0, d)
+                out[:, r0:r1].view(b, r1 - r0, n_kv, g, d).copy_(rows_out.permute(0, 3, 1, 2, 4))
             t0 = max(r0, P - n_obs)  # tail row o holds query slot P − n_obs + o
             if t0 < r1:
                 o0 = t0 - (P - n_obs)
