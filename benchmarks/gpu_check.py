@@ -125,7 +125,9 @@ def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(args.device)
     settings = TraceSettings(max_new_tokens=args.new_tokens, device=args.device, stop_at_eos=False)
     outputs = ("kernel", "probs")
-    measured = run_repeats(model, tokenizer, source_of("overhead"), prompt, ids, settings, outputs, args.repeats, sync)
+    measured, _ = run_repeats(
+        model, tokenizer, source_of("overhead"), prompt, ids, settings, outputs, args.repeats, sync
+    )
     return {"prompt_tokens": int(ids.shape[1]), **summarize(measured, outputs)}
 
 

@@ -67,7 +67,7 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
 def one_repeat(model, tokenizer, source, prompt: str, input_ids, settings, outputs, out: Path, sync) -> dict:
     """One plain decode, then one ``trace_loaded`` of the same prompt per layer-output mode in
     ``outputs`` (stores under the folder ``out``): ``{"plain": {prefill, decode, tokens},
-    mode: {prefill, decode, total, tokens, info}}``."""
+    mode: {prefill, decode, total, tokens}}``."""
     model.set_attn_implementation(settings.attn)
     p_prefill, p_decode, plain_tokens = untraced_decode(model, input_ids, settings.max_new_tokens, sync)
     measured = {"plain": {"prefill": p_prefill, "decode": p_decode, "tokens": plain_tokens}}
@@ -80,10 +80,9 @@ def one_repeat(model, tokenizer, source, prompt: str, input_ids, settings, outpu
 def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync) -> dict:
     """Seconds of one ``trace_loaded`` into ``out`` (prefill = store creation + prefill with
     capture, to the first step's callback; decode = the remaining steps; total adds the final
-    flush and consolidation), the traced tokens and the store's ``store_info``."""
+    flush and consolidation) and the traced tokens."""
     import kvscope
     from kvscope.prompts import Prompt
-    from kvscope.store import store_info
     from kvscope.tracing.runner import trace_loaded
 
     stamps = []
@@ -104,20 +103,24 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
         "decode": stamps[-1] - stamps[0],
         "total": t_end - t0,
         "tokens": ds.tokens.values[0, P:].tolist(),
-        "info": store_info(out),
     }
 
 
-def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, repeats: int, sync) -> list[dict]:
-    """``repeats`` measured repeats of :func:`one_repeat` after one warm-up repeat (dropped);
-    each repeat's stores are removed once measured (the last repeat's ``info`` is kept)."""
-    measured = []
+def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, repeats: int, sync):
+    """``(measured, info)``: ``repeats`` measured repeats of :func:`one_repeat` after one warm-up
+    repeat (dropped), and the ``store_info`` of the last repeat's store under ``outputs[0]``
+    (every repeat writes the same bytes); each repeat's stores are removed once measured."""
+    from kvscope.store import store_info
+
+    measured, info = [], None
     workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
     try:
         for r in range(repeats + 1):
             out = workdir / f"r{r}"
             out.mkdir()
             m = one_repeat(model, tokenizer, source, prompt, input_ids, settings, outputs, out, sync)
+            if r == repeats:
+                info = store_info(out / f"{outputs[0]}.zarr")
             shutil.rmtree(out, ignore_errors=True)
             seconds = ", ".join(f"{mode} {run['prefill']:.2f} + {run['decode']:.2f} s" for mode, run in m.items())
             print(f"repeat {r}{' (warm-up)' if r == 0 else ''} (prefill + decode): {seconds}", file=sys.stderr)
@@ -125,7 +128,7 @@ def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, 
                 measured.append(m)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return measured
+    return measured, info
 
 
 def summarize(measured: list[dict], outputs) -> dict:
@@ -178,11 +181,11 @@ def main() -> None:
     settings = TraceSettings(
         model=args.model, max_new_tokens=args.new_tokens, device=args.device, attn=args.attn, stop_at_eos=False
     )
-    measured = run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, args.repeats, sync)
+    measured, info = run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, args.repeats, sync)
     summary = summarize(measured, outputs)
     if "kernel" in outputs:  # the kernel's outputs are the untraced model's, bit for bit
         assert summary["kernel"]["tokens_equal_untraced"], "traced tokens differ from untraced"
-    attn = measured[-1][outputs[0]]["info"]["arrays"]["attn"]
+    attn = info["arrays"]["attn"]
     n_steps = args.new_tokens
     _, _, n_layers, n_kv, n_pos = attn["shape"]
     raw_per_step = n_layers * n_kv * n_pos * 2
