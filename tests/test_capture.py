@@ -454,19 +454,11 @@ def test_probs_output_resumes_bit_for_bit(tmp_path, tiny_models):
 
     from kvscope.errors import KvscopeError
 
+    from .test_inputs import Stop
+    from .test_inputs import _stop_at as stop_after
     from .test_trace_shard import assert_same_store
 
     settings = {"model": str(tiny_models["qwen2"]), "max_new_tokens": 12, "block_steps": 4, "stop_at_eos": False}
-
-    class Stop(Exception):
-        pass
-
-    def stop_after(step):
-        def progress(p):
-            if p.steps_done > step:
-                raise Stop
-
-        return progress
 
     whole, resumed = tmp_path / "whole.zarr", tmp_path / "resumed.zarr"
     kvscope.trace(PROMPT, whole, attn_output="probs", **settings)
