@@ -114,9 +114,10 @@ def _has_flash(device: str) -> bool:
 
 def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
     """Traced vs untraced decode of one prompt, both layer-output modes (trace_overhead's
-    interleaved repeats: medians of each traced run over the plain run of its repeat)."""
+    interleaved repeats: medians of each traced run over the plain run of its repeat; the
+    prefill over as many adjacent prefill pairs)."""
     import torch
-    from trace_overhead import prose_prompt, run_repeats, summarize
+    from trace_overhead import prefill_pairs, prose_prompt, run_repeats, summarize
 
     from kvscope.tracing.runner import TraceSettings
 
@@ -125,10 +126,10 @@ def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(args.device)
     settings = TraceSettings(max_new_tokens=args.new_tokens, device=args.device, stop_at_eos=False)
     outputs = ("kernel", "probs")
-    measured, _ = run_repeats(
-        model, tokenizer, source_of("overhead"), prompt, ids, settings, outputs, args.repeats, sync
-    )
-    return {"prompt_tokens": int(ids.shape[1]), **summarize(measured, outputs)}
+    source = source_of("overhead")
+    measured, _ = run_repeats(model, tokenizer, source, prompt, ids, settings, outputs, args.repeats, sync)
+    pairs = prefill_pairs(model, tokenizer, source, prompt, ids, settings, outputs, args.repeats, sync)
+    return {"prompt_tokens": int(ids.shape[1]), **summarize(measured, outputs, pairs)}
 
 
 def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict:
