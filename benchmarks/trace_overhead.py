@@ -113,29 +113,42 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
     }
 
 
+def _after_warm_up(count: int, label: str, measure) -> list:
+    """``count`` results of ``measure(r, workdir) -> (result, text)`` after one warm-up call
+    (``r = 0``, dropped), each call's ``text`` printed to stderr; ``workdir`` (a temporary
+    folder, removed at the end) holds what a call writes."""
+    measured = []
+    workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
+    try:
+        for r in range(count + 1):
+            result, text = measure(r, workdir)
+            print(f"{label} {r}{' (warm-up)' if r == 0 else ''}: {text}", file=sys.stderr)
+            if r > 0:
+                measured.append(result)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return measured
+
+
 def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, repeats: int, sync):
     """``(measured, info)``: ``repeats`` measured repeats of :func:`one_repeat` after one warm-up
     repeat (dropped), and the ``store_info`` of the last repeat's store under ``outputs[0]``
     (every repeat writes the same bytes); each repeat's stores are removed once measured."""
     from kvscope.store import store_info
 
-    measured, info = [], None
-    workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
-    try:
-        for r in range(repeats + 1):
-            out = workdir / f"r{r}"
-            out.mkdir()
-            m = one_repeat(model, tokenizer, source, prompt, input_ids, settings, outputs, out, sync)
-            if r == repeats:
-                info = store_info(out / f"{outputs[0]}.zarr")
-            shutil.rmtree(out, ignore_errors=True)
-            seconds = ", ".join(f"{mode} {run['prefill']:.2f} + {run['decode']:.2f} s" for mode, run in m.items())
-            print(f"repeat {r}{' (warm-up)' if r == 0 else ''} (prefill + decode): {seconds}", file=sys.stderr)
-            if r > 0:
-                measured.append(m)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return measured, info
+    info = {}
+
+    def repeat(r: int, workdir: Path):
+        out = workdir / f"r{r}"
+        out.mkdir()
+        m = one_repeat(model, tokenizer, source, prompt, input_ids, settings, outputs, out, sync)
+        if r == repeats:
+            info.update(store_info(out / f"{outputs[0]}.zarr"))
+        shutil.rmtree(out, ignore_errors=True)
+        seconds = ", ".join(f"{mode} {run['prefill']:.2f} + {run['decode']:.2f} s" for mode, run in m.items())
+        return m, f"(prefill + decode) {seconds}"
+
+    return _after_warm_up(repeats, "repeat", repeat), info
 
 
 def prefill_pairs(model, tokenizer, source, prompt, input_ids, settings, outputs, pairs: int, sync) -> list[dict]:
@@ -145,24 +158,18 @@ def prefill_pairs(model, tokenizer, source, prompt, input_ids, settings, outputs
     if pairs < 1:
         return []
     one_step = dataclasses.replace(settings, max_new_tokens=1)
-    measured = []
-    workdir = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
-    try:
-        for r in range(pairs + 1):
-            model.set_attn_implementation(settings.attn)
-            pair = {"plain": untraced_decode(model, input_ids, 1, sync)[0]}
-            for mode in outputs:
-                out = workdir / f"p{r}-{mode}.zarr"
-                mode_settings = dataclasses.replace(one_step, attn_output=mode)
-                pair[mode] = traced_run(model, tokenizer, source, prompt, mode_settings, out, sync)["prefill"]
-                shutil.rmtree(out, ignore_errors=True)
-            seconds = ", ".join(f"{mode} {s:.2f} s" for mode, s in pair.items())
-            print(f"prefill pair {r}{' (warm-up)' if r == 0 else ''}: {seconds}", file=sys.stderr)
-            if r > 0:
-                measured.append(pair)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return measured
+
+    def pair(r: int, workdir: Path):
+        model.set_attn_implementation(settings.attn)
+        seconds = {"plain": untraced_decode(model, input_ids, 1, sync)[0]}
+        for mode in outputs:
+            out = workdir / f"p{r}-{mode}.zarr"
+            mode_settings = dataclasses.replace(one_step, attn_output=mode)
+            seconds[mode] = traced_run(model, tokenizer, source, prompt, mode_settings, out, sync)["prefill"]
+            shutil.rmtree(out, ignore_errors=True)
+        return seconds, ", ".join(f"{mode} {s:.2f} s" for mode, s in seconds.items())
+
+    return _after_warm_up(pairs, "prefill pair", pair)
 
 
 def _quartiles(values) -> list[float]:
