@@ -435,15 +435,29 @@ def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
 @pytest.mark.parametrize("kind", ["qwen2", "mistral_sliding", "gemma2"])
 def test_probs_output_traces_equal_eager_and_the_kernel(tmp_path, tiny_models, kind):
     """A trace under ``attn_output="probs"`` (GQA; sliding-window layers, whose prefill keeps the
-    kernel; softcapping) decodes the kernel's tokens and records eager's probabilities."""
+    kernel; softcapping) decodes the kernel's tokens and records eager's probabilities.
+
+    Its outputs equal the kernel's up to float summation order, and so do those of the model's
+    own eager attention: the probs trace's rows may lie no further from the sdpa trace's than
+    twice an eager trace's do (1e-6 where those coincide). On one 2-core VM the distances were
+    1.5e-6 (probs) and 1.5e-6 (eager) for mistral_sliding, 0.9e-6 and 0.9e-6 for qwen2 — a
+    fixed 1e-6 had passed on an earlier CPU and failed there on eager's own floor."""
     settings = {"max_new_tokens": 12, "dtype": "float32", "obs_window": 8, "block_steps": 5, "stop_at_eos": False}
-    for output in ("kernel", "probs"):
-        kvscope.trace(PROMPT, tmp_path / f"{output}.zarr", model=str(tiny_models[kind]), attn_output=output, **settings)
-    kernel, probs = (kvscope.open_trace(tmp_path / f"{output}.zarr") for output in ("kernel", "probs"))
+    runs = {"kernel": {}, "probs": {"attn_output": "probs"}, "eager": {"attn": "eager"}}
+    for name, options in runs.items():
+        kvscope.trace(PROMPT, tmp_path / f"{name}.zarr", model=str(tiny_models[kind]), **options, **settings)
+    kernel, probs, eager = (kvscope.open_trace(tmp_path / f"{name}.zarr") for name in runs)
     assert probs.attrs["attn_output"] == "probs" and kernel.attrs["attn_output"] == "kernel"
     assert stored_tokens(probs) == stored_tokens(kernel)
     check_against_eager(probs, tiny_models[kind], "kv")
-    np.testing.assert_allclose(probs.attn.values, kernel.attn.values, atol=1e-6)
+
+    def from_kernel(ds) -> float:
+        rows = ds.attn.values
+        assert np.array_equal(np.isnan(rows), np.isnan(kernel.attn.values))
+        return float(np.nanmax(np.abs(rows - kernel.attn.values)))
+
+    assert stored_tokens(eager) == stored_tokens(kernel) and from_kernel(eager) <= TOL  # the yardstick holds
+    assert from_kernel(probs) <= max(2 * from_kernel(eager), 1e-6), (from_kernel(probs), from_kernel(eager))
 
 
 def test_probs_output_resumes_bit_for_bit(tmp_path, tiny_models):
