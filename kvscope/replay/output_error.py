@@ -138,6 +138,10 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
 
 
 SCRATCH_BYTES = 1 << 20  # a float32 block of one KV head's K or V (stays in cache; not split with the heads)
+# rows of every probs · V product: MKL's sgemm sums a product of 1–3 rows with another kernel than one of
+# 4 or more (on a Zen 4 CPU each row's bits then differ from the same row in a larger product), and a
+# reference or a lone run has g rows (3 for SmolLM2) where stacked runs have more
+MIN_PRODUCT_ROWS = 4
 
 
 def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: int | None = None):
@@ -152,7 +156,9 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     position this is bit for bit the batched computation over float32 copies (each layer one
     batch entry); with several, each logit is the same dot product (the matmul kernel may differ
     with the block's width: equal to float32 rounding) and ``out = Σ_blocks probs[.., block] ·
-    V[block]`` the same sum grouped by block."""
+    V[block]`` the same sum grouped by block. Products of fewer than :data:`MIN_PRODUCT_ROWS`
+    rows get zero rows below them, so that a row's output has the same bits whatever else is
+    stacked with it (a run alone or with others, the reference)."""
     import torch
 
     from ..attention import softmax
@@ -173,15 +179,20 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
             for span in spans:
                 logits[layer, :, :, span] = rule.logits(query[layer], block_of(keys, layer, span))
     probs = softmax(logits, shown)
-    out = torch.zeros(*probs.shape[:-1], d)  # [L, Hkv, g, D]
+    rows = probs.shape[2]
+    weights = probs  # [L, Hkv, ≥ MIN_PRODUCT_ROWS, n]
+    if rows < MIN_PRODUCT_ROWS:
+        weights = torch.zeros(n_l, n_kv, MIN_PRODUCT_ROWS, n)
+        weights[:, :, :rows] = probs
+    out = torch.zeros(*weights.shape[:-1], d)  # [L, Hkv, rows (padded), D]
     for layer in range(n_l):
         for span in spans:
             v = block_of(values, layer, span)
             if span.start == 0:
-                torch.matmul(probs[layer, :, :, span], v, out=out[layer])
+                torch.matmul(weights[layer, :, :, span], v, out=out[layer])
             else:
-                out[layer].baddbmm_(probs[layer, :, :, span], v)
-    return logits, probs, out
+                out[layer].baddbmm_(weights[layer, :, :, span], v)
+    return logits, probs, out[:, :, :rows].contiguous() if rows < MIN_PRODUCT_ROWS else out
 
 
 def _torch(x):
