@@ -192,7 +192,7 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
                 torch.matmul(weights[layer, :, :, span], v, out=out[layer])
             else:
                 out[layer].baddbmm_(weights[layer, :, :, span], v)
-    return logits, probs, out[:, :, :rows].contiguous() if rows < MIN_PRODUCT_ROWS else out
+    return logits, probs, out[:, :, :rows].contiguous()  # the padding's rows dropped (a no-op without)
 
 
 def _torch(x):
