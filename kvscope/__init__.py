@@ -8,7 +8,37 @@ drift (``kvscope.analysis``), replay KV-cache policies offline (:func:`replay`,
 
 __version__ = "0.2.0"
 
-from .store import open_trace
+import sys
+import types
+
+# open_trace, open_result and replay load on first use (PEP 562): ``import kvscope`` — and with
+# it every CLI command, ``kvscope --help`` and an option refused before any model or store is
+# touched — costs no torch, transformers, xarray or dask import (~2 s). The ``ds.kvscope``
+# accessor is registered with kvscope.dataset (open_trace imports it).
+_LAZY = {"open_trace": "store", "open_result": "replay", "replay": "replay"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """``kvscope.replay`` is the function, as it always was: importing the subpackage of the same
+    name (which the import system then sets on its parent) leaves it alone."""
+
+    def __setattr__(self, name, value):
+        if name == "replay" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: str = "model", **kwargs):
@@ -25,9 +55,6 @@ def trace(prompts, out, settings=None, *, policy=None, budget=None, kv_dtype: st
 
         kwargs["cache"] = LivePolicy(policy, budget, kv_dtype)
     return _trace(prompts, out, settings, **kwargs)
-
-
-from .replay import open_result, replay
 
 
 def view(ds, result=None, **kwargs):

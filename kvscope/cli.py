@@ -39,13 +39,10 @@ def quiet_libraries():
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # a refused chunk ends zarr's concurrent reads early; their pending tasks are dropped at exit
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    try:
-        from transformers.utils import logging as hf_logging
-
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:  # imported already (the environment above is read at import)
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001 - transformers missing is reported where it is needed
-        pass
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -180,7 +177,7 @@ def _check_record(args) -> None:
 
 def _trace_settings(args):
     """``TraceSettings`` from the options of ``kvscope trace`` (the same names, but for two)."""
-    from .tracing.runner import TraceSettings
+    from .tracing.settings import TraceSettings
 
     renamed = {"record_qkv": "qkv" in args.record, "stop_at_eos": not args.ignore_eos}
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceSettings) if f.name not in renamed}
@@ -200,8 +197,6 @@ def _progress(label: str, quiet: bool, what: str = "", fields: dict | None = Non
 
 
 def _cmd_trace(args) -> int:
-    from .tracing.runner import trace
-
     if args.finalize is not None:
         return _finalize(args)
     shard = _shard(args)
@@ -213,8 +208,11 @@ def _cmd_trace(args) -> int:
     _check_record(args)
     prompts, workload = _prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
     settings = _trace_settings(args)
+    settings.check()  # before torch and transformers load: a refused option costs no import
     if args.dask is not None:
         return _trace_dask(args, prompts, workload, settings, cache)
+    from .tracing.runner import trace
+
     what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
     bar, task = _progress("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
     with bar:
@@ -655,8 +653,13 @@ def _cmd_info(args) -> int:
 # -- analyze ------------------------------------------------------------------------
 
 
-def _add_analyze(sub) -> None:
-    """One subcommand per registered metric, its options generated from the metric's fields."""
+def _add_analyze(sub, metrics: bool = True) -> None:
+    """One subcommand per registered metric, its options generated from the metric's fields
+    (``metrics=False``: the command alone, for a command line that runs another one — the
+    metrics' modules import xarray, dask and scipy)."""
+    if not metrics:
+        sub.add_parser("analyze", help="metrics of a trace")
+        return
     from .analysis import available
 
     p = sub.add_parser("analyze", help="metrics of a trace: " + ", ".join(available()))
@@ -1162,7 +1165,9 @@ def _serve(args, ds, result, where: str) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` (the subcommand a command line runs) the
+    others' options may be left out where building them costs imports."""
     from . import __version__
 
     parser = _Parser(prog="kvscope", description="What an LLM's KV cache really needs.")
@@ -1172,7 +1177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_verify(sub)
     _add_compact(sub)
-    _add_analyze(sub)
+    _add_analyze(sub, metrics=command in (None, "analyze"))
     _add_replay(sub)
     _add_compare(sub)
     _add_tune(sub)
@@ -1186,8 +1191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # no subcommand option takes a value
+    args = build_parser(command).parse_args(argv)
     try:
         with quiet_libraries():
             return int(args.func(args) or 0)

@@ -393,7 +393,7 @@ def test_attend_computes_the_output_from_the_recorded_probabilities(dtype):
     the output equals sdpa's up to float summation order (in bfloat16 by eager's convention:
     weights cast to the value's dtype), and what is recorded equals the kernel mode's
     recording bit for bit. A padded prefill is left to the kernel."""
-    from kvscope.tracing.capture import ATTN_OUTPUTS
+    from kvscope.tracing.settings import ATTN_OUTPUTS
 
     g = torch.Generator().manual_seed(3)
     P, heads, n_kv, d = 600, 9, 3, 16

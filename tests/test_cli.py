@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import kvscope
 
-from .conftest import one_line_error, run_cli, tree_digest
+from .conftest import ROOT, one_line_error, run_cli, tree_digest
 
 PROMPT = "Write one sentence about the sea."
 
@@ -154,3 +156,30 @@ def test_info_on_missing_and_non_store(tmp_path):
 def test_unknown_command_and_missing_flag():
     one_line_error(run_cli("frobnicate"), "invalid choice")
     one_line_error(run_cli("trace", "--prompt", "x", "--out", "y.zarr"), "--max-new-tokens")
+
+
+def test_a_refused_option_loads_no_heavy_library():
+    """A trace option out of range is refused before torch, transformers, xarray or dask is
+    imported (each costs seconds), ``kvscope --help`` (which lists the metrics) before torch and
+    transformers; ``kvscope.replay`` stays the function after its subpackage's modules load."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "from kvscope.cli import main\n"
+        "heavy = lambda: sorted(m for m in ('torch', 'transformers', 'xarray', 'dask', 'zarr') if m in sys.modules)\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    code = main(['trace', '--prompt', 'x', '--max-new-tokens', '2', '--temperature', 'nan', '--out', 'n.zarr'])\n"
+        "assert code == 2 and 'finite number' in err.getvalue(), (code, err.getvalue())\n"
+        "print(heavy())\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "print(heavy())\n"
+        "import kvscope, kvscope.replay.check\n"
+        "print(callable(kvscope.replay), kvscope.replay is kvscope.replay.__globals__['replay'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    after_refusal, after_help, replay = proc.stdout.splitlines()
+    assert after_refusal == "[]" and replay == "True True"
+    assert "torch" not in after_help and "transformers" not in after_help

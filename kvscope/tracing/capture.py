@@ -37,13 +37,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
 
 from .. import attention
+from .settings import KERNELS
 
-KERNELS = ("sdpa", "eager", "flash_attention_2")
-# where a traced layer's output comes from: the chosen kernel (bit for bit the untraced model),
-# or the probabilities the recorder computes anyway (``out = a·V``: one pass over K and V, not two)
-ATTN_OUTPUTS = ("kernel", "probs")
 _BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
-HEAD_MODES = ("all", "kv", "mean")
 
 _ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar(
     "kvscope_active_recorder", default=None

@@ -27,108 +27,26 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .. import __version__, defaults
+from .. import __version__
 from ..errors import KvscopeError, StoreError
 from ..integrity import is_int
 from ..model_spec import ModelSpec
-from ..models import DEFAULT_MODEL, ModelSource, load, resolve
-from ..params import ParamSpec, check_value
+from ..models import ModelSource, load, resolve
 from ..paths import output_path
 from ..prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
 from ..rope import Rope
 from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
-from .capture import ATTN_OUTPUTS, HEAD_MODES, KERNELS, implementation_name, register
+from .capture import implementation_name, register
 from .decode import decode_all
+from .settings import TraceSettings
 from .shard import Shard, batches, owner
 from .writer import StoreLock, StoreWriter, commit_lock
-
-
-@dataclass
-class TraceSettings:
-    """Everything that determines a trace's contents (compared on ``--resume``)."""
-
-    model: str = DEFAULT_MODEL
-    max_new_tokens: int = defaults.MAX_NEW_TOKENS
-    heads: str = "kv"  # all | kv | mean
-    resolution: str = "token"  # token | window
-    window: int = defaults.W  # w, a multiple of 4
-    n_sink: int = defaults.N_SINK
-    obs_window: int = defaults.OBS_WINDOW
-    record_qkv: bool = False
-    dtype: str = "float16"  # storage dtype of attention rows and q/k/v
-    device: str = "cpu"
-    attn: str = "sdpa"
-    attn_output: str = "kernel"  # kernel | probs (kvscope.tracing.capture.ATTN_OUTPUTS)
-    model_dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    seed: int = 0
-    temperature: float = 0.0  # 0 = greedy
-    batch_size: int = 1
-    block_steps: int = defaults.BLOCK_STEPS
-    stop_at_eos: bool = True
-    chat: bool = False
-    trust_remote_code: bool = False
-    question_agnostic: bool = False  # prefill the context only; the question's tokens are forced steps
-
-    def check(self) -> None:
-        self._check_kinds()
-        if self.max_new_tokens < 1:
-            raise KvscopeError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
-        if self.heads not in HEAD_MODES:
-            raise KvscopeError(f"--heads must be one of {', '.join(HEAD_MODES)} (got {self.heads!r})")
-        if self.heads == "mean" and self.record_qkv:
-            raise KvscopeError(
-                "--heads mean keeps one 'head' row, but --record qkv stores every head: use --heads kv or all"
-            )
-        if self.resolution not in ("token", "window"):
-            raise KvscopeError(f"--resolution must be token or window (got {self.resolution!r})")
-        if self.window < 4 or self.window % 4:
-            raise KvscopeError(f"--window must be a positive multiple of 4 (got {self.window})")
-        if self.n_sink < 0:
-            raise KvscopeError(f"--sinks must be ≥ 0 (got {self.n_sink})")
-        if self.obs_window < 1:
-            raise KvscopeError(f"--obs-window must be at least 1 (got {self.obs_window})")
-        if self.dtype not in ("float16", "float32"):
-            raise KvscopeError(f"--dtype must be float16 or float32 (got {self.dtype!r})")
-        if self.attn not in KERNELS:
-            raise KvscopeError(f"--attn must be one of {', '.join(KERNELS)} (got {self.attn!r})")
-        if self.attn_output not in ATTN_OUTPUTS:
-            raise KvscopeError(f"--attn-output must be one of {', '.join(ATTN_OUTPUTS)} (got {self.attn_output!r})")
-        if self.batch_size < 1:
-            raise KvscopeError(f"--batch-size must be at least 1 (got {self.batch_size})")
-        if self.block_steps < 1:
-            raise KvscopeError(f"--block-steps must be at least 1 (got {self.block_steps})")
-        if self.temperature < 0:
-            raise KvscopeError(f"--temperature must be ≥ 0 (got {self.temperature})")
-        if self.device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise KvscopeError("--device cuda asked for, but torch sees no CUDA device")
-        elif self.device != "cpu":
-            raise KvscopeError(f"--device must be cpu or cuda[:N] (got {self.device!r})")
-        if self.attn == "flash_attention_2":
-            import importlib.util
-
-            if not self.device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None:
-                raise KvscopeError("--attn flash_attention_2 needs a CUDA device and the flash-attn package")
-
-    def _check_kinds(self) -> None:
-        """Integer settings hold integers, float settings finite numbers (``nan``, ``inf`` refused)."""
-        kinds = {"int": int, "float": float}
-        for f in fields(self):
-            if f.type in kinds:
-                spec = ParamSpec(flag=_FLAGS.get(f.name))
-                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], False, by_flag=True)
-                setattr(self, f.name, value)
-
-
-_FLAGS = {"n_sink": "--sinks"}  # the trace options whose flag is not the field's name
 
 
 def check_kernel(settings: TraceSettings, spec: ModelSpec, encoded: list[list[int]], mine: list[list[int]]) -> None:
