@@ -194,6 +194,11 @@ def summarize(measured: list[dict], outputs, pairs: list[dict] | None = None) ->
             # decode: the per-step cost of tracing (the target); end to end adds the
             # O(P²) prefill column sums, store creation and consolidation
             "decode_ratio": statistics.median(t["decode"] / p["decode"] for t, p in zip(runs, plain)),
+            # the strict reading: until the store is closed — the writer's last blocks (compressed
+            # after the last step) and consolidation counted as decode too
+            "decode_through_close_ratio": statistics.median(
+                (t["total"] - t["prefill"]) / p["decode"] for t, p in zip(runs, plain)
+            ),
             "prefill_ratio": within,
             "prefill_ratio_within_repeats": within,
             "end_to_end_ratio": statistics.median(
@@ -283,7 +288,8 @@ def main() -> None:
             )
         print(
             f"  --attn-output {mode:6s}  decode ({n_steps - 1} steps) {r['decode_median_s']:.2f} s, ratio "
-            f"{r['decode_ratio']:.3f} (target ≤ 1.10) · prefill {r['prefill_median_s']:.2f} s, ratio "
+            f"{r['decode_ratio']:.3f} (target ≤ 1.10; until the store is closed "
+            f"{r['decode_through_close_ratio']:.3f}) · prefill {r['prefill_median_s']:.2f} s, ratio "
             f"{r['prefill_ratio']:.3f}{spread} (≤ 1.25) · end to end {r['end_to_end_ratio']:.3f} · "
             f"tokens {'equal' if r['tokens_equal_untraced'] else 'DIFFER'}"
         )
