@@ -11,7 +11,7 @@ __version__ = "0.2.0"
 import sys
 import types
 
-# open_trace, open_result and replay load on first use (PEP 562): ``import kvscope`` — and with
+# open_trace, open_result, replay and the subpackages load on first use (PEP 562): ``import kvscope`` — and with
 # it every CLI command, ``kvscope --help`` and an option refused before any model or store is
 # touched — costs no torch, transformers, xarray or dask import (~2 s). The ``ds.kvscope``
 # accessor is registered with kvscope.dataset (open_trace imports it).
@@ -19,12 +19,18 @@ _LAZY = {"open_trace": "store", "open_result": "replay", "replay": "replay"}
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    """The lazy names above, and a submodule by its name (``kvscope.policies.available()``)."""
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
+    try:
+        return importlib.import_module(f".{name}", __name__)  # the import system sets it on us
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

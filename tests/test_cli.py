@@ -161,7 +161,8 @@ def test_unknown_command_and_missing_flag():
 def test_a_refused_option_loads_no_heavy_library():
     """A trace option out of range is refused before torch, transformers, xarray or dask is
     imported (each costs seconds), ``kvscope --help`` (which lists the metrics) before torch and
-    transformers; ``kvscope.replay`` stays the function after its subpackage's modules load."""
+    transformers; ``kvscope.replay`` stays the function after its subpackage's modules load, and a
+    subpackage is there by its name after a plain ``import kvscope``."""
     probe = (
         "import contextlib, io, sys\n"
         "from kvscope.cli import main\n"
@@ -175,11 +176,12 @@ def test_a_refused_option_loads_no_heavy_library():
         "print(heavy())\n"
         "import kvscope, kvscope.replay.check\n"
         "print(callable(kvscope.replay), kvscope.replay is kvscope.replay.__globals__['replay'])\n"
+        "print(sorted(kvscope.analysis.available()) == sorted(kvscope.analysis.METRICS))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    after_refusal, after_help, replay = proc.stdout.splitlines()
-    assert after_refusal == "[]" and replay == "True True"
+    after_refusal, after_help, replay, submodule = proc.stdout.splitlines()
+    assert after_refusal == "[]" and replay == "True True" and submodule == "True"  # kvscope.analysis on first use
     assert "torch" not in after_help and "transformers" not in after_help
