@@ -11,10 +11,10 @@ __version__ = "0.2.0"
 import sys
 import types
 
-# open_trace, open_result, replay and the subpackages load on first use (PEP 562): ``import kvscope`` — and with
-# it every CLI command, ``kvscope --help`` and an option refused before any model or store is
-# touched — costs no torch, transformers, xarray or dask import (~2 s). The ``ds.kvscope``
-# accessor is registered with kvscope.dataset (open_trace imports it).
+# open_trace, open_result, replay and the subpackages load on first use (PEP 562): ``import
+# kvscope`` — and with it every CLI command, ``kvscope --help`` and an option refused before any
+# model or store is touched — costs no torch, transformers, xarray or dask import (~2 s). The
+# ``ds.kvscope`` accessor is registered with kvscope.dataset (open_trace imports it).
 _LAZY = {"open_trace": "store", "open_result": "replay", "replay": "replay"}
 
 

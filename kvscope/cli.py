@@ -1192,7 +1192,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    command = next((a for a in argv if not a.startswith("-")), None)  # no subcommand option takes a value
+    # the subcommand: the first word that is not an option (the options before it, --help and
+    # --version, take no value)
+    command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     try:
         with quiet_libraries():
