@@ -327,7 +327,7 @@ def _add_run(sub) -> None:
 def _live_inputs(args, clairvoyant_allocation: bool = False):
     """``(policy, budget, allocation)`` of ``--policy``/``--budget``/``--allocation``/``--kv-dtype``,
     checked before any work (the oracle allocation only where a trace gives it: validate)."""
-    from .live.cache import live_allocation, live_policy, parse_kv_dtype
+    from .live.inputs import kv_dtype_name, live_allocation, live_policy
     from .policies import check_budget
     from .policies.allocation import check_allocatable
     from .policies.allocation import parse as parse_allocation
@@ -336,14 +336,14 @@ def _live_inputs(args, clairvoyant_allocation: bool = False):
     policy = live_policy(args.policy)
     allocation = parse_allocation(args.allocation) if clairvoyant_allocation else live_allocation(args.allocation)
     check_allocatable([policy], [allocation])
-    parse_kv_dtype(args.kv_dtype)
+    kv_dtype_name(args.kv_dtype)
     return policy, budget, allocation
 
 
 def _cmd_run(args) -> int:
+    policy, budget, allocation = _live_inputs(args)
     from .live.run import run
 
-    policy, budget, allocation = _live_inputs(args)
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = defaults.MAX_NEW_TOKENS
     prompts, workload = _prompts(args)
@@ -406,11 +406,12 @@ def _add_validate(sub) -> None:
 def _cmd_validate(args) -> int:
     from rich.table import Table
 
-    from .live.validate import validate
     from .store import read_attrs
 
     policy, budget, allocation = _live_inputs(args, clairvoyant_allocation=True)
     read_attrs(args.store)
+    from .live.validate import validate
+
     report = validate(
         args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model,
         kv_dtype=args.kv_dtype, question_agnostic=args.question_agnostic, allocation=allocation,

@@ -347,7 +347,7 @@ def _workload_options(name: str, pairs: list[str], seen: list[dict]) -> dict:
 def held_out(trace, source: str, allocation, model: str | None = None):
     """``(model source, prompts)`` of ``--check``, checked before any search: the allocation
     can run live, the prompts exist and are new to the trace."""
-    from .live.cache import live_allocation
+    from .live.inputs import live_allocation
     from .live.validate import _model_source
     from .store import open_trace
 

@@ -159,7 +159,7 @@ def test_unknown_command_and_missing_flag():
 
 
 def test_a_refused_option_loads_no_heavy_library():
-    """A trace option out of range is refused before torch, transformers, xarray or dask is
+    """A trace or run option out of range is refused before torch, transformers, xarray or dask is
     imported (each costs seconds), ``kvscope --help`` (which lists the metrics) before torch and
     transformers; ``kvscope.replay`` stays the function after its subpackage's modules load, and a
     subpackage is there by its name after a plain ``import kvscope``."""
@@ -170,6 +170,9 @@ def test_a_refused_option_loads_no_heavy_library():
         "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
         "    code = main(['trace', '--prompt', 'x', '--max-new-tokens', '2', '--temperature', 'nan', '--out', 'n.zarr'])\n"
         "assert code == 2 and 'finite number' in err.getvalue(), (code, err.getvalue())\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    code = main(['run', '--prompt', 'x', '--policy', 'h2o', '--budget', '0.3', '--kv-dtype', 'int3'])\n"
+        "assert code == 2 and '--kv-dtype' in err.getvalue(), (code, err.getvalue())\n"
         "print(heavy())\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    main(['--help'])\n"

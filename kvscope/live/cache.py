@@ -59,51 +59,22 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .. import defaults
 from ..errors import KvscopeError
 from ..model_spec import ModelSpec
-from ..policies import Allocation, CacheSpec, Policy, PolicyDriver, check_budget, parse
+from ..policies import Allocation, CacheSpec, Policy, PolicyDriver, check_budget
 from ..policies.allocation import check_allocatable
-from ..policies.allocation import parse as parse_allocation
 from ..policies.quant import pack
 from ..rope import Rope, rotate_half
 from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
+from .inputs import kv_dtype_name, live_allocation, live_policy
 from .served import Served
 
 INDEX = torch.int32  # dtype of the position / head / group index tensors
 
 
-def live_policy(policy: Policy | str) -> Policy:
-    """A policy object (from a name or ``name:key=value`` string) that can run live: the
-    clairvoyant oracle cannot."""
-    policy = parse(policy) if isinstance(policy, str) else policy
-    if policy.clairvoyant:
-        raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
-    if policy.reads_queries:
-        raise KvscopeError(
-            f"{policy.label()} replays offline only; run it live with kvpress's own pipeline (kvscope has no live press cache yet)"
-        )
-    return policy
-
-
-def live_allocation(allocation: Allocation | str | None) -> Allocation:
-    """An allocation a live cache can run under: the clairvoyant oracle only as the split a
-    replay of the trace gave (kvscope validate)."""
-    allocation = parse_allocation(allocation or "uniform")
-    if allocation.clairvoyant:
-        raise KvscopeError(
-            f"the {allocation.label()} allocation reads the future attention of a trace: live, only kvscope "
-            "validate can run it (with the split its replay of the trace gives)"
-        )
-    return allocation
-
-
 def parse_kv_dtype(name: str | None):
     """``--kv-dtype``: None for the model's dtype, else the torch dtype FP entries are stored in."""
-    if name in (None, "", "model"):
-        return None
-    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-    if name not in table:
-        raise KvscopeError(f"--kv-dtype must be model, float16, bfloat16 or float32 (got {name!r})")
-    return table[name]
+    name = kv_dtype_name(name)
+    return None if name is None else getattr(torch, name)
 
 
 def kv_storage_dtype(model, name: str | None):

@@ -34,7 +34,8 @@ from ..models import DEFAULT_MODEL, load, resolve
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
 from ..prompts import as_prompts, check_context, encode_prompts, eos_ids
-from .cache import PolicyCache, live_allocation, live_policy, parse_kv_dtype, prepare
+from .cache import PolicyCache, parse_kv_dtype, prepare
+from .inputs import live_allocation, live_policy
 
 
 @dataclass

@@ -36,7 +36,8 @@ from ..prompts import Prompt
 from ..replay import replay
 from ..store import open_trace
 from ..tracing.runner import TraceSettings, check_out, trace_loaded
-from .cache import LivePolicy, kv_storage_dtype, live_policy
+from .cache import LivePolicy, kv_storage_dtype
+from .inputs import live_policy
 
 
 def validate(
