@@ -32,8 +32,13 @@ demo: setup
 	$(KVSCOPE) view traces/demo.zarr --replay traces/demo-replay.zarr --html traces/demo.html
 	$(KVSCOPE) replay traces/demo.zarr --policies h2o,qevict --budgets 0.2 --allocation uniform,pyramid,adakv,oracle
 
+# the test files run on TEST_WORKERS pytest-xdist processes, a file's tests on one worker (its
+# module fixtures built once); each worker computes on one thread (tests/conftest.py) and builds
+# the session's SmolLM2 traces it needs. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(PY) benchmarks/trace_overhead.py
