@@ -270,18 +270,27 @@ class AttentionRecorder:
         ctx = self.ctx
         if self.attn_output == "kernel" or ctx is None:
             return None
-        b, h, q_len, d = query.shape
-        n_kv, kv_len = key.shape[1], key.shape[2]
-        if q_len == 1 and ctx.seq_len > 1:
+        if query.shape[2] == 1 and ctx.seq_len > 1:
             out, probs = _observed_row(query, key, value, mask, scaling, softcap)
             self.observe(module, query, key, value, mask, scaling, softcap, probs=probs)
             return out
-        if not self._is_causal_prefill(mask, q_len, kv_len):
+        prefilled = self.causal_prefill(query, key, value, mask, scaling, softcap)
+        if prefilled is None:
             return None
-        out = torch.empty((b, q_len, h, d), dtype=value.dtype, device=value.device)  # [batch, q, head, D]
-        blocks = self._causal_blocks(query, key, scaling, softcap, n_kv, value=value, out=out)
+        out, blocks = prefilled
         self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks)
         return out
+
+    def causal_prefill(self, query, key, value, mask, scaling, softcap):
+        """``(out [batch, P, head, D], (colsum, tail))`` of an unpadded causal prefill from one
+        blocked pass (:meth:`_causal_blocks`): the output ``a · V`` made of the probabilities the
+        column sums are summed from. None for any other forward (the kernel's output then)."""
+        b, h, q_len, d = query.shape
+        if self.ctx is None or not self._is_causal_prefill(mask, q_len, key.shape[2]):
+            return None
+        out = torch.empty((b, q_len, h, d), dtype=value.dtype, device=value.device)  # [batch, q, head, D]
+        blocks = self._causal_blocks(query, key, scaling, softcap, key.shape[1], value=value, out=out)
+        return out, blocks
 
     def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
         """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
@@ -508,13 +517,18 @@ def _capturing(kernel: str):
                 recorders.append(view.recorder)
         if view is not None and view.head_mask is not None:  # padding slots of a live cache: mask them per head
             attention_mask = _per_head_mask(view.head_mask, query.shape[1], query.shape[2], attention_mask)
-        probs = None
-        if slot_pos is not None and view.recorder is not None and view.recorder.enabled and not module.training:
+        observer = view.recorder if view is not None and not module.training else None
+        observer = observer if observer is not None and observer.enabled else None  # the cache's policy observes
+        out = probs = blocks = None
+        if observer is not None and slot_pos is not None:
             with torch.no_grad():  # the policy observes this row: the output comes from the same probabilities
                 out, probs = _observed_row(query, key, value, attention_mask, scale, softcap)
         elif view is not None and view.head_mask is not None:
             out = _masked_output(query, key, value, attention_mask, scale, softcap)
-        else:
+        elif observer is not None:
+            with torch.no_grad():  # the prompt's attention the policy reads: the output from it too
+                out, blocks = observer.causal_prefill(query, key, value, attention_mask, scale, softcap) or (None, None)
+        if out is None:
             out = base(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
             )
@@ -522,7 +536,10 @@ def _capturing(kernel: str):
             with torch.no_grad():
                 for recorder in recorders:
                     if recorder is not None:
-                        recorder.observe(module, query, key, value, attention_mask, scale, softcap, slot_pos, probs)
+                        recorder.observe(
+                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs,
+                            blocks=blocks if recorder is observer else None,
+                        )  # fmt: skip
         return out, None
 
     kvscope_attention.__name__ = f"kvscope_{kernel}_attention"
