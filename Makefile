@@ -35,10 +35,12 @@ demo: setup
 # the test files run on TEST_WORKERS pytest-xdist processes, a file's tests on one worker (its
 # module fixtures built once); each worker computes on one thread (tests/conftest.py) and builds
 # the session's SmolLM2 traces it needs. TEST_WORKERS=0 runs everything in this process.
+# (-p no:benchmark: a system's pytest-benchmark, seen through --system-site-packages, would
+# warn that xdist disables it; the suite has no benchmarks — they live in benchmarks/.)
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:benchmark
 
 bench: setup
 	$(PY) benchmarks/trace_overhead.py
