@@ -55,14 +55,17 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     import torch
     from transformers import DynamicCache
 
+    from kvscope.model_spec import last_logits_only
+
     cache = DynamicCache(config=model.config)
     tokens = []
+    last_only = last_logits_only(model)  # as the trace's forwards (and generate)
     sync()
     stamps = [time.perf_counter()]
     with torch.no_grad():
         x = input_ids
         for _ in range(new_tokens):
-            out = model(input_ids=x, cache=cache, use_cache=True)
+            out = model(input_ids=x, cache=cache, use_cache=True, **last_only)
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
             x = out.logits[:, -1:].float().argmax(-1)
             tokens.append(int(x))

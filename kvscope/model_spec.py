@@ -112,3 +112,14 @@ class ModelSpec:
         from .attention import LayerRules
 
         return LayerRules(tuple(self.rule(layer) for layer in range(self.n_layers)))
+
+
+def last_logits_only(model) -> dict:
+    """Keyword arguments for a forward whose next token needs the last position's logits only:
+    ``logits_to_keep=1`` where the model's ``forward`` takes it (transformers' ``generate`` does
+    the same), none otherwise. Without it a prompt's forward computes ``P × vocab`` logits that
+    nothing reads: at 2,048 tokens of SmolLM2 0.4 GB in fp32 and a fifth of the prefill's
+    multiply-adds; at 32K tokens of Llama-3.1-8B 8.4 GB in bf16."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

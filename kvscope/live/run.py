@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model_spec import ModelSpec
+from ..model_spec import ModelSpec, last_logits_only
 from ..models import DEFAULT_MODEL, load, resolve
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
@@ -57,10 +57,11 @@ def decode(
     device = next(model.parameters()).device
     tokens, logits = [], []
     inputs = torch.tensor([prompt_ids], device=device)
+    last_only = last_logits_only(model)
     started = time.perf_counter()
     with torch.no_grad():
         for t in range(len(question) + steps):
-            out = model(input_ids=inputs, cache=cache, use_cache=True)
+            out = model(input_ids=inputs, cache=cache, use_cache=True, **last_only)
             cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
             if hasattr(cache, "end_step"):
                 cache.end_step()

@@ -23,6 +23,7 @@ import torch
 
 from ..dtypes import stored
 from ..errors import StoreError
+from ..model_spec import last_logits_only
 from ..schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
@@ -52,6 +53,7 @@ class BatchDecode:
             attn_output=settings.attn_output,
         )
         self.cache = cache
+        self.last_only = last_logits_only(model)  # the prompt's logits at every position: never read
         self.records = CacheRecords(layout) if layout.policy_events else None
         self.dtype = np.float16 if settings.dtype == "float16" else np.float32
         self.n_steps = np.full(B, S, dtype=np.int64)  # final number of steps per sample
@@ -116,6 +118,7 @@ class BatchDecode:
             position_ids=self.position_ids if t == 0 else (self.position_ids[:, -1:] + t),
             cache=self.cache,
             use_cache=True,
+            **self.last_only,
         )
         self.cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         if self.records is not None:
