@@ -490,3 +490,25 @@ def test_probs_output_resumes_bit_for_bit(tmp_path, tiny_models):
     del meta["attributes"]["settings"]["attn_output"]
     (older / "zarr.json").write_text(json.dumps(meta))
     assert kvscope.trace(PROMPT, older, resume=True, **settings).steps == [12]
+
+
+def test_forwards_ask_for_the_last_logits_only(tiny_models):
+    """The trace's and the live decode's forwards read the last position's logits only: they
+    pass ``logits_to_keep=1`` where the model's forward takes it, nothing where it does not."""
+    from transformers import AutoModelForCausalLM
+
+    from kvscope.model_spec import last_logits_only
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    assert last_logits_only(model) == {"logits_to_keep": 1}
+    ids = torch.tensor([list(range(5, 45))])
+    with torch.no_grad():
+        every = model(input_ids=ids).logits  # [batch, pos, vocab]
+        last = model(input_ids=ids, **last_logits_only(model)).logits
+    assert every.shape[1] == 40 and last.shape[1] == 1
+    torch.testing.assert_close(last[:, 0], every[:, -1], rtol=0, atol=1e-5)
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=True): ...
+
+    assert last_logits_only(NoKeep()) == {}
