@@ -221,7 +221,7 @@ def _device_name(device: str) -> str:
 
 
 def _say(report: dict, key: str, started: float) -> None:
-    print(f"[{time.perf_counter() - started:6.1f} s] {key}: {json.dumps(report[key])}", file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - started:6.1f} s] {key}: {json.dumps(_finite(report[key]))}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
