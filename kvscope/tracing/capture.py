@@ -533,13 +533,13 @@ def _capturing(kernel: str):
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
             )
         if any(r is not None for r in recorders):
-            with torch.no_grad():
-                for recorder in recorders:
+            with torch.no_grad():  # the probabilities computed above serve every recorder (a trace under a
+                for recorder in recorders:  # policy: the trace's and the cache's), blocks at their tail's size
                     if recorder is not None:
+                        shared = blocks if blocks is not None and recorder.obs_window == observer.obs_window else None
                         recorder.observe(
-                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs,
-                            blocks=blocks if recorder is observer else None,
-                        )  # fmt: skip
+                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs, blocks=shared
+                        )
         return out, None
 
     kvscope_attention.__name__ = f"kvscope_{kernel}_attention"
