@@ -91,6 +91,7 @@ def check_attrs(path, attrs) -> None:
     for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
         need(is_int(config.get(name), 1), f"model.config.{name}", "an integer ≥ 1", config.get(name))
     need(config["n_heads"] % config["n_kv_heads"] == 0, "model.config.n_heads", "a multiple of n_kv_heads", config)
+    _check_geometry(config, need)
     vocab = config.get("vocab_size")
     need(vocab is None or is_int(vocab, 1), "model.config.vocab_size", "an integer ≥ 1", vocab)
     policy = attrs.get("policy")
@@ -254,6 +255,35 @@ def _zarr_parses(path, name: str, meta: dict) -> None:
         raise StoreError(f"{path}: array {name} has metadata zarr cannot read ({first_line(exc)})") from None
 
 
+def _check_geometry(config: dict, need) -> None:
+    """The cache-geometry keys of a model config (:class:`kvscope.model_spec.ModelSpec`), where given."""
+    n_layers, n_heads = config["n_layers"], config["n_heads"]
+    layers = config.get("attention_layers") or []
+    ok = isinstance(layers, list) and all(is_int(x) for x in layers) and layers == sorted(set(layers))
+    need(
+        ok and len(layers) in (0, n_layers),
+        "model.config.attention_layers",
+        f"{n_layers} increasing layer indices",
+        layers,
+    )
+    for name in ("key_heads", "v_head_dim", "kv_latent_dim", "model_layers"):
+        need(
+            config.get(name) is None or is_int(config.get(name), 1),
+            f"model.config.{name}",
+            "an integer ≥ 1",
+            config.get(name),
+        )
+    sinks = config.get("learned_sinks") or []
+    ok = isinstance(sinks, list) and all(
+        s is None or (isinstance(s, list) and len(s) == n_heads and all(_finite(x) for x in s)) for s in sinks
+    )
+    need(ok, "model.config.learned_sinks", f"per layer null or {n_heads} finite numbers", "…")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def expected_layout(path, attrs: dict, metas: dict):
     """The :class:`~kvscope.store.Layout` the attributes describe (positions from ``tokens``,
     steps from ``attn``: the schema then checks that every array agrees)."""
@@ -273,7 +303,7 @@ def expected_layout(path, attrs: dict, metas: dict):
         heads=attrs["heads"], resolution=attrs["resolution"], n_pos=tokens[1], obs_window=attrs["obs_window"],
         n_sink=attrs["n_sink"], window=attrs["w"], block_steps=attrs["block_steps"], record_qkv=attrs["record_qkv"],
         dtype=attrs["dtype"], rope_freqs=int(rope[1]) if attrs["record_qkv"] and len(rope) == 2 else 0,
-        policy_events=len(range(0, attn[1], policy["every"])) if policy else 0,
+        policy_events=len(range(0, attn[1], policy["every"])) if policy else 0, **Layout.geometry(config),
     )  # fmt: skip
 
 
@@ -316,8 +346,10 @@ def check_small_arrays(path, attrs: dict, layout, arrays):
     store = TraceStore(path, rules=rules)
     group = zarr.open_group(store=store, mode="r", zarr_format=3, use_consolidated=False)
     for name, n in _coordinates(layout):
-        if not np.array_equal(group[name][...], np.arange(n)):
-            raise StoreError(f"{path}: coordinate array {name} does not hold 0..{n - 1}")
+        want = layout.coordinate(name, n)
+        if not np.array_equal(group[name][...], want):
+            held = f"0..{n - 1}" if np.array_equal(want, np.arange(n)) else want.tolist()
+            raise StoreError(f"{path}: coordinate array {name} does not hold {held}")
     small = {name: np.asarray(group[name][...]) for name in SMALL}
     prompt_len = small["prompt_len"].astype(np.int64)
     S, T = layout.n_steps, layout.n_pos

@@ -64,13 +64,16 @@ class Rope:
     _tables: tuple | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_model(cls, model, n_layers: int) -> Rope:
-        """The rotary embedding module's ``inv_freq`` and ``attention_scaling`` per layer
-        (per layer type where the model keeps one module for several, as Gemma 3 does)."""
+    def from_model(cls, model, layers) -> Rope:
+        """The rotary embedding module's ``inv_freq`` and ``attention_scaling`` for each of the
+        model's ``layers`` (an int: layers 0..n−1), per layer type where the model keeps one
+        module for several, as Gemma 3 does."""
+        layers = range(layers) if isinstance(layers, int) else list(layers)
+        n_layers = len(layers)
         rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
         layer_types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
         freqs, scales = [], []
-        for layer in range(n_layers):
+        for layer in layers:
             prefix = (
                 f"{layer_types[layer]}_"
                 if layer_types and rotary is not None and not hasattr(rotary, "inv_freq")
@@ -82,9 +85,9 @@ class Rope:
             scales.append(float(scale) if scale is not None else 1.0)
         width = max((len(f) for f in freqs if f is not None), default=0)
         table = np.full((n_layers, width), np.nan)  # float64 holding the model's float32 values
-        for layer, f in enumerate(freqs):
+        for i, f in enumerate(freqs):
             if f is not None:
-                table[layer, : len(f)] = f
+                table[i, : len(f)] = f
         return cls(table, np.asarray(scales, dtype=np.float32))
 
     def usable(self) -> bool:

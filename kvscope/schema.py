@@ -31,6 +31,43 @@ class Layout:
     dtype: str  # float16 | float32
     rope_freqs: int = 0
     policy_events: int = 0  # > 0: traced under a live policy cache (tier snapshots)
+    # the cache geometry (kvscope.model_spec): defaults are a GQA model whose every layer attends
+    key_heads: int = 0  # heads of the recorded k/v (0: n_kv_heads; MLA: every query head)
+    v_dim: int = 0  # values per value head (0: head_dim)
+    learned_sinks: bool = False  # the sink's share of every row is stored beside it
+    layer_index: tuple[int, ...] = ()  # the model's index of each stored layer (() = 0..n_layers−1)
+    from_weights: bool = False  # rows from the model's output_attentions (it attends in its own modules)
+
+    @classmethod
+    def geometry(cls, config: dict) -> dict:
+        """The geometry fields of a layout from a store's model config (:meth:`ModelSpec.config`)."""
+        n_kv = config["n_kv_heads"]
+        key_heads = config.get("key_heads") or n_kv
+        return {
+            "key_heads": 0 if key_heads == n_kv else key_heads,
+            "v_dim": config.get("v_head_dim") or 0,
+            "learned_sinks": any(s is not None for s in config.get("learned_sinks") or ()),
+            "layer_index": tuple(config.get("attention_layers") or ()),
+            "from_weights": config.get("capture") == "output_attentions",
+        }
+
+    @property
+    def n_key_heads(self) -> int:
+        return self.key_heads or self.n_kv_heads
+
+    @property
+    def key_head_dim_name(self) -> str:
+        """The head dim of k/v: ``kv_head``, or ``head`` where every query head has its own (MLA)."""
+        return "kv_head" if self.n_key_heads == self.n_kv_heads else "head"
+
+    def coordinate(self, name: str, n: int):
+        """The values of coordinate ``name`` (``n`` long): the model's layer indices for ``layer``,
+        else ``0..n−1``."""
+        import numpy as np
+
+        if name == "layer" and self.layer_index:
+            return np.asarray(self.layer_index, dtype=np.int32)
+        return np.arange(n, dtype=np.int32)
 
     @property
     def head_dim_name(self) -> str:
@@ -85,7 +122,7 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
     sizes = {
         "sample": L.n_samples, "step": L.n_steps, "layer": L.n_layers, "pos": L.n_pos, "obs": L.obs_window,
         "window": L.n_windows, "sink": L.n_sink, "qpos": L.n_pos, "head": L.n_heads, "kv_head": L.n_kv_heads,
-        "dim": L.head_dim, "rope_freq": L.rope_freqs, "event": L.policy_events,
+        "dim": L.head_dim, "vdim": L.v_dim, "rope_freq": L.rope_freqs, "event": L.policy_events,
         hs: L.n_stored_heads,  # the stored head dim (one "head" for --heads mean)
     }  # fmt: skip
     rows = {"sample": 1, "step": L.block_steps, "layer": 1}
@@ -101,6 +138,7 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
         _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, per_layer, "sample"),
         _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, per_layer, "sample"),
         _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, "sample", -1),
+        *_sink_arrays(L, hs, sizes, rows, per_layer),
         _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, "static", -1),
         _spec("prompt_len", ("sample",), "int32", sizes, {}, "static", 0),
         _spec("n_steps", ("sample",), "int32", sizes, {}, "any", 0),
@@ -108,13 +146,15 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
         _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
     ]
     if L.record_qkv:
-        coords += ["qpos"] + [d for d in ("head", "kv_head") if d != hs] + ["dim", "rope_freq"]
+        kh, vd = L.key_head_dim_name, "vdim" if L.v_dim else "dim"
+        coords += ["qpos"] + [d for d in ("head", "kv_head") if d != hs] + ["dim"] + (["vdim"] if L.v_dim else [])
+        coords += ["rope_freq"]
         pb = L.pos_block
         q_chunks, kv_chunks = {"sample": 1, "qpos": pb, "layer": 1}, {"sample": 1, "layer": 1, "pos": pb}
         arrays += [
             _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, q_chunks, "positions"),
-            _spec("k", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
-            _spec("v", ("sample", "layer", "kv_head", "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("k", ("sample", "layer", kh, "pos", "dim"), f, sizes, kv_chunks, "positions"),
+            _spec("v", ("sample", "layer", kh, "pos", vd), f, sizes, kv_chunks, "positions"),
             _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}, "static"),
             _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}, "static"),
         ]
@@ -127,3 +167,16 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
             _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, "sample", -1),
         ]
     return [(name, sizes[name]) for name in coords], arrays
+
+
+def _sink_arrays(L: Layout, hs: str, sizes: dict, rows: dict, per_layer: dict) -> list[ArraySpec]:
+    """A model with learned sinks: the sink's share ``σ`` of every stored row (``1 − Σ row``, in
+    float32: each row of ``attn`` and ``prefill_tail`` sums to ``1 − σ``) and, beside the column
+    sums, ``Σ σ`` over the prompt's rows (the column sums then add up to ``P − Σ σ``)."""
+    if not L.learned_sinks:
+        return []
+    return [
+        _spec("attn_learned_sink", ("sample", "step", "layer", hs), "float32", sizes, rows, "steps"),
+        _spec("prefill_learned_sink", ("sample", "layer", hs), "float32", sizes, per_layer, "sample"),
+        _spec("prefill_tail_learned_sink", ("sample", "layer", hs, "obs"), "float32", sizes, per_layer, "sample"),
+    ]

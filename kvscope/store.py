@@ -19,6 +19,11 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
     token_id        [sample, step]                          i32      = tokens[prompt_len + step]
     q               [sample, qpos, layer, head, dim]        f16/f32  optional, post-RoPE queries
     k, v            [sample, layer, kv_head, pos, dim]      f16/f32  optional, post-RoPE keys / values
+                                                                     (MLA: [.., head, ..] each query head's own,
+                                                                     v over ``vdim`` where its size differs)
+    attn_learned_sink [sample, step, layer, Hs]             f32      learned sinks only: the sink's share of each
+    prefill_learned_sink [sample, layer, Hs]                f32      row, its sum over the prompt's rows,
+    prefill_tail_learned_sink [sample, layer, Hs, obs]      f32      and its share of each tail row
     rope_inv_freq   [layer, rope_freq]                      f32      optional, rotary inverse frequencies
     rope_attention_scaling [layer]                          f32      optional
     policy_tiers    [sample, event, layer, kv_head, pos]    i8       optional (trace --policy): tiers of the
@@ -40,6 +45,7 @@ import numpy as np
 
 from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .errors import StoreError, first_line
+from .model_spec import ModelSpec
 from .rowformat import ROW_ARRAYS, RowFormat
 from .schema import SCHEMA_VERSION, Layout, schema
 
@@ -89,7 +95,7 @@ def create(path: Path, layout: Layout, attrs: dict, row_clevel: int = 1) -> None
     coords, arrays = schema(layout)
     for name, n in coords:
         root.create_array(name, shape=(n,), dtype="int32", dimension_names=(name,), fill_value=0, compressors=None)
-        root[name][:] = np.arange(n, dtype=np.int32)
+        root[name][:] = layout.coordinate(name, n)
     for a in arrays:
         root.create_array(
             a.name,
@@ -215,8 +221,11 @@ def store_info(path: str | os.PathLike) -> dict:
         total_stored += stored
         total_logical += logical
     model = attrs.get("model", {})
+    spec = ModelSpec.from_config(model["config"])
     return {
         "path": str(path),
+        "cache": spec.geometry(),
+        "cache_line": spec.geometry_line(),
         "status": attrs.get("status"),
         "schema_version": attrs.get("schema_version"),
         "kvscope_version": attrs.get("kvscope_version"),
