@@ -6,7 +6,13 @@ For a query at position ``q`` and keys at positions ``p`` (one layer, one head):
     visible  = p ≤ q  ∧  q − p < window               (window only on sliding-attention layers)
     a[p]     = softmax over the visible keys (fp32);  a row with no visible key is all zeros
 
-``scaling`` and ``softcap`` are the layer's (:class:`kvscope.model_spec.ModelSpec.rule`).
+With a learned sink (gpt-oss: one logit ``s_h`` per query head) the softmax has one more
+column that no key holds, and a row sums to ``1 − σ`` with ``σ = e^{s_h} / (e^{s_h} + Σ e^{logit})``
+the sink's share::
+
+    a[p] = e^{logit[p]} / (e^{s_h} + Σ_visible e^{logit})
+
+``scaling``, ``softcap`` and ``sinks`` are the layer's (:class:`kvscope.model_spec.ModelSpec.rule`).
 Grouped-query attention needs no copies of the keys: the query heads that share a KV head
 are stacked as extra rows (:func:`grouped`), ``[.., kv_head, group·rows, D] @ [.., kv_head, D, keys]``.
 
@@ -17,7 +23,7 @@ there is exactly one implementation of the rule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,17 +62,33 @@ def visible(q_pos, k_pos: torch.Tensor, window: int | None = None) -> torch.Tens
 
 
 def softmax(
-    scores: torch.Tensor, visible: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    scores: torch.Tensor,
+    visible: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 probabilities over the last dim. ``visible`` (bool) hides keys; a row with no
-    visible key comes out as zeros. ``bias``: an additive mask (transformers' float masks)."""
+    visible key comes out as zeros (all its mass on the sink, with one). ``bias``: an additive
+    mask (transformers' float masks). ``sink``: learned sink logits broadcastable to
+    ``scores[..., :1]`` — one more column of the softmax, dropped from the result."""
     scores = scores.to(torch.float32)
     if bias is not None:
         scores = scores + bias.to(torch.float32)
-    if visible is None:
-        return torch.softmax(scores, dim=-1)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.nan_to_num_(probs, nan=0.0)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        column = sink.to(torch.float32).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    probs = torch.softmax(scores, dim=-1)
+    return probs if visible is None else torch.nan_to_num_(probs, nan=0.0)
+
+
+def grouped_sinks(sinks, n_kv: int, rows: int) -> torch.Tensor:
+    """Per-query-head sink logits ``[head]`` as a column of the grouped layout of
+    :func:`grouped`: ``[kv_head, group·rows, 1]`` (row ``j·rows + i`` of KV head ``k`` is query
+    head ``k·group + j``)."""
+    sinks = torch.as_tensor(sinks, dtype=torch.float32)
+    return sinks.view(n_kv, -1, 1, 1).expand(n_kv, sinks.numel() // n_kv, rows, 1).reshape(n_kv, -1, 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,7 @@ class AttentionRule:
     scaling: float
     softcap: float | None = None
     window: int | None = None  # sliding window (keys with q − p ≥ window are hidden)
+    sinks: tuple[float, ...] | None = None  # learned sink logit of each query head
 
     def logits(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return logits(query, key, self.scaling, self.softcap)
@@ -83,13 +106,30 @@ class AttentionRule:
     def visible(self, q_pos, k_pos: torch.Tensor) -> torch.Tensor:
         return visible(q_pos, k_pos, self.window)
 
+    def of_kv_heads(self, first: int, count: int, n_kv: int) -> AttentionRule:
+        """This rule for KV heads ``first … first + count − 1`` of ``n_kv`` only (the sinks of
+        their query heads), for queries grouped over those heads alone."""
+        if self.sinks is None:
+            return self
+        g = len(self.sinks) // n_kv
+        return replace(self, sinks=self.sinks[first * g : (first + count) * g])
+
+    def sink_column(self, query: torch.Tensor) -> torch.Tensor | None:
+        """The sink logits for grouped queries ``[.., kv_head, group·rows, D]``: ``[kv_head,
+        group·rows, 1]`` (None without learned sinks)."""
+        if self.sinks is None:
+            return None
+        n_kv, stacked = query.shape[-3], query.shape[-2]
+        return grouped_sinks(self.sinks, n_kv, stacked * n_kv // len(self.sinks)).to(query.device)
+
     def probs(self, query, key, q_pos, k_pos, present: torch.Tensor | None = None) -> torch.Tensor:
-        """Probabilities ``[..., rows, keys]`` of queries at ``q_pos [rows, 1]`` over keys at
-        ``k_pos [keys]``; ``present`` (bool, broadcastable) hides keys a cache no longer holds."""
+        """Probabilities ``[..., kv_head, group·rows, keys]`` of grouped queries (:func:`grouped`)
+        at ``q_pos`` (broadcastable to ``[..., group·rows, 1]``) over keys at ``k_pos [keys]``;
+        ``present`` (bool, broadcastable) hides keys a cache no longer holds."""
         shown = self.visible(q_pos, k_pos)
         if present is not None:
             shown = shown & present
-        return softmax(self.logits(query, key), shown)
+        return softmax(self.logits(query, key), shown, sink=self.sink_column(query))
 
 
 @dataclass(frozen=True)
@@ -122,4 +162,17 @@ class LayerRules:
         shown = self.visible(q_pos, key.shape[-2], key.device)[:, None, None, :]  # [L, 1, 1, keys]
         if present is not None:
             shown = shown & present[:, :, None, :]
-        return softmax(self.logits(query, key), shown)
+        return softmax(self.logits(query, key), shown, sink=self.sink_column(query))
+
+    def sink_column(self, query: torch.Tensor) -> torch.Tensor | None:
+        """Learned sink logits for grouped queries ``[L, kv_head, group·rows, D]``: ``[L,
+        kv_head, group·rows, 1]``, −inf on a layer without sinks; None where no layer has any."""
+        if all(rule.sinks is None for rule in self.rules):
+            return None
+        columns = [
+            rule.sink_column(query[layer])
+            if rule.sinks is not None
+            else torch.full((*query.shape[1:3], 1), float("-inf"), device=query.device)
+            for layer, rule in enumerate(self.rules)
+        ]
+        return torch.stack(columns)

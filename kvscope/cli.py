@@ -421,7 +421,7 @@ def _cmd_validate(args) -> int:
         return 0 if report["decisions_identical"] else 1
     table = Table("layer", "open-loop error (predicted)", "live error", "predicted / live",
                   title=f"validate · {report['policy']} at β = {budget} under {report['allocation']} · {args.store}")  # fmt: skip
-    fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
+    fmt = lambda x: "—" if x is None else f"{x:.4f}"
     for row in report["layers"]:
         table.add_row(str(row["layer"]), fmt(row["predicted"]), fmt(row["live"]), fmt(row["ratio"]))
     table.add_row("mean", fmt(report["predicted_mean"]), fmt(report["live_mean"]), "")
@@ -632,6 +632,7 @@ def _cmd_info(args) -> int:
         + f", heads={info['heads']}, resolution={info['resolution']}, dtype={info['dtype']}"
     )
     print("dims " + ", ".join(f"{k}={v}" for k, v in info["dims"].items()))
+    print(info["cache_line"])
     print(row_format(info["row_format"]["format"]).line())
     print(f"steps committed {info['steps_committed']}")
     ratio = info["compression_ratio"]
@@ -1208,7 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (| head): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as exc:  # noqa: BLE001 - never a traceback (KVSCOPE_DEBUG=1 shows it)
+    except Exception as exc:  # never a traceback (KVSCOPE_DEBUG=1 shows it)
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
         if _in_codec(exc):  # CRC-valid bytes that still do not decode: a damaged chunk

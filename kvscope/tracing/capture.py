@@ -99,6 +99,7 @@ def attention_probs(
     softcap: float | None,
     q_offset: int = 0,
     full_q_len: int | None = None,
+    sink: torch.Tensor | None = None,  # [head] learned sink logits
 ) -> torch.Tensor:
     """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key`` (the rule of
     :mod:`kvscope.attention`; the heads of a GQA group stacked as rows, keys never copied).
@@ -109,7 +110,7 @@ def attention_probs(
         attention.grouped(query.to(torch.float32), n_kv), key.to(torch.float32), scaling, softcap
     ).view(b, h, r, kv)
     visible, bias = _mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
-    return attention.softmax(logits, visible, bias)
+    return attention.softmax(logits, visible, bias, sink=None if sink is None else sink.view(1, h, 1, 1))
 
 
 @dataclass
@@ -143,6 +144,11 @@ class AttentionRecorder:
     ``attn_output``: ``kernel`` leaves the layer's output to the model's kernel; ``probs``
     lets :meth:`attend` compute it from the recorded probabilities wherever the recorder
     computes all of them (decode rows, unpadded causal prefills).
+
+    ``n_units``: the cache units of a layer that kv-group rows average over (the model spec's
+    ``n_kv_heads``; 1 under multi-head latent attention, whose keys are per query head); None:
+    the heads of the keys. ``layer_slots``: the model's layer index → stored layer (a hybrid
+    model's attention layers); None: the same index.
     """
 
     n_layers: int
@@ -153,6 +159,8 @@ class AttentionRecorder:
     row_block: int = 256
     attn_output: str = "kernel"  # one of ATTN_OUTPUTS
     enabled: bool = True
+    n_units: int | None = None
+    layer_slots: dict[int, int] | None = None
     ctx: ForwardContext | None = None
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [batch, layer, Hs, seq_len] last query row of each layer, by absolute pos
@@ -167,7 +175,9 @@ class AttentionRecorder:
 
     # -- reductions --------------------------------------------------------------
     def _reduce_heads(self, x: torch.Tensor, n_kv: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[batch, head, ...] -> [batch, Hs, ...], written into ``out`` when given."""
+        """[batch, head, ...] -> [batch, Hs, ...], written into ``out`` when given (``n_kv``:
+        the heads of the keys; kv-group rows average over the cache units' groups)."""
+        n_kv = self.n_units or n_kv
         if self.heads == "all":
             return x if out is None else out.copy_(x)
         if self.heads == "mean":
@@ -202,16 +212,17 @@ class AttentionRecorder:
         slot_pos: torch.Tensor | None = None,  # [kv_head, kv] positions of a live cache's slots
         probs: torch.Tensor | None = None,  # [batch, head, 1, kv] a decode row already computed
         blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # a causal prefill's (colsum, tail) already computed
+        sink: torch.Tensor | None = None,  # [head] learned sink logits
     ) -> None:
         ctx = self.ctx
         if ctx is None or not self.enabled:
             return
-        layer = int(module.layer_idx)
+        layer = self.slot(module)
         b, h, q_len, _ = query.shape
         n_kv, kv_len = key.shape[1], key.shape[2]
         if slot_pos is not None and q_len == 1:
             if probs is None:
-                probs = attention_probs(query, key, mask, scaling, softcap)
+                probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
             probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
@@ -235,7 +246,7 @@ class AttentionRecorder:
             )
         if q_len == 1 and ctx.seq_len > 1:  # a decode row (a one-token prompt is a prefill: its row fills every slot)
             if probs is None:
-                probs = attention_probs(query, key, mask, scaling, softcap)
+                probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
             probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
@@ -246,7 +257,7 @@ class AttentionRecorder:
             cap = LayerCapture()
         else:
             cap = LayerCapture()
-            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv, blocks)
+            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv, blocks, sink)
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             self.rows[:, layer] = self._to_positions(row, kv_len)
@@ -256,7 +267,15 @@ class AttentionRecorder:
             cap.v = value[:, :, -q_len:].detach().to(torch.float32)
         self.layers[layer] = cap
 
-    def attend(self, module, query, key, value, mask, scaling, softcap) -> torch.Tensor | None:
+    def slot(self, module) -> int:
+        """The stored layer of an attention module (its ``layer_idx`` in the model)."""
+        return self.slot_of(int(module.layer_idx))
+
+    def slot_of(self, layer: int) -> int:
+        """The stored layer of the model's layer ``layer``."""
+        return layer if self.layer_slots is None else self.layer_slots[layer]
+
+    def attend(self, module, query, key, value, mask, scaling, softcap, sink=None) -> torch.Tensor | None:
         """The layer's output ``[batch, q, head, D]`` from the probabilities the recorder
         computes anyway, the forward recorded as by :meth:`observe` (when enabled)::
 
@@ -271,46 +290,52 @@ class AttentionRecorder:
         if self.attn_output == "kernel" or ctx is None:
             return None
         if query.shape[2] == 1 and ctx.seq_len > 1:
-            out, probs = _observed_row(query, key, value, mask, scaling, softcap)
-            self.observe(module, query, key, value, mask, scaling, softcap, probs=probs)
+            out, probs = _observed_row(query, key, value, mask, scaling, softcap, sink)
+            self.observe(module, query, key, value, mask, scaling, softcap, probs=probs, sink=sink)
             return out
-        prefilled = self.causal_prefill(query, key, value, mask, scaling, softcap)
+        prefilled = self.causal_prefill(query, key, value, mask, scaling, softcap, sink)
         if prefilled is None:
             return None
         out, blocks = prefilled
-        self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks)
+        self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks, sink=sink)
         return out
 
-    def causal_prefill(self, query, key, value, mask, scaling, softcap):
+    def causal_prefill(self, query, key, value, mask, scaling, softcap, sink=None):
         """``(out [batch, P, head, D], (colsum, tail))`` of an unpadded causal prefill from one
         blocked pass (:meth:`_causal_blocks`): the output ``a · V`` made of the probabilities the
         column sums are summed from. None for any other forward (the kernel's output then)."""
-        b, h, q_len, d = query.shape
+        b, h, q_len, _ = query.shape
         if self.ctx is None or not self._is_causal_prefill(mask, q_len, key.shape[2]):
             return None
-        out = torch.empty((b, q_len, h, d), dtype=value.dtype, device=value.device)  # [batch, q, head, D]
-        blocks = self._causal_blocks(query, key, scaling, softcap, key.shape[1], value=value, out=out)
+        out = torch.empty(
+            (b, q_len, h, value.shape[-1]), dtype=value.dtype, device=value.device
+        )  # [batch, q, head, Dv]
+        blocks = self._causal_blocks(query, key, scaling, softcap, key.shape[1], value=value, out=out, sink=sink)
         return out, blocks
 
     def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
         """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
         return mask is None and not self.ctx.padded and kv_len == q_len
 
-    def _prefill(self, query, key, mask, scaling, softcap, n_kv, blocks=None):
+    def _prefill(self, query, key, mask, scaling, softcap, n_kv, blocks=None, sink=None):
         """Column sums, last ``obs_window`` rows and the last row of the prompt (``blocks``:
         the causal prefill's ``(colsum, tail)`` when :meth:`attend` computed them)."""
-        ctx = self.ctx
         q_len, kv_len = query.shape[2], key.shape[2]
-        pad = ctx.pad.to(query.device)
-        n_obs = self.obs_window
         if blocks is not None:
             colsum, tail = blocks
         elif self._is_causal_prefill(mask, q_len, kv_len):
-            colsum, tail = self._causal_blocks(query, key, scaling, softcap, n_kv)
+            colsum, tail = self._causal_blocks(query, key, scaling, softcap, n_kv, sink=sink)
         else:
-            colsum, tail = self._masked_blocks(query, key, mask, scaling, softcap)
+            colsum, tail = self._masked_blocks(query, key, mask, scaling, softcap, sink)
+        return self._prefill_rows(colsum, tail, n_kv, kv_len)
+
+    def _prefill_rows(self, colsum, tail, n_kv: int, kv_len: int):
+        """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` by key slot → the stored
+        heads by position, and the last prompt row (step 0) by key slot."""
+        ctx, n_obs = self.ctx, self.obs_window
+        pad = ctx.pad.to(tail.device)
         # query positions before the start of a (left-padded) prompt are not rows
-        tail_slots = torch.arange(ctx.seq_len - n_obs, ctx.seq_len, device=query.device)
+        tail_slots = torch.arange(ctx.seq_len - n_obs, ctx.seq_len, device=tail.device)
         tail = tail.masked_fill((tail_slots[None, :] < pad[:, None])[:, None, :, None], float("nan"))
         tail = self._reduce_heads(tail, n_kv)
         return (
@@ -319,11 +344,44 @@ class AttentionRecorder:
             tail[:, :, -1],  # [batch, Hs, kv] the last prompt row = step 0, by key slot
         )
 
-    def _causal_blocks(self, query, key, scaling, softcap, n_kv, value=None, out=None):
+    def observe_weights(self, layer: int, weights: torch.Tensor) -> None:
+        """Stored layer ``layer`` from the model's own probabilities of this forward's query rows
+        ``weights [batch, head, q, kv]`` (``output_attentions``): a model whose attention does not
+        call kvscope's function (:mod:`kvscope.tracing.architecture`). Decode rows and the
+        prompt's column sums and tail as :meth:`observe` keeps them."""
+        ctx = self.ctx
+        if ctx is None or not self.enabled:
+            return
+        w = weights.detach().to(torch.float32)
+        b, h, q_len, kv_len = w.shape
+        if self.rows is None:
+            self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=w.device)
+        cap = LayerCapture()
+        if q_len == 1 and ctx.seq_len > 1:
+            self.rows[:, layer] = self._to_positions(self._reduce_heads(w[:, :, 0], h), kv_len)
+        else:
+            cap.colsum, cap.tail, row = self._prefill_rows(*self._weight_blocks(w), h, kv_len)
+            self.rows[:, layer] = self._to_positions(row, kv_len)
+        self.layers[layer] = cap
+
+    def _weight_blocks(self, w: torch.Tensor):
+        """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` of a prompt's probabilities
+        ``w [batch, head, q, kv]``: the column sums over the rows of real (not padding) queries."""
+        ctx, n_obs = self.ctx, self.obs_window
+        b, h, q_len, kv_len = w.shape
+        slots = torch.arange(ctx.seq_len - q_len, ctx.seq_len, device=w.device)
+        real = (slots[None, :] >= ctx.pad.to(w.device)[:, None]).to(w.dtype)  # [batch, q]
+        colsum = torch.einsum("bhrk,br->bhk", w, real)
+        tail = torch.zeros((b, h, n_obs, kv_len), dtype=w.dtype, device=w.device)
+        rows = min(n_obs, q_len)
+        tail[:, :, n_obs - rows :] = w[:, :, q_len - rows :]
+        return colsum, tail
+
+    def _causal_blocks(self, query, key, scaling, softcap, n_kv, value=None, out=None, sink=None):
         """``(colsum [batch, head, P], tail [batch, head, obs, P])`` of an unpadded causal
         prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``;
-        with ``value`` and ``out [batch, P, head, D]`` (the layout a layer's output takes), ``out``
-        filled with ``a · V`` as well.
+        with ``value`` and ``out [batch, P, head, Dv]`` (the layout a layer's output takes), ``out``
+        filled with ``a · V`` as well; ``sink [head]``: learned sink logits.
 
         Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
         diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
@@ -338,25 +396,27 @@ class AttentionRecorder:
         if query.device.type == "cpu":
             n = max(16, min(n, _BLOCK_PROBS // (h * P)))
         above = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)  # [row, key]: k > r
-        values = None if out is None else value.reshape(b * n_kv, P, d)  # [batch·kv_head, P, D]
+        dv = d if value is None else value.shape[-1]
+        values = None if out is None else value.reshape(b * n_kv, P, dv)  # [batch·kv_head, P, Dv]
+        column = None if sink is None else sink.view(n_kv, g, 1, 1).repeat(b, 1, 1, 1)  # [batch·kv_head, group, 1, 1]
         for r0 in range(0, P, n):
             r1 = min(P, r0 + n)
             rows = query[:, :, r0:r1].to(torch.float32).reshape(b * n_kv, g * (r1 - r0), d)
             scores = attention.logits(rows, keys[:, :r1], scaling, softcap).view(b * n_kv, g, r1 - r0, r1)
             scores[..., r0:].masked_fill_(above[: r1 - r0, : r1 - r0], float("-inf"))
-            probs = attention.softmax(scores)  # [batch·kv_head, group, rows, r1]
+            probs = attention.softmax(scores, sink=column)  # [batch·kv_head, group, rows, r1]
             colsum[..., :r1] += probs.sum(2)
             if values is not None:  # the group's rows on their shared values, weights in the value's dtype
                 weights = probs.view(b * n_kv, g * (r1 - r0), r1).to(values.dtype)
-                rows_out = torch.matmul(weights, values[:, :r1]).view(b, n_kv, g, r1 - r0, d)
-                out[:, r0:r1].view(b, r1 - r0, n_kv, g, d).copy_(rows_out.permute(0, 3, 1, 2, 4))
+                rows_out = torch.matmul(weights, values[:, :r1]).view(b, n_kv, g, r1 - r0, dv)
+                out[:, r0:r1].view(b, r1 - r0, n_kv, g, dv).copy_(rows_out.permute(0, 3, 1, 2, 4))
             t0 = max(r0, P - n_obs)  # tail row o holds query slot P − n_obs + o
             if t0 < r1:
                 o0 = t0 - (P - n_obs)
                 tail[:, :, o0 : o0 + (r1 - t0), :r1] = probs.view(b, h, r1 - r0, r1)[:, :, t0 - r0 :]
         return colsum.view(b, h, P), tail
 
-    def _masked_blocks(self, query, key, mask, scaling, softcap):
+    def _masked_blocks(self, query, key, mask, scaling, softcap, sink=None):
         """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` under transformers' mask
         (padding, sliding windows, a prefill after cached slots), ``row_block`` rows at a time."""
         ctx = self.ctx
@@ -373,7 +433,14 @@ class AttentionRecorder:
             kv_end = kv_len - q_len + r1
             block_mask = None if mask is None else mask[..., :kv_end]
             probs = attention_probs(
-                query[:, :, r0:r1], key[:, :, :kv_end], block_mask, scaling, softcap, q_offset=r0, full_q_len=q_len
+                query[:, :, r0:r1],
+                key[:, :, :kv_end],
+                block_mask,
+                scaling,
+                softcap,
+                q_offset=r0,
+                full_q_len=q_len,
+                sink=sink,
             )  # [batch, head, rows, kv_end]
             if ctx.padded:
                 slots = torch.arange(first_slot + r0, first_slot + r1, device=query.device)
@@ -387,6 +454,83 @@ class AttentionRecorder:
                 o0 = t0 - (q_len - n_obs)
                 tail[:, :, o0 : o0 + (r1 - t0), :kv_end] = probs[:, :, t0 - r0 :]
         return colsum, tail
+
+
+@dataclass(frozen=True)
+class LayerSeen:
+    """What one attention module handed the attention function in a probe forward."""
+
+    heads: int  # query heads
+    key_heads: int  # heads of the keys and values
+    head_dim: int  # of queries and keys
+    v_dim: int
+    sink: bool  # a learned sink logit per head (``s_aux``)
+    kwargs: frozenset[str]  # the other keyword arguments that carried a tensor
+
+
+@dataclass
+class Probe:
+    """The attention modules that call the registered attention function, by ``layer_idx``."""
+
+    layers: dict[int, LayerSeen] = field(default_factory=dict)
+    unnamed: int = 0  # calls from modules without a layer index
+    mask_bias: bool = False  # a float mask with values besides 0 and −∞/min: a position bias (Falcon's ALiBi)
+    shared: dict[int, int] = field(default_factory=dict)  # layer → the earlier layer whose very keys it reads
+    _keys: dict[int, int] = field(default_factory=dict, repr=False)  # data pointer → the layer that had it first
+
+    def saw(self, module, query, key, value, mask, kwargs) -> None:
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            self.unnamed += 1
+            return
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            hidden = mask <= torch.finfo(mask.dtype).min / 2
+            self.mask_bias |= bool((mask[~hidden] != 0).any())
+        owner = self._keys.setdefault(key.data_ptr(), layer)
+        if owner != layer:
+            self.shared[layer] = owner
+        tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "s_aux")
+        self.layers[layer] = LayerSeen(
+            query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], kwargs.get("s_aux") is not None, tensors
+        )
+
+
+_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("kvscope_probe", default=None)
+
+
+def weights_probe(model, n_tokens: int = 4) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """What ``model`` returns with ``output_attentions=True`` from a forward of ``n_tokens``: the
+    shapes ``[batch, head, q, kv]`` of its attention probabilities and ``[batch, kv_head, kv, D]``
+    of the keys its cache holds, by layer (layers that return none left out)."""
+    device = next(model.parameters()).device
+    ids = torch.ones((1, n_tokens), dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, output_attentions=True)
+    weights = getattr(out, "attentions", None) or ()
+    shapes = {layer: tuple(w.shape) for layer, w in enumerate(weights) if isinstance(w, torch.Tensor) and w.dim() == 4}
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    keys = {}
+    for layer, cached in enumerate(getattr(cache, "layers", None) or ()):
+        k = getattr(cached, "keys", None)
+        if isinstance(k, torch.Tensor) and k.dim() == 4:
+            keys[layer] = tuple(k.shape)
+    return shapes, keys
+
+
+def probe(model, n_tokens: int = 4) -> Probe:
+    """Which of ``model``'s layers attend through kvscope's attention function, and with what:
+    one forward of ``n_tokens`` tokens with the function registered (nothing recorded). The
+    model must already use a kvscope implementation (:func:`implementation_name`)."""
+    seen = Probe()
+    token = _PROBE.set(seen)
+    try:
+        device = next(model.parameters()).device
+        ids = torch.ones((1, n_tokens), dtype=torch.long, device=device)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True)
+    finally:
+        _PROBE.reset(token)
+    return seen
 
 
 def _place(x: torch.Tensor, slot_pos: torch.Tensor, out: torch.Tensor) -> None:
@@ -413,9 +557,10 @@ class _Activation:
 # -- registered attention functions ---------------------------------------------------
 
 
-def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, training=False):
+def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, training=False, sink=None):
     """Generic eager attention in the query's dtype: the rule's logits, then the mask the way
-    transformers' per-model eager functions apply it (so outputs match them bit for bit)."""
+    transformers' per-model eager functions apply it (so outputs match them bit for bit);
+    ``sink [head]``: learned sink logits, one more softmax column (gpt-oss's eager)."""
     n_rep = query.shape[1] // key.shape[1]
     scores = attention.logits(query, repeat_kv(key, n_rep), scaling, softcap)
     if mask is None and query.shape[2] > 1:
@@ -426,7 +571,12 @@ def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, traini
         else:
             scores = scores + mask
     v = repeat_kv(value, n_rep)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sink is not None:
+        column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, column], -1), dim=-1, dtype=torch.float32)[..., :-1]
+        weights = weights.to(query.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout and training:
         weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
     out = torch.matmul(weights, v)
@@ -445,10 +595,10 @@ def _per_head_mask(head_mask, n_heads, q_len, mask):
     return out & (mask[..., -kv:] == 0)
 
 
-def _masked_output(query, key, value, mask, scaling, softcap):
+def _masked_output(query, key, value, mask, scaling, softcap, sink=None):
     """Attention output ``[batch, q, head, D]`` with a per-head bool ``mask`` (any kernel)."""
-    if softcap is not None:
-        return _eager_output(query, key, value, mask, scaling, softcap)
+    if softcap is not None or sink is not None:
+        return _eager_output(query, key, value, mask, scaling, softcap, sink=sink)
     n_rep = query.shape[1] // key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=mask, scale=scaling
@@ -456,18 +606,18 @@ def _masked_output(query, key, value, mask, scaling, softcap):
     return out.transpose(1, 2).contiguous()
 
 
-def _observed_row(query, key, value, mask, scaling, softcap):
+def _observed_row(query, key, value, mask, scaling, softcap, sink=None):
     """One decode row computed once, for a live cache whose policy observes it or a trace
     under ``attn_output="probs"``: ``(out [batch, 1, head, D], probs [batch, head, 1, kv])`` —
     ``probs`` by the rule (fp32, the row observed), ``out = probs · V`` in the value's dtype
     (eager's convention: weights cast to the value's dtype), the heads of a GQA group as rows
     of one matmul on their shared values. The kernel's output would need the same keys read
     a second time."""
-    b, h, r, d = query.shape
+    b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
-    probs = attention_probs(query, key, mask, scaling, softcap)
+    probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
     grouped = probs.view(b, n_kv, (h // n_kv) * r, kv).to(value.dtype)  # [batch, kv_head, group·1, kv]
-    out = torch.matmul(grouped, value).view(b, h, r, d)
+    out = torch.matmul(grouped, value).view(b, h, r, value.shape[-1])
     return out.transpose(1, 2).contiguous(), probs
 
 
@@ -482,9 +632,12 @@ def _base_forward(kernel: str):
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if fast is None or (softcap is not None and kernel == "sdpa"):
-            # eager by choice, or softcapping that sdpa refuses (SPEC appendix): eager math
-            return _eager_output(query, key, value, attention_mask, scaling, softcap, dropout, module.training)
+        sink = kwargs.get("s_aux")
+        if fast is None or (kernel == "sdpa" and (softcap is not None or sink is not None)):
+            # eager by choice, or softcapping or a learned sink, which sdpa cannot apply: eager math
+            return _eager_output(
+                query, key, value, attention_mask, scaling, softcap, dropout, module.training, sink=sink
+            )
         if kernel == "sdpa":
             return fast(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
         return fast(
@@ -499,11 +652,15 @@ def _capturing(kernel: str):
 
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        sink = kwargs.get("s_aux")  # [head] learned sink logits (gpt-oss), or None
+        probe = _PROBE.get()
+        if probe is not None:
+            probe.saw(module, query, key, value, attention_mask, kwargs)
         view = _slot_view(key)
         recorder = _ACTIVE.get()
         if view is None and recorder is not None and not module.training:
             with torch.no_grad():
-                out = recorder.attend(module, query, key, value, attention_mask, scale, softcap)
+                out = recorder.attend(module, query, key, value, attention_mask, scale, softcap, sink)
             if out is not None:  # the output from the recorded probabilities (attn_output="probs")
                 return out, None
         slot_pos = None
@@ -522,12 +679,13 @@ def _capturing(kernel: str):
         out = probs = blocks = None
         if observer is not None and slot_pos is not None:
             with torch.no_grad():  # the policy observes this row: the output comes from the same probabilities
-                out, probs = _observed_row(query, key, value, attention_mask, scale, softcap)
+                out, probs = _observed_row(query, key, value, attention_mask, scale, softcap, sink)
         elif view is not None and view.head_mask is not None:
-            out = _masked_output(query, key, value, attention_mask, scale, softcap)
+            out = _masked_output(query, key, value, attention_mask, scale, softcap, sink)
         elif observer is not None:
             with torch.no_grad():  # the prompt's attention the policy reads: the output from it too
-                out, blocks = observer.causal_prefill(query, key, value, attention_mask, scale, softcap) or (None, None)
+                prefilled = observer.causal_prefill(query, key, value, attention_mask, scale, softcap, sink)
+                out, blocks = prefilled or (None, None)
         if out is None:
             out = base(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
@@ -538,8 +696,9 @@ def _capturing(kernel: str):
                     if recorder is not None:
                         shared = blocks if blocks is not None and recorder.obs_window == observer.obs_window else None
                         recorder.observe(
-                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs, blocks=shared
-                        )
+                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs,
+                            blocks=shared, sink=sink,
+                        )  # fmt: skip
         return out, None
 
     kvscope_attention.__name__ = f"kvscope_{kernel}_attention"

@@ -51,6 +51,8 @@ class BatchDecode:
             obs_window=layout.obs_window,
             record_qkv=settings.record_qkv,
             attn_output=settings.attn_output,
+            n_units=layout.n_kv_heads,
+            layer_slots={layer: i for i, layer in enumerate(layout.layer_index)} if layout.layer_index else None,
         )
         self.cache = cache
         self.last_only = last_logits_only(model)  # the prompt's logits at every position: never read
@@ -112,14 +114,20 @@ class BatchDecode:
         """One forward; returns the sampled tokens ``[B]`` (checked against the store while resuming)."""
         self.recorder.enabled = t >= self.committed
         self.recorder.begin(ForwardContext(seq_len=seq_len, pad=self.pad))
+        weights = self.layout.from_weights and self.recorder.enabled  # the model's own probabilities
         out = self.model(
             input_ids=next_input,
             attention_mask=self.mask if self.padded else None,  # all ones: let transformers skip the mask
             position_ids=self.position_ids if t == 0 else (self.position_ids[:, -1:] + t),
             cache=self.cache,
             use_cache=True,
+            **({"output_attentions": True} if weights else {}),
             **self.last_only,
         )
+        if weights:
+            for layer, probs in enumerate(out.attentions):
+                if probs is not None:
+                    self.recorder.observe_weights(self.recorder.slot_of(layer), probs)
         self.cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         if self.records is not None:
             self.cache.end_step()
@@ -199,6 +207,8 @@ def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> 
     caps = [recorder.layers[layer] for layer in range(L)]
     colsum = torch.stack([c.colsum for c in caps], 1).cpu().numpy()  # [B, layer, Hs, p_max]
     tail = stored(torch.stack([c.tail for c in caps], 1), dtype)  # [B, layer, Hs, obs, p_max]
+    if layout.learned_sinks:  # the shares from the float32 rows
+        shares = 1 - torch.stack([c.tail for c in caps], 1).float().sum(-1).clamp_(max=1).cpu().numpy()
     block = Block()
     for i, s in enumerate(batch):
         P = lens[i]
@@ -212,6 +222,8 @@ def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> 
         block.writes.append(("prefill_colsum", (slice(s, s + 1),), cs))
         block.writes.append(("prefill_tail", (slice(s, s + 1),), tl))
         block.writes.append(("prefill_tail_qpos", (slice(s, s + 1),), np.where(qpos >= 0, qpos, -1)[None]))
+        if layout.learned_sinks:
+            _sink_shares(block, s, P, colsum[i], shares[i])
         if layout.record_qkv:
             p0 = int(pad[i])
             q = stored(torch.stack([c.q[i, :, p0:] for c in caps], 0).permute(2, 0, 1, 3), dtype)  # [P, L, H, D]
@@ -222,6 +234,16 @@ def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> 
             block.writes.append(("k", region, k[None]))
             block.writes.append(("v", region, v[None]))
     writer.submit(block)
+
+
+def _sink_shares(block, s: int, P: int, colsum: np.ndarray, tail_shares: np.ndarray) -> None:
+    """A model with learned sinks: the sink's share of the prompt's rows summed over them, beside
+    the column sums (``P − Σ colsum``, from ``colsum [layer, Hs, pos]`` in float32), and of each
+    tail row (``tail_shares [layer, Hs, obs]``: ``1 − Σ row``, NaN where the tail row is none)."""
+    total = np.clip(P - colsum[:, :, :P].astype(np.float64).sum(-1), 0, P).astype(np.float32)  # [layer, Hs]
+    share = np.clip(tail_shares, 0, 1).astype(np.float32)  # NaN stays NaN
+    block.writes.append(("prefill_learned_sink", (slice(s, s + 1),), total[None]))
+    block.writes.append(("prefill_tail_learned_sink", (slice(s, s + 1),), share[None]))
 
 
 class BlockBuffers:
@@ -242,6 +264,7 @@ class BlockBuffers:
             (self.B, blk, L.n_layers, Hs, last), np.nan, dtype=self.dtype
         )  # [B, step, L, Hs, pos|window]
         self.sink = np.full((self.B, blk, L.n_layers, Hs, L.n_sink), np.nan, dtype=self.dtype)
+        self.learned = np.full((self.B, blk, L.n_layers, Hs), np.nan, dtype=np.float32) if L.learned_sinks else None
         self.qkv: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # (i, pos, q, k, v)
 
     def add_step(self, t, recorder, live, lens) -> None:
@@ -251,11 +274,15 @@ class BlockBuffers:
         j = t - self.t0
         # [B, layer, Hs, seq]; window sums are taken in float32, from the rows as computed
         rows = stored(recorder.rows, self.dtype) if L.resolution == "token" else recorder.rows.cpu().numpy()
+        if self.learned is not None:  # the learned sink's share: 1 − Σ row, from the float32 row
+            shares = (1 - recorder.rows.sum(-1)).clamp_(0, 1).cpu().numpy()  # [B, layer, Hs]
         for i in range(self.B):
             if not live[i]:
                 continue
             qpos = lens[i] - 1 + t
             row = rows[i, :, :, : qpos + 1]  # [layer, Hs, qpos+1]
+            if self.learned is not None:
+                self.learned[i, j] = shares[i]
             if L.resolution == "token":
                 self.attn[i, j, :, :, : qpos + 1] = row
             else:
@@ -278,6 +305,8 @@ class BlockBuffers:
         blk.writes.append(("attn", (sl, slice(t0, t_end)), self.attn[:, :n]))
         if L.resolution == "window":
             blk.writes.append(("attn_sink", (sl, slice(t0, t_end)), self.sink[:, :n]))
+        if self.learned is not None:
+            blk.writes.append(("attn_learned_sink", (sl, slice(t0, t_end)), self.learned[:, :n]))
         self._qkv_writes(blk, batch)
         self._token_writes(blk, batch, t_end, prompt_ids, generated, n_steps, finished)
         return blk

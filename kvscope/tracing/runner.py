@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..errors import KvscopeError, StoreError
+from ..errors import KvscopeError, StoreError, first_line
 from ..integrity import is_int
 from ..model_spec import ModelSpec
 from ..models import ModelSource, load, resolve
@@ -42,6 +42,7 @@ from ..prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
 from ..rope import Rope
 from ..schema import SCHEMA_VERSION, Layout
 from ..store import check_store, consolidate, create, read_attrs
+from .architecture import inspect
 from .capture import implementation_name, register
 from .decode import decode_all
 from .settings import TraceSettings
@@ -253,14 +254,14 @@ def trace_loaded(
     check_cache(settings, cache)
     settings_doc = _settings_doc(settings, source, prompts, cache)
     existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
-    register()
-    model.set_attn_implementation(implementation_name(settings.attn))
-    spec = ModelSpec.from_model(model)
+    spec = traced_spec(model, settings.attn, settings.record_qkv)
     encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
     check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
     mine = batches(len(encoded), settings.batch_size, shard)
     check_kernel(settings, spec, encoded, mine)
-    rope = Rope.from_model(model, spec.n_layers) if settings.record_qkv else None
+    if cache is not None and hasattr(cache, "check_model"):
+        cache.check_model(model, spec)
+    rope = Rope.from_model(model, spec.layer_index) if settings.record_qkv else None
     layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
     locks, create = None, None
     if existing is None:
@@ -308,6 +309,19 @@ def trace_loaded(
     finally:
         for lock in reversed(locks + (writer.locks if writer is not None else [])):
             lock.release()
+
+
+def traced_spec(model, attn: str, record_qkv: bool = False) -> ModelSpec:
+    """Route ``model``'s attention through kvscope's function for kernel ``attn`` and return the
+    spec of what it computes (:func:`kvscope.tracing.architecture.inspect`: refused in one line
+    where kvscope cannot trace it exactly)."""
+    register()
+    name = (model.config.architectures or [type(model).__name__])[0]
+    try:
+        model.set_attn_implementation(implementation_name(attn))
+    except (ValueError, NotImplementedError) as exc:
+        raise KvscopeError(f"{name} does not take a custom attention function: {first_line(exc)}") from None
+    return inspect(model, attn, record_qkv)
 
 
 def _writer_locks(out: Path, shard: Shard | None) -> list[StoreLock]:
@@ -396,6 +410,7 @@ def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None
         dtype=settings.dtype,
         rope_freqs=rope.inv_freq.shape[1] if rope is not None else 0,
         policy_events=len(range(0, S, settings.window)) if cache is not None else 0,
+        **Layout.geometry(spec.config()),
     )
 
 
@@ -445,7 +460,7 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
         },
         "dtype": settings.dtype,
         "device": settings.device,
-        "attn_kernel": settings.attn,
+        "attn_kernel": "eager" if spec.from_weights else settings.attn,  # what computed the layers' outputs
         "attn_output": settings.attn_output,
         "generation": {
             "max_new_tokens": S,
