@@ -6,7 +6,9 @@
     3. its values (:data:`CHECKS`):
          attention rows      probabilities in [0, 1], finite up to the query, NaN beyond it,
                              each row summing to 1 within the tolerance of its dtype
-                             (window resolution: window sums and sinks together)
+                             (window resolution: window sums and sinks together) — to 1 − σ
+                             under learned sinks, σ the sink's share stored beside the row
+         learned sinks       shares in [0, 1] where a row is, NaN elsewhere; their prompt sum in [0, P]
          prefill_colsum      finite, ≥ 0 on the prompt, NaN beyond; each head's sums add up to P
          q, k, v             finite on the positions recorded, NaN beyond
          rope parameters     finite, > 0
@@ -102,26 +104,27 @@ class Context:
         return RowFormat.of(self.checked.attrs).slack
 
 
-def _rows(report: Report, ctx: Context, array: str, index, rows: np.ndarray, qpos: np.ndarray) -> None:
+def _rows(report: Report, ctx: Context, array: str, index, rows: np.ndarray, qpos: np.ndarray, shares=None) -> None:
     """Probability rows ``rows [a, b, pos]`` whose queries sit at ``qpos [a]`` (−1: no row),
     checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`),
-    with the tolerance of the store's row format."""
-    from .analysis.kernels import row_checks, rows_problem
+    with the tolerance of the store's row format; ``shares [a, b]``: their learned sink's."""
+    from .analysis.kernels import row_checks, row_totals, rows_problem
 
-    problem = rows_problem(row_checks(rows, qpos, ctx.slack))
+    problem = rows_problem(row_checks(rows, qpos, ctx.slack, row_totals(shares)))
     if problem is not None:
         report.add(array, index, problem)
     report.rows += int((qpos >= 0).sum()) * rows.shape[1]
 
 
-def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
-    """Token rows ``[1, step, 1, Hs, pos]`` of one block of steps starting at ``origin[1]``."""
+def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray, shares=None) -> None:
+    """Token rows ``[1, step, 1, Hs, pos]`` of one block of steps starting at ``origin[1]``
+    (``shares [1, step, 1, Hs]``: their learned sink's)."""
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
-    _rows(report, ctx, "attn", index, data[0, :, 0], qpos)  # [step, Hs, pos]
+    _rows(report, ctx, "attn", index, data[0, :, 0], qpos, None if shares is None else shares[0, :, 0])
 
 
-def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray) -> None:
+def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray, shares=None):
     """Window sums ``[1, step, 1, Hs, window]`` and sinks ``[…, sink]`` of one block of steps:
     together they are the row (:func:`kvscope.windows.window_rows`), checked over units with the
     last existing unit standing in for the query position."""
@@ -130,26 +133,53 @@ def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray,
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
     rows, last = window_rows(data[0, :, 0], sinks[0, :, 0], qpos, ctx.n_sink, ctx.w)  # [step, Hs, unit], [step]
-    _rows(report, ctx, "attn", index, rows, last)
+    _rows(report, ctx, "attn", index, rows, last, None if shares is None else shares[0, :, 0])
 
 
-def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
-    """The last prefill rows ``[1, 1, Hs, obs, pos]`` of a sample and layer."""
+def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray, shares=None) -> None:
+    """The last prefill rows ``[1, 1, Hs, obs, pos]`` of a sample and layer (``shares [1, 1, Hs,
+    obs]``: their learned sink's)."""
     qpos = ctx.checked.small["prefill_tail_qpos"][index[0]]  # [obs]
-    _rows(report, ctx, "prefill_tail", index, np.moveaxis(data[0, 0], 1, 0), qpos)  # [obs, Hs, pos]
+    rows = np.moveaxis(data[0, 0], 1, 0)  # [obs, Hs, pos]
+    _rows(report, ctx, "prefill_tail", index, rows, qpos, None if shares is None else shares[0, 0].T)
 
 
-def check_colsum(report: Report, ctx: Context, index, origin, data: np.ndarray) -> None:
-    """Column sums ``[1, 1, Hs, pos]``: finite ≥ 0 on the prompt, NaN beyond, adding up to P."""
+def check_colsum(report: Report, ctx: Context, index, origin, data: np.ndarray, sink_sum=None) -> None:
+    """Column sums ``[1, 1, Hs, pos]``: finite ≥ 0 on the prompt, NaN beyond, adding up to P
+    (less the learned sink's ``sink_sum [1, 1, Hs]`` over the prompt's rows)."""
     P = int(ctx.checked.prompt_len[index[0]])
     x = data[0, 0].astype(np.float64)  # [Hs, pos]
     prompt, rest = x[:, :P], x[:, P:]
+    want = P - (0.0 if sink_sum is None else np.asarray(sink_sum[0, 0], dtype=np.float64))
     if not np.isfinite(prompt).all() or (prompt < 0).any():
         report.add("prefill_colsum", index, "non-finite or negative column sums on the prompt")
     elif not np.isnan(rest).all():
         report.add("prefill_colsum", index, "values beyond the prompt (must be NaN)")
-    elif (np.abs(prompt.sum(-1) - P) > 1e-4 * P + 1e-3).any():
-        report.add("prefill_colsum", index, f"column sums do not add up to the {P} prompt rows")
+    elif not np.all(np.abs(prompt.sum(-1) - want) <= 1e-4 * P + 1e-3):
+        less = "" if sink_sum is None else ", less their learned sink's shares,"
+        report.add("prefill_colsum", index, f"column sums do not add up to the {P} prompt rows{less}")
+
+
+def check_learned(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
+    """Learned sinks' shares: in [0, 1] where a row is, NaN where none (the prompt's sum in [0, P])."""
+    s = index[0]
+    if array == "prefill_learned_sink":
+        P = int(ctx.checked.prompt_len[s])
+        ok = np.isfinite(data).all() and (data >= 0).all() and (data <= P).all()
+        if not ok:
+            report.add(array, index, f"the sink's share summed over the prompt must lie in [0, {P}]")
+        return
+    if array == "attn_learned_sink":  # [1, step, 1, Hs]
+        present = ctx.query_pos[s, origin[1] : origin[1] + data.shape[1]] >= 0  # [step]
+        x = np.moveaxis(data[0, :, 0], 0, 0)  # [step, Hs]
+    else:  # prefill_tail_learned_sink [1, 1, Hs, obs]
+        present = ctx.checked.small["prefill_tail_qpos"][s] >= 0  # [obs]
+        x = data[0, 0].T  # [obs, Hs]
+    rows, rest = x[present], x[~present]
+    if not (np.isfinite(rows).all() and (rows >= 0).all() and (rows <= 1).all()):
+        report.add(array, index, "learned sink shares must lie in [0, 1] where a row is")
+    elif not np.isnan(rest).all():
+        report.add(array, index, "learned sink shares where no row is (must be NaN)")
 
 
 def check_recorded(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
@@ -336,22 +366,46 @@ def read_block(report: Report, array, name: str, index):
 def _values(report: Report, ctx: Context, arrays: dict, spec, index, data: np.ndarray) -> None:
     name = spec.name
     origin = tuple(i * c for i, c in zip(index, spec.chunks, strict=True))
+    shares = _shares(arrays, name, index)
+    if shares is _DAMAGED:
+        return
     if name == "attn" and ctx.checked.attrs["resolution"] == "window":
         sinks = read_block(report, arrays["attn_sink"], "attn_sink", index)
         if sinks is not None:
-            check_windows(report, ctx, index, origin, data, sinks)
+            check_windows(report, ctx, index, origin, data, sinks, shares)
     elif name == "attn":
-        check_attn(report, ctx, index, origin, data)
+        check_attn(report, ctx, index, origin, data, shares)
     elif name == "prefill_tail":
-        check_tail(report, ctx, index, origin, data)
+        check_tail(report, ctx, index, origin, data, shares)
     elif name == "prefill_colsum":
-        check_colsum(report, ctx, index, origin, data)
+        check_colsum(report, ctx, index, origin, data, shares)
+    elif name in LEARNED_SINKS.values():
+        check_learned(report, ctx, name, index, origin, data, spec.dims)
     elif name in ("q", "k", "v"):
         check_recorded(report, ctx, name, index, origin, data, spec.dims)
     elif name.startswith("rope_"):
         check_rope(report, ctx, name, index, origin, data, spec.dims)
     elif name.startswith("policy_"):
         check_policy(report, ctx, name, index, origin, data, spec.dims)
+
+
+# each row array and the array of its learned sink's shares (same chunks along their common dims)
+LEARNED_SINKS = {
+    "attn": "attn_learned_sink",
+    "prefill_tail": "prefill_tail_learned_sink",
+    "prefill_colsum": "prefill_learned_sink",
+}
+_DAMAGED = object()
+
+
+def _shares(arrays: dict, name: str, index):
+    """The learned sink's shares of the rows in chunk ``index`` of ``name`` (None without learned
+    sinks; ``_DAMAGED`` when their own chunk cannot be read: its own pass reports it)."""
+    partner = LEARNED_SINKS.get(name)
+    if partner is None or partner not in arrays:
+        return None
+    block = _block_or_problem(arrays[partner], index[: len(arrays[partner].shape)])
+    return _DAMAGED if isinstance(block, str) else block
 
 
 def _deep(report: Report, checked, n_rows: int) -> None:
@@ -373,8 +427,9 @@ def _deep(report: Report, checked, n_rows: int) -> None:
         qpos = checked.small["query_pos"][s, steps]
         for layer in range(checked.layout.n_layers):
             q = ds["q"].isel(sample=s, layer=layer).values  # [qpos, head, D]
-            k = ds["k"].isel(sample=s, layer=layer).values  # [kv_head, pos, D]
-            again = layer_rows(q, k, qpos, model.rule(layer), "all" if heads == "all" else "kv")[0, :, 0]
+            k = ds["k"].isel(sample=s, layer=layer).values  # [key_head, pos, D]
+            mode = "all" if heads == "all" else "kv"
+            again = layer_rows(q, k, qpos, model.rule(layer), mode, 0, model.n_key_heads // model.n_kv_heads)[0, :, 0]
             if heads == "mean":
                 again = again.mean(1, keepdims=True)
             stored = ds["attn"].isel(sample=s, layer=layer, step=steps).values.astype(np.float32)

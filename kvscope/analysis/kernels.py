@@ -131,7 +131,7 @@ def half_to_single(bits, out):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def row_block_stats(
-    half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks
+    half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals
 ):  # pragma: no cover
     """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
     (uint16, decoded by :func:`half_to_single`) or as float32 ``full`` (the other one empty). NaN
@@ -145,6 +145,8 @@ def row_block_stats(
               bad sum); ``checks[4]`` (read, not written) is the relative error ``ρ`` of a lossy
               row format (:mod:`kvscope.rowformat`), which widens the tolerance to
               ``T(n) + ρ·(1 + T(n) + n·m)`` (``m`` the dtype's smallest normal).
+    ``totals  [step, H]`` float64 what each row sums to where it is not 1: ``1 − σ`` of a model
+              with learned sinks (σ the sink's share, stored beside the row); empty: every row 1
 
     ``q       [step]`` int64 query position of each row (−1: no query at that step)
     ``fp      [step, F]`` int64 LogQuant FP positions of each step (−1 padded)
@@ -184,7 +186,7 @@ def row_block_stats(
                 nans += v != v
                 buf[p] = v if v == v else zero
             if qt >= 0:
-                _check_row(buf, qt, nans, n_pos, is_half, checks)
+                _check_row(buf, qt, nans, n_pos, is_half, checks, totals[t, h] if totals.shape[0] else 1.0)
             if n_units == 0 and k == 0:  # the checks only
                 continue
             for j in range(n_win):  # position order within each window, windows side by side
@@ -229,8 +231,9 @@ def row_block_stats(
 
 
 @njit(nogil=True, cache=True)
-def _check_row(buf, qt, nans, n_pos, is_half, checks):  # pragma: no cover - compiled
-    """Fold one decoded row (NaN already 0 in ``buf``, ``nans`` counted) into ``checks``."""
+def _check_row(buf, qt, nans, n_pos, is_half, checks, target):  # pragma: no cover - compiled
+    """Fold one decoded row (NaN already 0 in ``buf``, ``nans`` counted) that must sum to
+    ``target`` into ``checks``."""
     n = min(qt + 1, n_pos)
     if nans != n_pos - n:
         checks[0] += 1.0
@@ -244,7 +247,7 @@ def _check_row(buf, qt, nans, n_pos, is_half, checks):  # pragma: no cover - com
     checks[1], checks[2] = lo, hi
     tolerance = 2.0**-10 + n * 2.0**-24 if is_half else 1e-5 + n * 2.0**-23
     tolerance += checks[4] * (1.0 + tolerance + n * (2.0**-14 if is_half else 2.0**-126))
-    checks[3] = max(checks[3], abs(total - 1.0) - tolerance)
+    checks[3] = max(checks[3], abs(total - target) - tolerance)
 
 
 def new_checks(slack: float = 0.0) -> np.ndarray:
@@ -253,16 +256,17 @@ def new_checks(slack: float = 0.0) -> np.ndarray:
     return np.array([0.0, np.inf, -np.inf, -np.inf, float(slack)])
 
 
-def row_checks(x: np.ndarray, q: np.ndarray, slack: float = 0.0) -> np.ndarray:
+def row_checks(x: np.ndarray, q: np.ndarray, slack: float = 0.0, totals=None) -> np.ndarray:
     """The checks of probability rows ``x [a, b, pos]`` (as stored with relative error
-    ``slack``) whose queries sit at ``q [a]`` (−1: none), nothing else computed."""
+    ``slack``) whose queries sit at ``q [a]`` (−1: none), nothing else computed; ``totals
+    [a, b]``: what each row sums to (None: 1)."""
     checks = new_checks(slack)
     no_fp, no_windows, no_stats = (
         np.empty((x.shape[0], 0), np.int64),
         np.empty(x.shape[:2] + (0,)),
         np.empty((x.shape[1], 0)),
     )
-    block_stats(x, q, no_fp, 0, x.shape[-1], 0, 0, 1, no_windows, no_stats, checks)
+    block_stats(x, q, no_fp, 0, x.shape[-1], 0, 0, 1, no_windows, no_stats, checks, totals)
     return checks
 
 
@@ -280,17 +284,24 @@ def rows_problem(checks: np.ndarray) -> str | None:
     if checks[1] < 0 or checks[2] > 1 + 2.0**-10:
         return f"probabilities outside [0, 1] (min {checks[1]:.3g}, max {checks[2]:.3g})"
     if checks[3] > 0:
-        return f"rows that do not sum to 1 (off by {checks[3]:.3g} beyond the tolerance of their dtype and format)"
+        return (
+            f"rows that do not sum to 1 (less their learned sink's share) (off by {checks[3]:.3g} beyond the "
+            "tolerance of their dtype and format)"
+        )
     return None
 
 
 _NO_HALF = np.empty((0, 0, 0), dtype=np.uint16)
 _NO_FULL = np.empty((0, 0, 0), dtype=np.float32)
+_ONES = np.empty((0, 0), dtype=np.float64)  # totals: every row sums to 1
 
 
-def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None):
+def block_stats(
+    x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None, totals=None
+):
     """:func:`row_block_stats` on rows ``x [step, H, pos]`` as stored (fp16 or any float);
-    ``checks`` (:func:`new_checks`) accumulates the row checks of rows with a query.
+    ``checks`` (:func:`new_checks`) accumulates the row checks of rows with a query, which sum
+    to ``totals [step, H]`` (``1 − σ`` under learned sinks: :func:`row_totals`; None: 1).
 
     Peaks only (``n_units = 0``) still sum windows of ``w`` for each row's total mass."""
     if w < 1 or n_sink + n_units * w > x.shape[-1]:
@@ -302,7 +313,17 @@ def block_stats(x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int
     else:
         half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
     checks = new_checks() if checks is None else checks
-    row_block_stats(half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks)
+    totals = _ONES if totals is None else np.ascontiguousarray(np.broadcast_to(totals, x.shape[:2]), dtype=np.float64)
+    row_block_stats(half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals)
+
+
+def row_totals(shares) -> np.ndarray | None:
+    """What rows sum to given their learned sink's shares ``σ`` (any shape; None: no sinks, 1).
+    A row with no share recorded (NaN: no query there) keeps 1: it is not checked."""
+    if shares is None:
+        return None
+    shares = np.asarray(shares, dtype=np.float64)
+    return 1.0 - np.nan_to_num(shares, nan=0.0)
 
 
 @njit(nogil=True, cache=True)

@@ -18,7 +18,7 @@ import xarray as xr
 
 from ..errors import KvscopeError
 from ..windows import Units, window_rows
-from .kernels import block_stats, new_checks, refuse_bad_rows, row_checks
+from .kernels import block_stats, new_checks, refuse_bad_rows, row_checks, row_totals
 
 
 def rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
@@ -89,16 +89,18 @@ def _checked_windows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     sinks_data = sinks.data.rechunk(c[:-1] + ((sinks.sizes["sink"],),))
     q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
     acc = ds.kvscope
+    shares = sink_shares(ds, attn.data, layers, heads)
     data = dsa.map_blocks(
-        _refuse_bad_windows, attn.data, sinks_data, q, acc.n_sink, acc.w, acc.rows.slack, dtype=attn.dtype
+        _refuse_bad_windows, attn.data, sinks_data, q, shares, acc.n_sink, acc.w, acc.rows.slack, dtype=attn.dtype
     )
     return attn.copy(data=data)
 
 
-def _refuse_bad_windows(windows, sinks, q, n_sink: int, w: int, slack: float) -> np.ndarray:
+def _refuse_bad_windows(windows, sinks, q, shares, n_sink: int, w: int, slack: float) -> np.ndarray:
     rows, last = window_rows(windows, sinks, np.broadcast_to(q[..., 0], windows.shape[:-1]), n_sink, w)
     flat = rows.reshape(-1, 1, rows.shape[-1])
-    refuse_bad_rows(row_checks(flat, last.reshape(-1), slack), "attn window rows")
+    totals = row_totals(np.broadcast_to(shares[..., 0], windows.shape[:-1]).reshape(-1, 1))
+    refuse_bad_rows(row_checks(flat, last.reshape(-1), slack, totals), "attn window rows")
     return windows
 
 
@@ -130,6 +132,20 @@ def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     if not isinstance(a.data, dsa.Array):
         a = a.chunk({"sample": 1, "step": ds.kvscope.block_steps, "layer": 1})
     return a.copy(data=a.data.rechunk({4: -1}))
+
+
+def sink_shares(ds: xr.Dataset, like, layers=None, heads=None):
+    """The learned sink's share ``σ`` of each stored row (``attn_learned_sink``: the row sums to
+    ``1 − σ``; NaN where no row is) as dask blocks ``[sample, step, layer, H, 1]`` aligned with
+    ``like`` (the dask array of the stored rows or window sums); zeros without learned sinks."""
+    import dask.array as dsa
+
+    chunks = like.chunks[:4] + ((1,),)
+    if "attn_learned_sink" not in ds:
+        return dsa.zeros(tuple(sum(c) for c in chunks), chunks=chunks)
+    share = _subset(ds["attn_learned_sink"], layers, heads).transpose("sample", "step", "layer", ...)
+    data = share.data if isinstance(share.data, dsa.Array) else dsa.from_array(share.values)
+    return data[..., None].rechunk(chunks)
 
 
 def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:

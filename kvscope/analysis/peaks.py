@@ -35,8 +35,8 @@ from .. import defaults
 from ..errors import KvscopeError
 from ..params import param
 from ..policies.logquant import fp_sets_per_step
-from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows
-from .mass import stored_rows
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals
+from .mass import sink_shares, stored_rows
 from .metric import Bootstrapped, Metric, ci_text, fmt, num, nums
 
 
@@ -80,7 +80,7 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
 
 
 def _block_rows(
-    x: np.ndarray, q: np.ndarray, fp_sets, n_sink: int, k: int, slack: float, block_info=None
+    x: np.ndarray, q: np.ndarray, shares, fp_sets, n_sink: int, k: int, slack: float, block_info=None
 ) -> np.ndarray:
     """Everything peaks needs from one block of rows, in one pass, summed over the block's
     steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
@@ -88,8 +88,8 @@ def _block_rows(
     mass on LogQuant's FP set, Σ of the share on a recency window of the same size, and the
     number of rows with non-sink mass (:func:`kvscope.analysis.kernels.row_block_stats`).
 
-    ``x [s, step, l, h, pos]`` rows as stored (NaN beyond query_pos), ``q [s, step, 1, 1, 1]``;
-    ``fp_sets`` a :class:`LogQuantSets`. A few numbers per trace unit come back, so memory
+    ``x [s, step, l, h, pos]`` rows as stored (NaN beyond query_pos), ``q [s, step, 1, 1, 1]``,
+    ``shares [s, step, l, h, 1]`` their learned sink's (zeros without); ``fp_sets`` a :class:`LogQuantSets`. A few numbers per trace unit come back, so memory
     does not grow with the trace.
     """
     s_, n_step, n_l, n_h, n_pos = x.shape
@@ -103,7 +103,10 @@ def _block_rows(
         for j in range(n_l):
             # no windows out; windows of 8 are summed only for each row's total mass
             checks = new_checks(slack)
-            block_stats(x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j], checks)
+            totals = row_totals(shares[i, :, j, :, 0])
+            block_stats(
+                x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j], checks, totals
+            )
             where = f"attn rows of sample {first_sample + i}, steps {t0}–{t0 + n_step - 1}, layer {first_layer + j}"
             refuse_bad_rows(checks, where)
     return out
@@ -204,10 +207,12 @@ class Peaks(Bootstrapped, Metric):
         c = arr.chunks
         q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
         width = peak_width(n_bins_for(arr.shape[-1]))
+        shares = sink_shares(ds, arr, self.layers, self.heads)
         per_block = dsa.map_blocks(
             _block_rows,
             arr,
             q_arr,
+            shares,
             LogQuantSets(ds, self.logquant_window),
             self.sinks(ds),
             self.k,

@@ -28,14 +28,17 @@ if TYPE_CHECKING:  # torch is imported by the recomputation only: reading a trac
 STEP_BLOCK = 64  # steps whose logits are computed together: [steps, head, pos] float32 at a time
 
 
-def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0) -> np.ndarray:
-    """q [qpos − q_first, head, D], k [kv_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos] float32."""
+def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0, per_unit: int = 1) -> np.ndarray:
+    """q [qpos − q_first, head, D], k [key_head, pos, D], qpos [step] -> [1, step, 1, Hs, pos]
+    float32; kv-group rows average the heads of each cache unit, ``per_unit`` key heads each (1 but
+    under MLA, where every query head has its own key and the layer's one latent serves them all)."""
     import torch
 
     from ..attention import grouped
 
     n_heads, n_kv, n_pos = q.shape[1], k.shape[0], k.shape[1]
-    out = np.full((len(qpos), n_heads if heads == "all" else n_kv, n_pos), np.nan, dtype=np.float32)
+    n_units = n_kv // per_unit
+    out = np.full((len(qpos), n_heads if heads == "all" else n_units, n_pos), np.nan, dtype=np.float32)
     keys = torch.from_numpy(np.nan_to_num(np.asarray(k, dtype=np.float32)))  # [kv, pos, D]
     k_pos = torch.arange(n_pos)
     steps = np.flatnonzero(np.asarray(qpos) >= 0)
@@ -50,10 +53,20 @@ def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0) ->
         # one KV head at a time: a head's rows do not depend on the heads computed with it
         # (a replay task of some KV heads recomputes exactly the whole trace's rows there)
         for j in range(n_kv):
-            probs = rule.probs(qg[:, j : j + 1], keys[j : j + 1], q_at, k_pos)  # [n, 1, g, pos]
-            probs = (probs[:, 0] if heads == "all" else probs.mean(2)).numpy()  # [n, g | 1, pos]
-            stored = slice(j * g, (j + 1) * g) if heads == "all" else slice(j, j + 1)
-            out[block, stored] = np.where(hidden, np.nan, probs)
+            probs = rule.of_kv_heads(j, 1, n_kv).probs(qg[:, j : j + 1], keys[j : j + 1], q_at, k_pos)  # [n, 1, g, pos]
+            if heads == "all":
+                out[block, j * g : (j + 1) * g] = np.where(hidden, np.nan, probs[:, 0].numpy())
+                continue
+            row = probs.mean(2).numpy()  # [n, 1, pos]
+            u = j // per_unit
+            if j % per_unit == 0:
+                out[block, u : u + 1] = row
+            else:  # MLA: a unit's row averages every head (each with its own key)
+                out[block, u : u + 1] += row
+            if j % per_unit == per_unit - 1:
+                if per_unit > 1:
+                    out[block, u : u + 1] /= per_unit
+                out[block, u : u + 1] = np.where(hidden, np.nan, out[block, u : u + 1])
     return out[None, :, None]
 
 
@@ -66,7 +79,7 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
     qpos = ds.kvscope.query_pos
     n_samples, n_steps = qpos.shape
     n_pos = ds.sizes["pos"]
-    n_out = ds.sizes["head"] if heads == "all" else ds.sizes["kv_head"]
+    n_out = ds.sizes["head"] if heads == "all" else model.n_kv_heads
     blocks = []
     for s in range(n_samples):
         row = []
@@ -77,6 +90,8 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
                 qpos[s],
                 model.rule(layer),
                 heads,
+                0,
+                model.n_key_heads // model.n_kv_heads,
             )
             row.append(dsa.from_delayed(task, shape=(1, n_steps, 1, n_out, n_pos), dtype=np.float32))
         blocks.append(dsa.concatenate(row, axis=2))

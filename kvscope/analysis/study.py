@@ -23,8 +23,8 @@ import xarray as xr
 
 from ..errors import KvscopeError
 from .common import UnitData
-from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows
-from .mass import stored_rows
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals
+from .mass import sink_shares, stored_rows
 from .metric import UnitMetric
 from .peaks import LogQuantSets, Peaks, n_bins_for
 from .registry import make_all
@@ -78,17 +78,19 @@ def _two_stages(ds, prep, units, runs, peaks):
     unit_width = sum(m.width(run) for m, run in zip(units, runs))
     width = unit_width + n_peak
 
-    def per_chunk(x, block_info=None):
-        """Stage 1: ``[1, step, 1, H, pos]`` stored rows → ``[1, step, 1, H, U + n_peak]``:
-        window masses per step, the block's peak/coverage sums in its first step's row."""
+    def per_chunk(x, shares, block_info=None):
+        """Stage 1: ``[1, step, 1, H, pos]`` stored rows (``shares [1, step, 1, H, 1]``: their
+        learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the block's
+        peak/coverage sums in its first step's row."""
         sample = block_info[0]["chunk-location"][0]
         t0, t1 = block_info[0]["array-location"][1]
         out = np.zeros(x.shape[:4] + (packed_width,))
         fp = fp_sets.block(sample, t0, t1 - t0) if peaks else np.empty((t1 - t0, 0), dtype=np.int64)
         peak_sums = out[0, 0, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
         checks = new_checks(slack)
+        totals = row_totals(shares[0, :, 0, :, 0]) if learned else None
         block_stats(x[0, :, 0], qpos[sample, t0:t1], fp, u_geom.n_sink, u_geom.w, n_units, k, n_bins if peaks else 1,
-                    out[0, :, 0, :, :n_units], peak_sums, checks)  # fmt: skip
+                    out[0, :, 0, :, :n_units], peak_sums, checks, totals)  # fmt: skip
         layer = block_info[0]["array-location"][2][0]
         refuse_bad_rows(checks, f"attn rows of sample {sample}, steps {t0}–{t1 - 1}, layer {layer}")
         return out
@@ -96,9 +98,15 @@ def _two_stages(ds, prep, units, runs, peaks):
     per_head = raw.shape[1] * packed_width * 8  # float64 bytes of one trace unit's window masses
     heads_per_task = max(1, min(raw.shape[3], TASK_BYTES // max(1, per_head)))
     run_id = uuid.uuid4().hex  # task names: hashing the closures (which hold the dataset) costs more than a stage
+    learned = "attn_learned_sink" in ds  # rows sum to 1 − σ
     packed = dsa.map_blocks(
-        per_chunk, raw, dtype=np.float64, chunks=raw.chunks[:4] + ((packed_width,),), name=f"study-rows-{run_id}"
-    ).rechunk({1: -1, 3: heads_per_task})  # all steps of a (sample, layer), heads split when that is large
+        per_chunk,
+        raw,
+        sink_shares(ds, raw, prep.layers, prep.heads),
+        dtype=np.float64,
+        chunks=raw.chunks[:4] + ((packed_width,),),
+        name=f"study-rows-{run_id}",
+    ).rechunk({1: -1, 3: heads_per_task})  # fmt: skip  (all steps of a (sample, layer), heads split when that is large)
     pre = prep.prefill.data[:, None]  # [sample, 1, layer, H, unit]
 
     def per_sample_layer(y, pb, block_info=None):

@@ -38,6 +38,7 @@ class Reference:
     probs: torch.Tensor
     out: torch.Tensor
     values: torch.Tensor  # [L, Hkv, n, D] float32
+    sink: torch.Tensor | None = None  # [L, Hkv, g, 1] learned sink logits (None without)
 
 
 def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Reference:
@@ -49,8 +50,9 @@ def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Referenc
     q = torch.from_numpy(query.reshape(query.shape[0], n_kv, -1, query.shape[-1]))
     shown = rules.visible(qpos, n)[:, None, None, :]
     values = _torch(v)[:, :, :n].float()  # [L, Hkv, n, D]
-    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], values, shown)
-    return Reference(q, logits, shown, probs, out, values)
+    sink = rules.sink_column(q)
+    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], values, shown, sink=sink)
+    return Reference(q, logits, shown, probs, out, values, sink)
 
 
 def effective_kv(state: CacheState, k, v, n: int):
@@ -105,13 +107,18 @@ def evicted_errors(
         shown = (ref.shown[:, :, :, None] & present[:, :, :, None, :]).expand(n_l, n_kv, runs, g, n)
         logits = ref.logits[:, :, None].expand(n_l, n_kv, runs, g, n)
         stacked = (n_l, n_kv, runs * g, n)
-        _, probs, out = attended(rules, None, None, ref.values, shown.reshape(stacked), logits.reshape(stacked))
+        sink = None if ref.sink is None else ref.sink.repeat(1, 1, runs, 1)  # rows in (run, head) order
+        _, probs, out = attended(
+            rules, None, None, ref.values, shown.reshape(stacked), logits.reshape(stacked), sink=sink
+        )
         probs, out = probs.view(n_l, n_kv, runs, g, n), out.view(n_l, n_kv, runs, g, -1)
         l1.append((probs - ref.probs[:, :, None]).abs().sum(-1).mean(-1))  # [L, Hkv, runs]
         norm = torch.linalg.vector_norm(ref.out, dim=-1)[:, :, None]
         error = torch.linalg.vector_norm(out - ref.out[:, :, None], dim=-1) / norm
         rel.append(torch.where(norm > 0, error, torch.nan).mean(-1))
-    return torch.cat(l1, -1).permute(2, 0, 1).numpy(), torch.cat(rel, -1).permute(2, 0, 1).numpy()
+    units = presents[0].shape[1] if presents else n_kv
+    l1, rel = torch.cat(l1, -1).permute(2, 0, 1).numpy(), torch.cat(rel, -1).permute(2, 0, 1).numpy()
+    return per_unit(l1, units, 2), per_unit(rel, units, 2)
 
 
 def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpos: int, row=True):
@@ -122,19 +129,31 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     import torch
 
     n = qpos + 1
+    units = state.tiers.shape[1]
     if lossless(state, n):
         zeros = np.zeros(state.tiers.shape[:2])
-        return ref.probs.mean(2).numpy() if row else None, zeros, zeros
+        return per_unit(ref.probs.mean(2).numpy(), units, 1) if row else None, zeros, zeros
     keys, values, present = effective_kv(state, k, v, n)
     shown = ref.shown & torch.from_numpy(present)[:, :, None, :]
     changed = dequantized(state)
     logits = None if changed else ref.logits  # quantized values: the logits change too
     values = values if changed else ref.values  # evicted only: the full values, float32 already
-    _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown, logits)
+    _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown, logits, sink=ref.sink)
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
     rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)
-    return probs.mean(2).numpy() if row else None, l1.numpy(), rel.numpy()
+    row_out = per_unit(probs.mean(2).numpy(), units, 1) if row else None
+    return row_out, per_unit(l1.numpy(), units, 1), per_unit(rel.numpy(), units, 1)
+
+
+def per_unit(x: np.ndarray, units: int, axis: int) -> np.ndarray:
+    """``x`` over the keys' heads along ``axis`` → over the cache's ``units`` (the mean of the heads
+    of each: under MLA every query head has its own key, and one latent serves them all)."""
+    heads = x.shape[axis]
+    if heads == units:
+        return x
+    shape = x.shape[:axis] + (units, heads // units) + x.shape[axis + 1 :]
+    return x.reshape(shape).mean(axis + 1)
 
 
 SCRATCH_BYTES = 1 << 20  # a float32 block of one KV head's K or V (stays in cache; not split with the heads)
@@ -144,10 +163,11 @@ SCRATCH_BYTES = 1 << 20  # a float32 block of one KV head's K or V (stays in cac
 MIN_PRODUCT_ROWS = 4
 
 
-def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: int | None = None):
+def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: int | None = None, sink=None):
     """``(logits, probs [L, Hkv, g, n], out [L, Hkv, g, D])`` of ``query [L, Hkv, g, D]`` over
     ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
-    what ``shown`` hides; with ``logits`` given the keys and the query are not read.
+    what ``shown`` hides; with ``logits`` given the keys and the query are not read; ``sink``
+    (``[L, Hkv, g, 1]``): the learned sink logits of the rows (:meth:`LayerRules.sink_column`).
 
     K and V in 16 bit are converted to float32 a block of ``block`` positions of one layer at a
     time (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead
@@ -166,19 +186,22 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     n_l, n_kv, n, d = values.shape
     block = block or max(1, SCRATCH_BYTES // (4 * d))  # the same spans whatever KV heads a task holds
     spans = [slice(a, min(a + block, n)) for a in range(0, n, block)]
-    scratch = torch.empty(n_kv, min(block, n), d)  # [Hkv, block, D] float32
+    scratch: dict[int, torch.Tensor] = {}  # by channels: [Hkv, block, D] float32 (keys and values differ under MLA)
 
     def block_of(x, layer: int, span: slice):  # [Hkv, span, D] float32
         if x.dtype == torch.float32:
             return x[layer, :, span]
-        return scratch[:, : span.stop - span.start].copy_(x[layer, :, span])
+        width = x.shape[-1]
+        if width not in scratch:
+            scratch[width] = torch.empty(n_kv, min(block, n), width)
+        return scratch[width][:, : span.stop - span.start].copy_(x[layer, :, span])
 
     if logits is None:
         logits = torch.empty(n_l, n_kv, query.shape[2], n)  # [L, Hkv, g, n]
         for layer, rule in enumerate(rules.rules):
             for span in spans:
                 logits[layer, :, :, span] = rule.logits(query[layer], block_of(keys, layer, span))
-    probs = softmax(logits, shown)
+    probs = softmax(logits, shown, sink=sink)
     rows = probs.shape[2]
     weights = probs  # [L, Hkv, ≥ MIN_PRODUCT_ROWS, n]
     if rows < MIN_PRODUCT_ROWS:
@@ -201,9 +224,13 @@ def _torch(x):
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
-def renormalized(row: np.ndarray, accessible: np.ndarray) -> np.ndarray:
-    """``row`` restricted to ``accessible`` and renormalized to sum 1 per (layer, kv_head):
-    what a policy observes in open loop (``observe="renorm"``)."""
+def renormalized(row: np.ndarray, accessible: np.ndarray, share: np.ndarray | None = None) -> np.ndarray:
+    """``row`` restricted to ``accessible`` and renormalized per (layer, kv_head): what a policy
+    observes in open loop (``observe="renorm"``). The rows then sum to 1 — or, under learned
+    sinks (``share [layer, kv_head]``: the sink's share σ of the full-KV row), the sink keeps its
+    logit in a cache that lost keys: ``seen = a·[accessible] / (Σ a·[accessible] + σ)``."""
     seen = row * accessible  # rows are finite and ≥ 0: the same values as where(accessible, row, 0)
     total = seen.sum(-1, keepdims=True)
+    if share is not None:
+        total = total + share[..., None]
     return seen / np.where(total > 0, total, 1.0)  # a unit with nothing seen stays 0

@@ -6,8 +6,27 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from ..analysis.kernels import refuse_bad_rows, row_checks
+from ..analysis.kernels import refuse_bad_rows, row_checks, row_totals
 from ..dtypes import cast
+
+
+def unit_span(ds: xr.Dataset) -> tuple[int, int]:
+    """``(first, count)``: the model's cache units (KV heads) a trace — or a replay task's part of
+    it — holds."""
+    model = ds.kvscope.model
+    if "kv_head" in ds.coords:
+        values = ds["kv_head"].values
+        return (int(values[0]), len(values)) if len(values) else (0, 0)
+    values = ds["head"].values if "head" in ds.coords else np.arange(model.n_heads)
+    return int(values[0]) // model.group, max(1, len(values) // model.group)
+
+
+def rule_of(ds: xr.Dataset, layer: int):
+    """The attention rule of stored layer ``layer`` for the cache units ``ds`` holds (the learned
+    sinks of their query heads)."""
+    model = ds.kvscope.model
+    first, count = unit_span(ds)
+    return model.rule(layer).of_kv_heads(first, count, model.n_kv_heads)
 
 
 class SampleReader:
@@ -24,7 +43,9 @@ class SampleReader:
         self.query_pos = acc.query_pos[s]  # [step]
         self.recomputed = acc.resolution != "token"  # window sums stored: rows recomputed from q/k
         self.slack = acc.rows.slack  # the rows' relative error (a lossy row format; 0: exact)
+        self.learned_sinks = "attn_learned_sink" in ds  # rows sum to 1 − σ, σ stored beside them
         self._rows: dict[int, np.ndarray] = {}
+        self._shares: dict[int, np.ndarray] = {}
         self._queries: dict[int, np.ndarray] = {}
         self._kv: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -45,17 +66,38 @@ class SampleReader:
         if b not in self._rows:
             for old in [k for k in self._rows if k < b - 1]:  # the oracle's look-ahead reads one block ahead
                 del self._rows[old]
+                self._shares.pop(old, None)
             a = (
                 self._recompute(steps)
                 if self.recomputed
                 else self.ds["attn"].isel(sample=self.s, step=steps, pos=slice(0, self.final_len)).values
             )
+            shares = self._read_shares(steps)  # [step, L, Hs] or None
+            totals = row_totals(None if shares is None else shares.reshape(shares.shape[0], -1))
             where = f"attn rows of sample {self.s}, steps {steps.start}–{steps.stop - 1}"
             refuse_bad_rows(
-                row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack), where
+                row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack, totals), where
             )
             self._rows[b] = self._kv_groups(np.nan_to_num(cast(a, np.float32), copy=False), 2)  # [step, L, Hkv, pos]
+            if shares is not None:
+                self._shares[b] = self._kv_groups(np.nan_to_num(shares), 2)  # [step, L, Hkv]
         return self._rows[b][t - steps.start]
+
+    def _read_shares(self, steps: slice) -> np.ndarray | None:
+        """The learned sink's share ``σ`` of the stored rows of ``steps`` ``[step, layer, Hs]``
+        float32, or None (no learned sinks)."""
+        if not self.learned_sinks:
+            return None
+        return np.asarray(self.ds["attn_learned_sink"].isel(sample=self.s, step=steps).values, dtype=np.float32)
+
+    def share(self, t: int) -> np.ndarray | None:
+        """The learned sink's share of step ``t``'s kv-group row ``[layer, kv_head]`` (the row sums
+        to ``1 − σ``), or None without learned sinks."""
+        if not self.learned_sinks:
+            return None
+        self.row(t)
+        b, steps = self._block_of(t)
+        return self._shares[b][t - steps.start]
 
     def _recompute(self, steps: slice) -> np.ndarray:
         """Rows ``[step, layer, stored head, final_len]`` of ``steps`` from the recorded q and k,
@@ -67,9 +109,10 @@ class SampleReader:
         k = self.kv()[0]  # [layer, kv_head, final_len, D]
         model, heads = self.ds.kvscope.model, "all" if self.group > 1 else "kv"
         rows = [
-            layer_rows(q[:, i], k[i], qpos, model.rule(int(layer)), heads, int(qpos[0]))[0, :, 0]
+            layer_rows(q[:, i], k[i], qpos, rule_of(self.ds, model.stored_layer(int(layer))), heads, int(qpos[0]),
+                       model.n_key_heads // model.n_kv_heads)[0, :, 0]
             for i, layer in enumerate(self.ds["layer"].values)
-        ]
+        ]  # fmt: skip
         return np.stack(rows, axis=1)
 
     def query(self, t: int) -> np.ndarray:

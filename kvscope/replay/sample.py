@@ -227,7 +227,7 @@ class SampleReplay:
                 row = (
                     exact_row
                     if setup.observe == "exact"
-                    else renormalized(self.reader.row(t)[..., : st.length], st.accessible())
+                    else renormalized(self.reader.row(t)[..., : st.length], st.accessible(), self.reader.share(t))
                 )
             used = driver.decide(row, future, check=check)
         run.record.record_bytes(t, used)
