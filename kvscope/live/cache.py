@@ -83,10 +83,36 @@ def kv_storage_dtype(model, name: str | None):
 
 
 def prepare(model, kernel: str = "sdpa"):
-    """Route ``model``'s attention through kvscope (needed by :class:`PolicyCache`)."""
+    """Route ``model``'s attention through kvscope (needed by :class:`PolicyCache`), refusing in
+    one line a model a live cache cannot serve (:func:`check_live_geometry`)."""
+    from ..tracing.architecture import inspect
+
     register()
     model.set_attn_implementation(implementation_name(kernel))
+    check_live_geometry(model, inspect(model, kernel))
     return model
+
+
+def check_live_geometry(model, spec: ModelSpec) -> None:
+    """A live policy cache holds per-head K/V of every layer, all attending globally: a model with
+    sliding windows, a shared latent (MLA) or layers whose cache is not K/V (linear attention,
+    SSM) is refused in one line (docs/architectures.md; offline replay serves all of them)."""
+    from transformers import DynamicCache
+
+    name = spec.architecture or type(model).__name__
+    if spec.from_weights:
+        raise KvscopeError(
+            f"live policy caches serve attention through kvscope's function; {name} attends in its own modules"
+        )
+    if spec.latent:
+        raise KvscopeError(f"live policy caches hold per-head K/V; {name} caches one latent per token (MLA)")
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+    if kinds - {"DynamicLayer", "DynamicSlidingWindowLayer"}:
+        raise KvscopeError(
+            f"live policy caches hold K/V of every layer; {name} caches other state in some ({', '.join(sorted(kinds))})"
+        )
+    if not spec.global_only:
+        raise KvscopeError("live policy caches support global-attention layers only (this model slides windows)")
 
 
 def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -223,8 +249,7 @@ class PolicyCache(DynamicCache):
         if max_new_tokens < 1:
             raise KvscopeError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         spec = ModelSpec.from_model(model)
-        if not spec.global_only:
-            raise KvscopeError("live policy caches support global-attention layers only (this model slides windows)")
+        check_live_geometry(model, spec)
         self.policy, self.budget = policy, check_budget(budget)
         self.max_new_tokens = int(max_new_tokens)
         self.n_layers, self.n_kv, self.head_dim = spec.n_layers, spec.n_kv_heads, spec.head_dim
@@ -647,6 +672,10 @@ class LivePolicy:
             "kv_dtype": str(dtype).removeprefix("torch."),
             "kv_itemsize": dtype.itemsize,
         }
+
+    def check_model(self, model, spec: ModelSpec) -> None:
+        """Refuse, before a trace writes anything, a model a live cache cannot serve."""
+        check_live_geometry(model, spec)
 
     def __call__(self, model, layout, batch: list[int]) -> PolicyCache:
         return PolicyCache(

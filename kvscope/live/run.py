@@ -200,8 +200,9 @@ def run_loaded(
 
 def _layer_shares(spec) -> list[float]:
     """``[layer]`` the bytes each layer held room for, as a multiple of the uniform split."""
-    capacity = np.broadcast_to(spec.capacity, (spec.n_layers, spec.n_kv))
-    return [round(float(x), 4) for x in capacity.mean(1) / spec.uniform_capacity]
+    shape = (spec.n_layers, spec.n_kv)
+    capacity, uniform = np.broadcast_to(spec.capacity, shape), np.broadcast_to(spec.uniform_capacity, shape)
+    return [round(float(x), 4) for x in capacity.mean(1) / uniform.mean(1)]
 
 
 def _text(tokenizer, model, tokens: list[int]) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..params import make_registered, parse_spelled, registered
 from . import allocation
 from .allocation import Allocation
-from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, check_budget
+from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, check_budget, check_geometry
 from .driver import PolicyDriver
 from .full import Full
 from .h2o import H2O
@@ -74,6 +74,7 @@ __all__ = [
     "allocation",
     "available",
     "check_budget",
+    "check_geometry",
     "make",
     "parse",
 ]

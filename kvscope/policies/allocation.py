@@ -47,7 +47,7 @@ def room_above(spec: CacheSpec, floor: float) -> float:
     """``r = R/(L·H) = B/(L·H) − floor``: the mean room per unit an allocation splits (negative:
     the floor does not fit). Per unit, so that a replay task of some layers splits its layers
     exactly as the whole model's split does there."""
-    return spec.uniform_capacity - floor
+    return spec.mean_capacity - floor
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Allocation:
     def split(self, spec: CacheSpec, floor: float, *, scores=None, gains=None) -> np.ndarray:
         """Capacities ``[layer, kv_head]`` in bytes, summing to at most ``spec.total_capacity``."""
         room = room_above(spec, floor)
-        even = np.full((spec.n_layers, spec.n_kv), spec.uniform_capacity)
+        even = np.broadcast_to(spec.uniform_capacity, (spec.n_layers, spec.n_kv)).astype(np.float64)
         if room < 0:
             return even
         shares = self.shares(spec, floor, room, scores=scores, gains=gains)  # [layer, kv_head], mean 1
@@ -129,7 +129,7 @@ class Pyramid(Allocation):
 
     def shares(self, spec, floor, room, *, scores=None, gains=None):
         schedule = self.layer_shares(spec.all_layers)  # [model layer]: the schedule of the whole model
-        if floor + room * schedule[0] > spec.final_len * spec.fp_bytes:
+        if floor + room * schedule[0] > np.max(spec.unit_full_bytes):
             return None  # PyramidKV's own fallback: the schedule does not fit the sequence
         return np.repeat(schedule[spec.layers, None], spec.n_kv, axis=1)
 
@@ -188,9 +188,9 @@ class Oracle(Allocation):
         at ``floor + level · R/(L·H)`` for each of :attr:`LEVELS` (at most every position of the
         final length), then the whole ``splits`` of the other allocations."""
         room = room_above(spec, floor)
-        most = spec.final_len * spec.fp_bytes
+        most = spec.unit_full_bytes  # a number, or [layer, 1] where sliding layers hold less
         shape = (spec.n_layers, spec.n_kv)
-        levels = [np.full(shape, min(floor + m * room, most)) for m in self.LEVELS]
+        levels = [np.broadcast_to(np.minimum(floor + m * room, most), shape).astype(np.float64) for m in self.LEVELS]
         return np.stack(levels + [np.broadcast_to(c, shape) for c in splits])
 
     def split(self, spec, floor, *, scores=None, gains=None):
@@ -198,7 +198,7 @@ class Oracle(Allocation):
             raise KvscopeError("the oracle allocation reads the trace's future attention (replay or validate only)")
         capacities, loss = gains  # [candidate, layer, kv_head] bytes and the policy's loss there
         if room_above(spec, floor) < 0:
-            return np.full(capacities.shape[1:], spec.uniform_capacity)
+            return np.broadcast_to(spec.uniform_capacity, capacities.shape[1:]).astype(np.float64)
         return cheapest_split(capacities, loss, spec.total_capacity, spec.fp_bytes / 2)
 
 

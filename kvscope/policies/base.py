@@ -59,14 +59,20 @@ class LedgerError(RuntimeError):
 class CacheSpec:
     """Geometry and budget of one sequence's cache.
 
-    ``budget`` β is a share of ``FP_bytes(P + S)``: ``B = β · FP_bytes(P + S)`` over all layers
-    and KV heads, the same for every policy. An allocation (:mod:`kvscope.policies.allocation`)
-    splits ``B`` into ``unit_capacity [layer, kv_head]`` bytes; without one every unit holds
-    ``β · (P + S) · 2·D·fp_itemsize`` (uniform). ``fp_itemsize`` = 2 accounts full-precision
-    entries at 16 bit, 4 at 32 bit (a live cache of an fp32 model); quantized entries keep their
-    16-bit scale and zero either way. ``capacity`` and ``fp_capacity_tokens`` are numbers under
-    the uniform split and ``[layer, kv_head]`` arrays under any other, so that a policy written
-    with numpy broadcasting sizes itself the same way under both."""
+    ``budget`` β is a share of ``FP_bytes(P + S)``, what the model really caches at full
+    precision for the final length (the cache geometry, :mod:`kvscope.model_spec`):
+    ``B = β · FP_bytes(P + S)`` over all layers and cache units, the same for every policy. One
+    token costs ``token_values · fp_itemsize`` bytes per unit (K and V of a KV head: ``2·D``
+    values; MLA's shared latent: ``kv_lora_rank + qk_rope_head_dim``), and a sliding-window layer
+    holds at most its window (``layer_windows``: the positions that leave it are dropped by the
+    model itself, :meth:`CacheState.drop_outside_windows`, and cost nothing). An allocation
+    (:mod:`kvscope.policies.allocation`) splits ``B`` into ``unit_capacity [layer, kv_head]``
+    bytes; without one every unit holds ``β`` of its own full bytes (uniform). ``fp_itemsize`` =
+    2 accounts full-precision entries at 16 bit, 4 at 32 bit (a live cache of an fp32 model);
+    quantized entries keep their 16-bit scale and zero either way. ``capacity`` and
+    ``fp_capacity_tokens`` are numbers under the uniform split of a model whose layers hold alike,
+    and arrays broadcastable to ``[layer, kv_head]`` otherwise, so that a policy written with numpy
+    broadcasting sizes itself the same way under both."""
 
     n_layers: int
     n_kv: int
@@ -81,12 +87,34 @@ class CacheSpec:
     first_layer: int = 0  # the model's index of this cache's first layer (a replay task of some layers)
     model_layers: int = 0  # layers of the whole model (0: n_layers, this cache holds them all)
     model_kv: int = 0  # KV heads of the whole model (0: n_kv; a replay task may hold some)
+    token_values: int = 0  # values one token costs per unit at full precision (0: 2·D, its K and V)
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global; (): all global)
+    model_held: float = 0.0  # tokens a layer of the whole model holds at the final length, on average (0: final_len)
     unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
 
     @property
     def fp_bytes(self) -> float:
-        """Bytes of one full-precision token: ``2·D·fp_itemsize``."""
+        """Bytes of one full-precision token per unit: ``token_values · fp_itemsize`` (``2·D·fp_itemsize``)."""
+        if self.token_values:
+            return float(self.token_values * self.fp_itemsize)
         return fp_token_bytes(self.head_dim) * self.fp_itemsize / 2
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer of this cache is a sliding-window layer."""
+        return any(w is not None for w in self.layer_windows)
+
+    def held_tokens(self, length: int):
+        """Tokens each layer holds at ``length`` tokens: ``length``, or ``[layer, 1]`` capped at
+        each sliding layer's window."""
+        if not self.windowed:
+            return length
+        return np.array([[min(length, w) if w else length] for w in self.layer_windows], dtype=np.int64)
+
+    @property
+    def unit_full_bytes(self):
+        """Bytes of one unit at full KV and the final length (a number, or ``[layer, 1]``)."""
+        return self.held_tokens(self.final_len) * self.fp_bytes
 
     @property
     def layers(self) -> slice:
@@ -104,9 +132,16 @@ class CacheSpec:
         return self.all_layers == self.n_layers and (self.model_kv or self.n_kv) == self.n_kv
 
     @property
-    def uniform_capacity(self) -> float:
-        """``B / (layers · kv_heads)``: each unit's bytes under the uniform split."""
-        return self.budget * self.final_len * self.fp_bytes
+    def uniform_capacity(self):
+        """Each unit's bytes under the uniform split: ``β`` of its full bytes (a number, or
+        ``[layer, 1]`` where sliding layers hold less)."""
+        return self.budget * self.unit_full_bytes
+
+    @property
+    def mean_capacity(self) -> float:
+        """``B / (layers · kv_heads)`` of the whole model: the mean bytes of a unit, which
+        allocations split around (the same number in a replay task of some layers)."""
+        return self.budget * (self.model_held or self.final_len) * self.fp_bytes
 
     @property
     def allocated(self) -> bool:
@@ -120,9 +155,10 @@ class CacheSpec:
 
     @property
     def fp_capacity_tokens(self):
-        """Full-precision tokens that fit each unit's capacity (a number or ``[layer, kv_head]``)."""
+        """Full-precision tokens that fit each unit's capacity (a number, or an array broadcastable
+        to ``[layer, kv_head]``)."""
         tokens = np.floor(np.asarray(self.capacity) / self.fp_bytes + 1e-9).astype(np.int64)
-        return tokens if self.allocated else int(tokens)
+        return tokens if tokens.ndim else int(tokens)
 
     def allotted(self, capacities: np.ndarray) -> CacheSpec:
         """This spec with ``capacities [layer, kv_head]`` bytes per unit."""
@@ -134,15 +170,16 @@ class CacheSpec:
     def capacity_groups(self):
         """``(capacity, units)`` per distinct capacity: ``units`` the ``[layer, kv_head]`` mask of
         the units that hold it, None for all of them (what a policy sizes once per value)."""
-        if not self.allocated:
+        if not self.allocated and not self.windowed:
             yield self.uniform_capacity, None
             return
-        values = np.unique(self.unit_capacity)
+        capacity = np.broadcast_to(self.capacity, (self.n_layers, self.n_kv))
+        values = np.unique(capacity)
         if len(values) == 1:
             yield float(values[0]), None
             return
         for value in values:
-            yield float(value), self.unit_capacity == value
+            yield float(value), capacity == value
 
     @property
     def decode_steps(self) -> int:
@@ -151,17 +188,18 @@ class CacheSpec:
     @property
     def total_capacity(self) -> float:
         """``B = β · FP_bytes(P + S)`` over all layers and KV heads."""
-        return self.uniform_capacity * self.n_layers * self.n_kv
+        return self.budget * self.full_bytes
 
     @property
     def full_bytes(self) -> float:
-        """``FP_bytes(P + S)``: every layer, KV head and position at full precision."""
-        return self.final_len * self.fp_bytes * self.n_layers * self.n_kv
+        """``FP_bytes(P + S)``: every layer and unit at full precision, each layer holding what
+        the model keeps of the final length (its window on a sliding layer)."""
+        return float(np.sum(np.broadcast_to(self.unit_full_bytes, (self.n_layers, 1)))) * self.n_kv
 
-    def fits(self, per_unit_bytes: float, capacity: float | None = None) -> bool:
+    def fits(self, per_unit_bytes, capacity=None) -> bool:
         """``per_unit_bytes`` per (layer, kv_head) fit ``capacity`` (default: the uniform share)."""
         capacity = self.uniform_capacity if capacity is None else capacity
-        return per_unit_bytes <= capacity * (1 + BYTES_TOLERANCE)
+        return bool(np.all(np.asarray(per_unit_bytes) <= np.asarray(capacity) * (1 + BYTES_TOLERANCE)))
 
     def exceeded(self, used: np.ndarray) -> bool:
         """Some (layer, kv_head) holds more than its capacity (``used [layer, kv_head]``)."""
@@ -359,6 +397,7 @@ class CacheState:
         p = self.spec.prompt_len
         self.tiers[..., :p] = FP
         self.length = p
+        self.drop_outside_windows(every=True)
         self.after_prefill(colsum, tail)
 
     def append(self, position: int) -> None:
@@ -366,6 +405,20 @@ class CacheState:
             raise KvscopeError(f"positions must arrive in order (got {position}, expected {self.length})")
         self.tiers[..., position] = FP
         self.length += 1
+        self.drop_outside_windows()
+
+    def drop_outside_windows(self, every: bool = False) -> None:
+        """On a sliding-window layer the query at ``q = length − 1`` sees ``p > q − window`` only,
+        and so does every later one: the model drops the rest (its cache holds the window), so they
+        are EVICTED here — no loss a policy chose, no bytes. Called before the policy decides (the
+        position that just left; ``every``: all of them, after the prompt) and by the driver after
+        it decided (``every``: a policy that quantizes bands of positions in every layer may have
+        touched one)."""
+        for layer, window in enumerate(self.spec.layer_windows):
+            gone = self.length - window if window else 0  # positions 0 … gone − 1 are out of the window
+            if gone > 0:
+                view = self.tiers[layer, :, 0 if every else gone - 1 : gone]
+                view[view >= Q] = EVICTED
 
     def observe(self, row: np.ndarray) -> None:
         """The attention the cache served at this step ``[layer, kv_head, length]``."""
@@ -451,6 +504,24 @@ class Policy:
         the ``adakv`` allocation: the prompt attention each key received (H2O's score) unless the
         policy ranks by something else."""
         return colsum
+
+
+def check_geometry(policies, model) -> None:
+    """Refuse, in one line, a policy the model's cache geometry (``model``: its
+    :class:`~kvscope.model_spec.ModelSpec`) does not let kvscope model exactly: under multi-head
+    latent attention a token's cache is one latent per layer that a trace does not hold — its
+    quantized copy, and a kvpress press that scores and prunes each head's keys, are not what
+    such a cache would do. Evicting a token (for every head of the layer at once) is."""
+    if not model.latent:
+        return
+    for policy in policies:
+        if policy.quantizes or policy.reads_queries:
+            what = "quantizes each KV head's K and V" if policy.quantizes else "prunes each head's own keys"
+            raise KvscopeError(
+                f"{policy.label()} {what}; {model.architecture or 'this model'} caches one latent of "
+                f"{model.kv_latent_dim} values per token and layer for all heads (multi-head latent attention), "
+                "which kvscope models for eviction only (docs/architectures.md)"
+            )
 
 
 class AsEviction:

@@ -85,6 +85,8 @@ class PolicyDriver:
         its budget is checked in all only)."""
         self.step += 1
         st = self.state
+        if st.spec.windowed:
+            st.drop_outside_windows(every=True)
         self.used = st.bytes_used()
         if st.reached and not st.pooled and st.spec.exceeded(self.used):
             over = self.used - np.broadcast_to(st.spec.capacity, self.used.shape)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .base import CacheSpec, CacheState, Policy
 
 
@@ -22,4 +24,4 @@ class Full(Policy):
         return state
 
     def unit_floor(self, spec: CacheSpec) -> float:
-        return spec.final_len * spec.fp_bytes
+        return float(np.max(spec.unit_full_bytes))

@@ -47,13 +47,14 @@ from .. import defaults
 from ..analysis.fmm import FMM
 from ..analysis.lir import LIR
 from ..errors import KvscopeError
-from ..policies import Allocation, CacheSpec, Policy, check_budget, parse
+from ..policies import Allocation, CacheSpec, Policy, check_budget, check_geometry, parse
 from ..policies import allocation as allocation_module
 from ..policies.allocation import check_allocatable
 from . import pieces
 from . import result as _result
 from .check import open_result
 from .output_error import effective_kv
+from .reader import rule_of
 from .store import result_folder, write_variables, written_in_place
 
 OBSERVE_MODES = ("renorm", "exact")
@@ -154,6 +155,7 @@ class ReplaySetup:
             raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")
         steps = np.arange(0, ds.sizes["step"], every or acc.w)
         policies = resolve_policies(policies)
+        check_geometry(policies, acc.model)
         needs_qkv = [p.label() for p in policies if p.reads_queries]
         if needs_qkv and not acc.has_qkv:
             raise KvscopeError(f"{needs_qkv[0]} needs recorded q/k/v (trace with --record qkv)")
@@ -232,23 +234,28 @@ class ReplaySetup:
         """Sample ``s``'s cache at ``budget`` over the layers and KV heads replayed here."""
         acc = self.ds.kvscope
         prompt_len = int(acc.prompt_len[s])
+        model, final = acc.model, prompt_len + int(acc.n_steps[s])
         return CacheSpec(
-            self.n_layers, self.n_kv, self.head_dim, prompt_len, prompt_len + int(acc.n_steps[s]), budget, self.n_sink,
-            self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=acc.model.n_layers,
-            model_kv=acc.model.n_kv_heads,
+            self.n_layers, self.n_kv, self.head_dim, prompt_len, final, budget, self.n_sink,
+            self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=model.n_layers,
+            model_kv=model.n_kv_heads, token_values=model.token_values,
+            layer_windows=tuple(model.window(int(layer)) for layer in self.layers) if not model.global_only else (),
+            model_held=0.0 if model.global_only else model.full_tokens(final) / (model.n_layers * model.n_kv_heads),
         )  # fmt: skip
 
     @property
     def layers(self) -> np.ndarray:
-        """``[layer]`` the model's indices of the layers replayed (a task may hold some)."""
-        return np.asarray(self.ds["layer"].values, dtype=np.int64)
+        """``[layer]`` the stored indices of the layers replayed (a task may hold some; a hybrid
+        model's ``layer`` coordinate holds the model's indices of its attention layers)."""
+        model = self.ds.kvscope.model
+        return np.asarray([model.stored_layer(int(x)) for x in self.ds["layer"].values], dtype=np.int64)
 
     @property
     def rules(self):
         """The attention rules of the layers replayed."""
         from ..attention import LayerRules
 
-        return LayerRules(tuple(self.ds.kvscope.model.rule(int(layer)) for layer in self.layers))
+        return LayerRules(tuple(rule_of(self.ds, int(layer)) for layer in self.layers))
 
     @property
     def rope(self):

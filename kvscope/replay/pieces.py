@@ -78,8 +78,12 @@ def layer_bytes(setup) -> int:
     if setup.has_qkv:
         quantizing = sum(1 for policy, _, _ in setup.grid if policy.quantizes)
         float32 = 4 if any(policy.reads_queries for policy, _, _ in setup.grid) else 0
-        per_position += 2 * setup.head_dim * (setup.ds["k"].dtype.itemsize + float32 + 4 * quantizing)
-        per_position += 4 * setup.head_dim if setup.with_errors else 0
+        model = acc.model  # K and V of each key head (MLA: every query head's, all in one unit)
+        keys = model.n_key_heads // model.n_kv_heads
+        per_position += (
+            (model.head_dim + model.v_dim) * keys * (setup.ds["k"].dtype.itemsize + float32 + 4 * quantizing)
+        )
+        per_position += 4 * model.v_dim * keys if setup.with_errors else 0
     per_position += len(setup.grid) * 40 + len(setup.horizons) * 16
     return int(setup.n_kv * setup.n_pos * per_position)
 
