@@ -89,16 +89,17 @@ class Explorer:
         self.fit_sample()
 
     def _widgets(self, shape: dict) -> dict[str, Select]:
-        def select(key: str, title: str, options: list[str], value: str | None = None) -> Select:
+        def select(key: str, title: str, options: list, value: str | None = None) -> Select:
+            first = options[0][0] if isinstance(options[0], tuple) else options[0]  # (value, label) pairs
             w = Select(
-                title=title, options=options, value=value or options[0], name=key, width=110, css_classes=[f"kv-{key}"]
+                title=title, options=options, value=value or first, name=key, width=110, css_classes=[f"kv-{key}"]
             )
             w.on_change("value", lambda attr, old, new: self.fit_sample() if key == "sample" else self.redraw())
             return w
 
         widgets = {
             "sample": select("sample", "sample", [str(i) for i in range(shape["sample"])]),
-            "layer": select("layer", "layer", [str(i) for i in range(shape["layer"])]),
+            "layer": select("layer", "layer", [(str(i), str(x)) for i, x in enumerate(self.trace.ds["layer"].values)]),
             "head": select("head", self.trace.hdim, [str(i) for i in range(shape["head"])]),
         }
         policies = self.tiers.policies if self.tiers is not None else []
@@ -194,7 +195,8 @@ class Explorer:
     def _titles(self, layer: int, head: int, rect: Rect) -> None:
         res = resolution_text(rect, self.trace)
         a = self._label_of("policy")
-        self.main.fig.title.text = f"layer {layer}, {self.trace.hdim} {head} — {res}" + (f" — {a}" if a else "")
+        label = int(self.trace.ds["layer"].values[layer])  # the model's index of the stored layer
+        self.main.fig.title.text = f"layer {label}, {self.trace.hdim} {head} — {res}" + (f" — {a}" if a else "")
         self.other.fig.title.text = self._label_of("policy_b")
 
     def _tier_mass(self, sample: int, layer: int, head: int) -> None:

@@ -152,7 +152,7 @@ class SideViews:
 
     def __init__(self, n_layers: int):
         self.layers = ColumnDataSource(
-            {k: [] for k in ("layer", "fmm", "churn", "lir", "coverage", "top_share")}, name="layers"
+            {k: [] for k in ("layer", "label", "fmm", "churn", "lir", "coverage", "top_share")}, name="layers"
         )
         self.curve = ColumnDataSource({"horizon": [], "fmm": [], "low": [], "high": []})
         self.peaks = ColumnDataSource({"distance": [], "density": [], "fit": []})
@@ -199,7 +199,7 @@ class SideViews:
             HoverTool(
                 renderers=[column],
                 tooltips=[
-                    ("layer", "@layer"),
+                    ("layer", "@label"),
                     ("FMM", "@fmm{0.000}"),
                     ("churn", "@churn{0.000}"),
                     ("LIR", "@lir{0.000}"),
@@ -253,6 +253,8 @@ class SideViews:
 
     def fill(self, columns: dict) -> None:
         self.layers.data = columns["layers"]
+        layers = columns["layers"]  # ticks at the stored layers, labelled with the model's indices
+        self.per_layer.xaxis.major_label_overrides = {i: str(x) for i, x in zip(layers["layer"], layers["label"])}
         self.curve.data = columns["fmm_curve"]
         self.peaks.data = columns["peaks"]
         self.top.data = columns["top_share"]

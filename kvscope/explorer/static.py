@@ -144,7 +144,7 @@ if (b !== null) {
   other.data = main.data;
   tiers_b.data = image_of(b);
 }
-main_fig.title.text = `layer ${l}, ${dims.hdim} ${h} — ${dims.cells}` + (a === null ? '' : ` — ${a[1]}`);
+main_fig.title.text = `layer ${dims.layers[l]}, ${dims.hdim} ${h} — ${dims.cells}` + (a === null ? '' : ` — ${a[1]}`);
 other_fig.title.text = b === null ? '' : b[1];
 const m = a === null ? undefined : page.masses[`${a[0]}|${s}|${l}|${a[2]}`];
 mass.data = m === undefined ? {step: [], FP: [], Q: [], EVICTED: []} : m;
@@ -169,6 +169,7 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
         "steps": [trace.extent(s)[0] for s in range(shape["sample"])],
         "pos": [trace.extent(s)[1] for s in range(shape["sample"])],
         "hdim": trace.hdim,
+        "layers": [int(x) for x in trace.ds["layer"].values],  # the model's index of each stored layer
         "cells": resolution_text(rect, trace),
     }
     switch = CustomJS(

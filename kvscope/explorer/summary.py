@@ -30,7 +30,8 @@ def summaries(ds: xr.Dataset) -> dict[str, dict[str, list]]:
     nan = [float("nan")] * len(layers)
     return {
         "layers": {
-            "layer": [int(x) for x in layers],
+            "layer": list(range(len(layers))),  # the stored layer (what the layer choice selects)
+            "label": [int(x) for x in layers],  # the model's index (a hybrid's attention layers: 3, 7, …)
             "fmm": _floats(fmm_r["fmm_layer"]),
             "churn": _floats(churn_r["churn_layer"]),
             "lir": _floats(lir_r["lir_layer"]),
