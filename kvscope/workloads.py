@@ -73,7 +73,7 @@ def load_recipe(name: str) -> dict:
 
 def prose_text() -> str:
     """The reference-manual topics that ship with Python, in a fixed order."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     return "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
 
