@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import defaults
 from .errors import KvscopeError, first_line
-from .models import DEFAULT_MODEL
+from .models import DEFAULT_MODEL, check_model_dtype
 from .report import print_table
 
 EXIT_BAD_INPUT = 2
@@ -342,6 +342,7 @@ def _live_inputs(args, clairvoyant_allocation: bool = False):
 
 def _cmd_run(args) -> int:
     policy, budget, allocation = _live_inputs(args)
+    check_model_dtype(args.model_dtype)  # before torch loads with kvscope.live.run
     from .live.run import run
 
     if args.workload is None and args.max_new_tokens is None:
