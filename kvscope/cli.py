@@ -1020,7 +1020,7 @@ def _cmd_tune(args) -> int:
     from .tune import check_live, held_out, tune
 
     if args.out:
-        output_path(args.out, "--out", inputs=[args.store])
+        output_path(args.out, "--out", inputs=[args.store], file=True)
         if os.path.lexists(args.out):
             raise KvscopeError(f"--out {args.out} exists; choose another path (results are never overwritten)")
     held = None
@@ -1137,7 +1137,7 @@ def _cmd_view(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise KvscopeError(f"--port {args.port} is not a port (0..65535; 0 takes a free one)")
-    html = output_path(args.html, "--html") if args.html else None
+    html = output_path(args.html, "--html", file=True) if args.html else None
     if html is not None and (html.is_dir() or html.suffix.lower() not in (".html", ".htm")):
         raise KvscopeError(f"--html {html}: name a file ending in .html")
     ds = open_trace(args.store)

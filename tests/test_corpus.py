@@ -57,6 +57,7 @@ CASES = [
     ("compact-missing", ["compact", "{TMP}/missing.zarr", "{TMP}/c.zarr", "--rows", "round4"], "no trace store at"),
     ("compact-onto-its-input", ["compact", "{PLAIN}", "{PLAIN}", "--rows", "round4"], "overlaps the input store"),
     ("compact-a-replay-result", ["compact", "{RESULT}", "{TMP}/c.zarr", "--rows", "round4"], "is not a kvscope trace"),
+    ("compact-out-in-proc", ["compact", "{PLAIN}", "/proc/c.zarr", "--rows", "round4"], "OUT /proc/c.zarr: cannot write in /proc"),
     # -- analyze --------------------------------------------------------------------------------
     ("analyze-unknown-metric", ["analyze", "entropy", "{QKV}"], "invalid choice: 'entropy'"),
     ("fmm-horizon-0", ["analyze", "fmm", "{QKV}", "--horizon", "0"], "fmm --horizon must be ≥ 1 (got 0)"),
@@ -84,6 +85,8 @@ CASES = [
     ("fmm-plot-format", ["analyze", "fmm", "{QKV}", "--plot", "{TMP}/f.xyz"], "unknown figure format 'xyz'"),
     ("fmm-plot-below-a-file", ["analyze", "fmm", "{QKV}", "--plot", "{FILE}/f.png"], "is a file, not a folder"),
     ("fmm-plot-a-folder", ["analyze", "fmm", "{QKV}", "--plot", "{TMP}"], "is a folder"),
+    ("fmm-plot-in-proc", ["analyze", "fmm", "{QKV}", "--plot", "/proc/f.png"], "--plot /proc/f.png: cannot write in /proc"),
+    ("fmm-plot-missing-folder", ["analyze", "fmm", "{QKV}", "--plot", "{TMP}/no/f.png"], "/scratch/no does not exist"),
     ("fmm-dask", ["analyze", "fmm", "{QKV}", "--dask", "nowhere"], "--dask takes local:N or tcp://"),
     ("fmm-from-qk-without-qk", ["analyze", "fmm", "{PLAIN}", "--from-qk"], "no recorded q/k"),
     ("concentration-horizon", ["analyze", "concentration", "{QKV}", "--horizon", "5"], "unrecognized arguments: --horizon 5"),
@@ -126,12 +129,17 @@ CASES = [
     ("replay-out-exists", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "{RESULT}"], "exists; choose another --out"),
     ("replay-out-is-the-input", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "{QKV}"], "overlaps the input store"),
     ("replay-out-below-a-file", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "{FILE}/r.zarr"], "is a file, not a folder"),
+    ("replay-out-in-proc", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--out", "/proc/r.zarr"], "--out /proc/r.zarr: cannot write in /proc"),
+    ("replay-plot-in-proc", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--plot", "/proc/r.png"], "--plot /proc/r.png: cannot write in /proc"),
+    ("replay-plot-missing-folder", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--plot", "/nonexistent/dir/r.png"], "the folder /nonexistent/dir does not exist"),
     ("replay-horizon-0", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--horizon", "0"], "--horizon must be ≥ 1"),
     ("replay-every-0", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--every", "0"], "every must be ≥ 1"),
     ("replay-window-store", ["replay", "{WIN}", "--policies", "h2o", "--budgets", "0.3"], "replay needs token-resolution rows"),
     ("compare-a-trace", ["compare", "{PLAIN}"], "is not a kvscope replay result"),
     ("compare-missing", ["compare", "{TMP}/missing.zarr"], "no replay result at"),
     ("compare-plot-format", ["compare", "{RESULT}", "--plot", "{TMP}/c.bmpx"], "unknown figure format 'bmpx'"),
+    ("compare-plot-in-proc", ["compare", "{RESULT}", "--plot", "/proc/c.png"], "--plot /proc/c.png: cannot write in /proc"),
+    ("compare-plot-missing-folder", ["compare", "{RESULT}", "--plot", "{TMP}/no/c.png"], "/scratch/no does not exist"),
     # -- run, validate --------------------------------------------------------------------------
     ("run-oracle", ["run", "--model", "{TINY}", "--prompt", "hi", "--policy", "oracle", "--budget", "0.3"], "clairvoyant"),
     ("run-budget-0", ["run", "--model", "{TINY}", "--prompt", "hi", "--policy", "h2o", "--budget", "0"], "budget must lie in (0, 1]"),
@@ -154,6 +162,8 @@ CASES = [
     ("tune-output-error-no-qkv", ["tune", "{PLAIN}", "--policy", "h2o", "--budget", "0.3", "--objective", "output-error"], "needs recorded q/k/v"),
     ("tune-check-empty", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--check", ""], "--check needs held-out prompts"),
     ("tune-space-range", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--space", "recent_frac=2:3"], "h2o parameter recent_frac must lie in [0, 1] (got 2.0)"),
+    ("tune-out-missing-folder", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--trials", "2", "--out", "{TMP}/no/t.json"], "/scratch/no does not exist"),
+    ("tune-out-in-proc", ["tune", "{QKV}", "--policy", "h2o", "--budget", "0.3", "--trials", "2", "--out", "/proc/t.json"], "--out /proc/t.json: cannot write in /proc"),
     ("workloads-unknown-flag", ["workloads", "--all"], "unrecognized arguments: --all"),
     # -- view -----------------------------------------------------------------------------------
     ("view-missing", ["view", "{TMP}/missing.zarr"], "no trace store at"),
@@ -162,6 +172,8 @@ CASES = [
     ("view-replay-a-trace", ["view", "{PLAIN}", "--replay", "{QKV}"], "is not a kvscope replay result"),
     ("view-port-range", ["view", "{PLAIN}", "--port", "70000"], "--port 70000 is not a port"),
     ("view-html-not-html", ["view", "{PLAIN}", "--html", "{TMP}/page.png"], "name a file ending in .html"),
+    ("view-html-in-proc", ["view", "{PLAIN}", "--html", "/proc/page.html"], "--html /proc/page.html: cannot write in /proc"),
+    ("view-html-missing-folder", ["view", "{PLAIN}", "--html", "{TMP}/no/page.html"], "/scratch/no does not exist"),
     ("view-tokens", ["view", "{PLAIN}", "--tokens", "text"], "invalid choice: 'text'"),
 ]  # fmt: skip
 
