@@ -6,8 +6,10 @@ Bad input ends with one line ``kvscope: error: …`` on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -37,7 +39,8 @@ def quiet_libraries():
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    # a refused chunk ends zarr's concurrent reads early; their pending tasks are dropped at exit
+    # a refused chunk ends zarr's concurrent reads early: the others are stopped at exit
+    # (_stop_io_at_exit), and asyncio's notes on them kept out of the output
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     hf_logging = sys.modules.get("transformers.utils.logging")
     if hf_logging is not None:  # imported already (the environment above is read at import)
@@ -1221,6 +1224,23 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        _stop_io_at_exit()
+
+
+def _stop_io_at_exit() -> None:
+    """zarr's reads and writes still under way when the command ends (the other chunks of a read
+    that failed) are stopped at exit: after this process's threads are joined (threading's
+    shutdown), before zarr closes its event loop (atexit runs the handler registered last first)."""
+    if "zarr.core.sync" in sys.modules:
+        _register_stop_io()
+
+
+@functools.cache
+def _register_stop_io() -> None:
+    from .store import stop_background_io
+
+    atexit.register(stop_background_io)
 
 
 def _one_line(exc: Exception) -> int:
