@@ -6,8 +6,10 @@ Bad input ends with one line ``kvscope: error: …`` on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from . import defaults
 from .errors import KvscopeError, first_line
-from .models import DEFAULT_MODEL
+from .models import DEFAULT_MODEL, check_model_dtype
 from .report import print_table
 
 EXIT_BAD_INPUT = 2
@@ -37,7 +39,8 @@ def quiet_libraries():
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    # a refused chunk ends zarr's concurrent reads early; their pending tasks are dropped at exit
+    # a refused chunk ends zarr's concurrent reads early: the others are stopped at exit
+    # (_stop_io_at_exit), and asyncio's notes on them kept out of the output
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     hf_logging = sys.modules.get("transformers.utils.logging")
     if hf_logging is not None:  # imported already (the environment above is read at import)
@@ -342,6 +345,7 @@ def _live_inputs(args, clairvoyant_allocation: bool = False):
 
 def _cmd_run(args) -> int:
     policy, budget, allocation = _live_inputs(args)
+    check_model_dtype(args.model_dtype)  # before torch loads with kvscope.live.run
     from .live.run import run
 
     if args.workload is None and args.max_new_tokens is None:
@@ -1020,7 +1024,7 @@ def _cmd_tune(args) -> int:
     from .tune import check_live, held_out, tune
 
     if args.out:
-        output_path(args.out, "--out", inputs=[args.store])
+        output_path(args.out, "--out", inputs=[args.store], file=True)
         if os.path.lexists(args.out):
             raise KvscopeError(f"--out {args.out} exists; choose another path (results are never overwritten)")
     held = None
@@ -1137,7 +1141,7 @@ def _cmd_view(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise KvscopeError(f"--port {args.port} is not a port (0..65535; 0 takes a free one)")
-    html = output_path(args.html, "--html") if args.html else None
+    html = output_path(args.html, "--html", file=True) if args.html else None
     if html is not None and (html.is_dir() or html.suffix.lower() not in (".html", ".htm")):
         raise KvscopeError(f"--html {html}: name a file ending in .html")
     ds = open_trace(args.store)
@@ -1221,6 +1225,23 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        _stop_io_at_exit()
+
+
+def _stop_io_at_exit() -> None:
+    """zarr's reads and writes still under way when the command ends (the other chunks of a read
+    that failed) are stopped at exit: after this process's threads are joined (threading's
+    shutdown), before zarr closes its event loop (atexit runs the handler registered last first)."""
+    if "zarr.core.sync" in sys.modules:
+        _register_stop_io()
+
+
+@functools.cache
+def _register_stop_io() -> None:
+    from .store import stop_background_io
+
+    atexit.register(stop_background_io)
 
 
 def _one_line(exc: Exception) -> int:

@@ -28,6 +28,7 @@ from .errors import KvscopeError, first_line
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 HUB_TIMEOUT_S = 5.0  # the one hub request's timeout unless HF_HUB_ETAG_TIMEOUT is set
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --model-dtype; auto: float32 on CPU, bfloat16 on CUDA
 
 
 @dataclass(frozen=True)
@@ -324,8 +325,16 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
         raise KvscopeError(f"cannot load the tokenizer of {source.load_path}: {first_line(exc)}") from exc
 
 
+def check_model_dtype(dtype, where: str = "--model-dtype") -> str:
+    """``dtype`` as a model dtype (one of :data:`MODEL_DTYPES`); ``where`` names it in the refusal."""
+    if dtype not in MODEL_DTYPES:
+        raise KvscopeError(f"{where} must be one of {', '.join(MODEL_DTYPES)} (got {dtype!r})")
+    return dtype
+
+
 def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False):
-    """Load (model, tokenizer) in eval mode on ``device``."""
+    """Load (model, tokenizer) in eval mode on ``device``, its weights in ``dtype`` (:data:`MODEL_DTYPES`)."""
+    check_model_dtype(dtype)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

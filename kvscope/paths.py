@@ -1,43 +1,61 @@
 """Output locations, checked before any work starts and before anything is created.
 
-    output_path(path, "--out", inputs=[store])     a store or file kvscope will create
+    output_path(path, "--out", inputs=[store])     a store kvscope will create (with its missing folders)
+    output_path(path, "--html", file=True)         a file kvscope will write, in a folder that exists
     figure_path(path, "--plot")                    … whose suffix matplotlib can write
 
 An output may not lie below a file or in a folder kvscope cannot write (the first existing
-folder above it must be writable), may not be an existing folder where a file is meant, and
-is never one of the command's inputs or inside or around one.
+folder above a store, the folder of a file: a file is created there and removed to know, as
+``os.access`` answers yes to root and in /proc or /sys, where nothing can be created), may not
+be an existing folder where a file is meant, and is never one of the command's inputs or inside
+or around one.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from .errors import KvscopeError
 
 
-def output_path(path, flag: str, inputs=()) -> Path:
-    """``path`` as an output of ``flag``, refused with one line when it cannot be one."""
+def output_path(path, flag: str, inputs=(), file: bool = False) -> Path:
+    """``path`` as an output of ``flag`` (a store, or with ``file`` a file), refused with one
+    line when it cannot be one."""
     p = Path(path)
     here = p.absolute()
-    for parent in here.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise KvscopeError(f"{flag} {p}: {parent} is a file, not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise KvscopeError(f"{flag} {p}: cannot write in {parent}")
-            break
+    parent = next(d for d in here.parents if d.exists())
+    if not parent.is_dir():
+        raise KvscopeError(f"{flag} {p}: {parent} is a file, not a folder")
+    if file and parent != here.parent:
+        raise KvscopeError(f"{flag} {p}: the folder {here.parent} does not exist")
     for source in inputs:
         s = Path(source).absolute().resolve()
         target = here.resolve()
         if target == s or s in target.parents or target in s.parents:
             raise KvscopeError(f"{flag} {p} overlaps the input store {source}; choose another path")
+    if not writable(parent):
+        raise KvscopeError(f"{flag} {p}: cannot write in {parent}")
     return p
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be created in ``folder``: one is, and removed."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvscope-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def figure_path(path, flag: str = "--plot") -> Path:
     """A figure file: :func:`output_path`, not a folder, with a format matplotlib writes."""
-    p = output_path(path, flag)
+    p = output_path(path, flag, file=True)
     if p.is_dir():
         raise KvscopeError(f"{flag} {p} is a folder; name a file such as figure.png")
     formats = figure_formats()

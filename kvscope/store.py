@@ -35,8 +35,10 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,28 @@ def consolidate(path) -> None:
     with walking_members(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
         zarr.consolidate_metadata(str(path))
+
+
+def stop_background_io(timeout: float = 10.0) -> None:
+    """Cancel the chunk reads and writes still under way on zarr's event loop (a thread of its
+    own) and wait for them to end. A read of several chunks fails at its first bad chunk and
+    leaves the others running there; when zarr closes the loop at exit, under them, each prints
+    ``RuntimeError: Event loop is closed`` with a traceback. Nothing to do before zarr is used."""
+    sync = sys.modules.get("zarr.core.sync")
+    loop = sync.loop[0] if sync is not None else None
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+    with contextlib.suppress(TimeoutError):  # a task that ignores its cancellation is left to zarr
+        asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)
+
+
+async def _cancel_tasks() -> None:
+    """Every other task of the running loop cancelled, and ended."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others)
 
 
 COORD_VARIABLES = ("query_pos", "token_id", "prompt_len", "n_steps", "prefill_tail_qpos")

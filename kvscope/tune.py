@@ -348,7 +348,7 @@ def held_out(trace, source: str, allocation, model: str | None = None):
     """``(model source, prompts)`` of ``--check``, checked before any search: the allocation
     can run live, the prompts exist and are new to the trace."""
     from .live.inputs import live_allocation
-    from .live.validate import _model_source
+    from .live.validate import _model_source, recorded_model_dtype
     from .store import open_trace
 
     if not source or not str(source).strip():
@@ -356,6 +356,7 @@ def held_out(trace, source: str, allocation, model: str | None = None):
     live_allocation(allocation)  # the oracle has no live split without a trace
     ds = open_trace(trace) if not hasattr(trace, "kvscope") else trace
     source_model = _model_source(trace, ds.attrs.get("model"), model)
+    recorded_model_dtype(trace, ds.attrs)
     return source_model, held_out_prompts(ds, source, source_model.spec)
 
 
@@ -365,6 +366,7 @@ def check_live(result: TuneResult, trace, source: str, *, model: str | None = No
     summaries and whether the offline ranking held."""
     from .live.cache import prepare
     from .live.run import run_loaded
+    from .live.validate import recorded_model_dtype
     from .models import load
     from .prompts import encode_prompts
     from .store import open_trace
@@ -373,9 +375,7 @@ def check_live(result: TuneResult, trace, source: str, *, model: str | None = No
     configs = {"default": result.default, "best": result.best}
     source_model, prompts = held or held_out(ds, source, result.allocation, model)
     generation = ds.attrs.get("generation", {})
-    loaded, tokenizer = load(
-        source_model, ds.attrs.get("device", "cpu"), ds.attrs.get("settings", {}).get("model_dtype", "auto")
-    )
+    loaded, tokenizer = load(source_model, ds.attrs.get("device", "cpu"), recorded_model_dtype(trace, ds.attrs))
     prepare(loaded, ds.attrs.get("attn_kernel", "sdpa"))
     agnostic = ds.kvscope.question_agnostic
     encoded, questions = encode_prompts(tokenizer, prompts, bool(generation.get("chat_template", False)), agnostic)

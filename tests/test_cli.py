@@ -159,9 +159,9 @@ def test_unknown_command_and_missing_flag():
 
 
 def test_a_refused_option_loads_no_heavy_library():
-    """A trace or run option out of range is refused before torch, transformers, xarray or dask is
-    imported (each costs seconds), ``kvscope --help`` (which lists the metrics) before torch and
-    transformers; ``kvscope.replay`` stays the function after its subpackage's modules load, and a
+    """A trace or run option out of range (``--model-dtype`` too) is refused before torch,
+    transformers, xarray or dask is imported (each costs seconds), ``kvscope --help`` (which lists
+    the metrics) before torch and transformers; ``kvscope.replay`` stays the function after its subpackage's modules load, and a
     subpackage is there by its name after a plain ``import kvscope``."""
     probe = (
         "import contextlib, io, sys\n"
@@ -173,6 +173,10 @@ def test_a_refused_option_loads_no_heavy_library():
         "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
         "    code = main(['run', '--prompt', 'x', '--policy', 'h2o', '--budget', '0.3', '--kv-dtype', 'int3'])\n"
         "assert code == 2 and '--kv-dtype' in err.getvalue(), (code, err.getvalue())\n"
+        "for command in (['trace', '--max-new-tokens', '2', '--out', 'n.zarr'], ['run', '--policy', 'h2o', '--budget', '0.3']):\n"
+        "    with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "        code = main([*command, '--prompt', 'x', '--model-dtype', 'float7'])\n"
+        "    assert code == 2 and '--model-dtype must be one of' in err.getvalue(), (code, err.getvalue())\n"
         "print(heavy())\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    main(['--help'])\n"

@@ -347,6 +347,21 @@ def _with_model_name(src: Path, dst: Path, name: str) -> Path:
     return dst
 
 
+def test_a_model_dtype_the_store_records_is_checked(tmp_path, qkv_store):
+    """validate and tune --check load the model in the dtype the store records: a crafted one is
+    refused in one line naming the store, before any model loads."""
+    crafted = tmp_path / "crafted.zarr"
+    shutil.copytree(qkv_store, crafted)
+    doc = json.loads((crafted / "zarr.json").read_text())
+    doc["attributes"]["settings"]["model_dtype"] = "float7"
+    (crafted / "zarr.json").write_text(json.dumps(doc))
+    before = tree_digest(crafted)
+    needle = f"the model_dtype that {crafted} records must be one of auto, float32, bfloat16, float16 (got 'float7')"
+    one_line_error(run_cli("validate", crafted, "--policy", "h2o", "--budget", "0.5"), needle)
+    one_line_error(run_cli("tune", crafted, "--policy", "h2o", "--budget", "0.5", "--check", "prose"), needle)
+    assert tree_digest(crafted) == before
+
+
 def test_validate_never_fetches_the_model_a_store_names(tmp_path, qkv_store, hub):
     crafted = _with_model_name(qkv_store, tmp_path / "crafted.zarr", "org/exfiltrate")
     before = tree_digest(crafted)

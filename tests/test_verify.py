@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import zarr
 import kvscope
 from kvscope.errors import StoreError
 
-from .conftest import run_cli, run_main, tree_digest
+from .conftest import ROOT, Ran, run_cli, run_main, tree_digest
 from .test_capture import PROMPT
 
 
@@ -115,6 +117,55 @@ def test_damage_is_named_by_verify_and_refused_by_every_reader(
         else:  # it never reads it: the very same numbers as the undamaged store
             assert proc.returncode == 0 and comparable(json.loads(proc.stdout)) == clean_doc, args
     assert tree_digest(store) == before  # nothing a command does changes its input
+
+
+# `kvscope ARGV` in RUNS children forked after one import, side by side; each exits as the CLI
+# does (the interpreter's shutdown: atexit, zarr closing its event loop). Prints [[code, stderr], …].
+FORKED_RUNS = """
+import gc, json, os, sys, threading
+from kvscope.cli import main
+import kvscope.replay  # noqa: F401
+argv, runs = json.loads(sys.argv[1]), int(sys.argv[2])
+assert threading.active_count() == 1, threading.enumerate()
+gc.freeze()  # the children's collections copy none of the parent's pages (~1 s each)
+children = []
+for _ in range(runs):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        raise SystemExit(main(argv))
+    os.close(w)
+    children.append((pid, os.fdopen(r)))
+print(json.dumps([[os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err.read()] for pid, err in children]))
+"""
+
+
+def test_a_refused_read_leaves_nothing_running_at_exit(tmp_path):
+    """zarr reads the chunks of a read side by side on its event loop; the first bad one fails
+    the read and leaves the others under way there. The process exits on its one line: they are
+    stopped first, else zarr closes the loop under them and each prints ``RuntimeError: Event
+    loop is closed`` with its traceback (~1 run in 9 of a replay of a SmolLM2 trace; 9 in 10
+    here, with 256 layers' chunks in one read)."""
+    from kvscope.synthetic import write_synthetic_store
+
+    store = write_synthetic_store(
+        tmp_path / "deep.zarr", n_samples=1, n_steps=4, n_layers=256, n_kv=1, prompt_len=64, block_steps=4
+    )
+    chunk = store / "attn/c/0/0/0/0/0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    argv = ["replay", str(store), "--policies", "h2o,kivi", "--budgets", "0.5", "--json", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_RUNS, json.dumps(argv), "4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for code, err in json.loads(proc.stdout):
+        one_line(Ran(code, "", err), "chunk attn/c/0/0/0/0/0 of array attn fails its CRC32C checksum")
 
 
 COMMANDS = (

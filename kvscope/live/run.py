@@ -30,7 +30,7 @@ import numpy as np
 from .. import defaults
 from ..errors import KvscopeError
 from ..model_spec import ModelSpec, last_logits_only
-from ..models import DEFAULT_MODEL, load, resolve
+from ..models import DEFAULT_MODEL, check_model_dtype, load, resolve
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
 from ..prompts import as_prompts, check_context, encode_prompts, eos_ids
@@ -243,6 +243,7 @@ def run(
     if max_new_tokens < 1:
         raise KvscopeError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     dtype = parse_kv_dtype(kv_dtype)
+    check_model_dtype(model_dtype)
     prompts = as_prompts(prompts)
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)

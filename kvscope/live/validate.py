@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KvscopeError
-from ..models import ModelSource, load, resolve
+from ..models import ModelSource, check_model_dtype, load, resolve
 from ..paths import output_path
 from ..policies import check_budget
 from ..policies.allocation import Given, check_allocatable
@@ -69,9 +69,8 @@ def validate(
         _check_live_out(store, live_out, force)
     ds = _full_kv_trace(store, question_agnostic)
     attrs = ds.attrs
-    settings_doc = attrs.get("settings", {})
     source = _model_source(store, attrs.get("model"), model)
-    model, tokenizer = load(source, attrs.get("device", "cpu"), settings_doc.get("model_dtype", "auto"))
+    model, tokenizer = load(source, attrs.get("device", "cpu"), recorded_model_dtype(store, attrs))
     dtype = kv_storage_dtype(model, kv_dtype)
     itemsize = dtype.itemsize
 
@@ -150,6 +149,12 @@ def _check_live_out(store, live_out, force: bool) -> None:
     if os.path.lexists(live_out) and not force:
         raise KvscopeError(f"--live-out {live_out} exists; pass --force to overwrite it or choose another path")
     check_out(live_out, force, flag="--live-out")
+
+
+def recorded_model_dtype(store, attrs) -> str:
+    """The model dtype the store's trace settings name (checked: a store is an input too)."""
+    dtype = attrs.get("settings", {}).get("model_dtype", "auto")
+    return check_model_dtype(dtype, f"the model_dtype that {store} records")
 
 
 def _model_source(store, recorded, override: str | None) -> ModelSource:

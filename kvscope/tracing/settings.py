@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, check_model_dtype
 from ..params import ParamSpec, check_value
 
 KERNELS = ("sdpa", "eager", "flash_attention_2")
@@ -36,7 +36,7 @@ class TraceSettings:
     device: str = "cpu"
     attn: str = "sdpa"
     attn_output: str = "kernel"  # one of ATTN_OUTPUTS
-    model_dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    model_dtype: str = "auto"  # one of models.MODEL_DTYPES: auto is float32 on CPU, bfloat16 on CUDA
     seed: int = 0
     temperature: float = 0.0  # 0 = greedy
     batch_size: int = 1
@@ -70,6 +70,7 @@ class TraceSettings:
             raise KvscopeError(f"--attn must be one of {', '.join(KERNELS)} (got {self.attn!r})")
         if self.attn_output not in ATTN_OUTPUTS:
             raise KvscopeError(f"--attn-output must be one of {', '.join(ATTN_OUTPUTS)} (got {self.attn_output!r})")
+        check_model_dtype(self.model_dtype)
         if self.batch_size < 1:
             raise KvscopeError(f"--batch-size must be at least 1 (got {self.batch_size})")
         if self.block_steps < 1:
