@@ -1130,7 +1130,9 @@ def _add_view(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
     p.add_argument("--html", default=None, metavar="FILE", help="write one self-contained page instead of serving")
-    p.add_argument("--tokens", choices=("model", "ids"), default="model", help="token text from the model's tokenizer, or ids")
+    p.add_argument(
+        "--tokens", choices=("model", "ids"), default="model", help="token text from the model's tokenizer, or ids"
+    )
     p.set_defaults(func=_cmd_view)
 
 

@@ -273,6 +273,9 @@ def _check_geometry(config: dict, need) -> None:
             "an integer ≥ 1",
             config.get(name),
         )
+    windows = config.get("layer_windows") or []
+    ok = isinstance(windows, list) and all(w is None or is_int(w, 1) for w in windows)
+    need(ok, "model.config.layer_windows", "per layer null or a window ≥ 1", windows)
     sinks = config.get("learned_sinks") or []
     ok = isinstance(sinks, list) and all(
         s is None or (isinstance(s, list) and len(s) == n_heads and all(_finite(x) for x in s)) for s in sinks

@@ -62,6 +62,7 @@ class ModelSpec:
     kv_latent_dim: int | None = None  # MLA: values of the latent one token caches per layer
     learned_sinks: tuple[tuple[float, ...] | None, ...] = ()  # per model layer: each query head's sink logit
     capture: str = "attention_function"  # or "output_attentions": the model attends inside its own modules
+    layer_windows: tuple[int | None, ...] = ()  # per model layer: the window its transformers cache holds
 
     @classmethod
     def from_model(
@@ -98,6 +99,7 @@ class ModelSpec:
             model_layers=None if len(layers) == n_model else n_model,
             learned_sinks=tuple(sinks.get(layer) for layer in range(n_model)) if sinks else (),
             capture=capture or cls.capture,
+            layer_windows=_cache_windows(cfg),
             architecture=(model.config.architectures or [type(model).__name__])[0],
             model_type=cfg.model_type,
             hidden_size=cfg.hidden_size,
@@ -117,7 +119,7 @@ class ModelSpec:
         known = {k: v for k, v in config.items() if k in cls.__dataclass_fields__ and v is not None}
         merged = {**{k: v for k, v in sizes.items() if v is not None}, **known}
         merged.setdefault("n_heads", merged.get("n_kv_heads"))
-        for key in ("layer_types", "attention_scaling", "attention_layers"):
+        for key in ("layer_types", "attention_scaling", "attention_layers", "layer_windows"):
             merged[key] = tuple(merged.get(key) or ())
         merged["learned_sinks"] = tuple(None if s is None else tuple(s) for s in merged.get("learned_sinks") or ())
         return cls(**merged)
@@ -125,7 +127,7 @@ class ModelSpec:
     def config(self) -> dict:
         """The JSON document a store keeps (``attrs["model"]["config"]``)."""
         doc = asdict(self)
-        for key in ("layer_types", "attention_scaling", "attention_layers"):
+        for key in ("layer_types", "attention_scaling", "attention_layers", "layer_windows"):
             doc[key] = list(getattr(self, key))
         doc["learned_sinks"] = [None if s is None else list(s) for s in self.learned_sinks]
         return doc
@@ -223,7 +225,11 @@ class ModelSpec:
         return "cache: " + "; ".join([layers, unit, *extra])
 
     def window(self, layer: int) -> int | None:
-        """The sliding window of stored layer ``layer`` (None for global attention)."""
+        """The sliding window of stored layer ``layer`` (None for global attention): the tokens its
+        transformers cache holds at most (a chunked-attention layer's chunk), or, in a store
+        written before that was recorded, the config's sliding window."""
+        if self.layer_windows:
+            return self.layer_windows[self.model_layer(layer)]
         if self.layer_types:
             kind = self.layer_types[self.model_layer(layer)]
             return self.sliding_window if kind == "sliding_attention" else None
@@ -258,6 +264,20 @@ class ModelSpec:
         from .attention import LayerRules
 
         return LayerRules(tuple(self.rule(layer) for layer in range(self.n_layers)))
+
+
+def _cache_windows(cfg) -> tuple[int | None, ...]:
+    """The window each layer's transformers cache holds at most (sliding-window and chunked
+    layers; None for the others), as ``DynamicCache(config=…)`` builds it; ``()`` where transformers
+    cannot tell."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        _, per_layer = get_layer_types_and_kwargs(cfg)
+    except Exception:  # noqa: BLE001 - an older transformers, or a config it cannot read: the config decides
+        return ()
+    windows = tuple(kwargs.get("sliding_window") for kwargs in per_layer)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _latent_geometry(cfg) -> dict:

@@ -11,7 +11,7 @@
          learned sinks       shares in [0, 1] where a row is, NaN elsewhere; their prompt sum in [0, P]
          prefill_colsum      finite, ≥ 0 on the prompt, NaN beyond; each head's sums add up to P
          q, k, v             finite on the positions recorded, NaN beyond
-         rope parameters     finite, > 0
+         rope parameters     finite; inverse frequencies ≥ 0, scalings > 0
          policy arrays       tier codes −1/0/1/2, bytes ≥ 0
     4. ``deep``: rows of a sample of steps recomputed from the recorded q/k with the model's
        attention rule (:mod:`kvscope.attention`) and compared with the stored rows.
@@ -211,9 +211,15 @@ def _all_nan(x: np.ndarray) -> bool:
 
 
 def check_rope(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:
-    x = data[np.isfinite(data)] if array == "rope_inv_freq" else data
-    if not np.isfinite(x).all() or (x <= 0).any() or (array == "rope_inv_freq" and x.size == 0):
-        report.add(array, index, "rotary parameters must be finite and positive")
+    """Scalings finite and > 0; inverse frequencies finite and ≥ 0 (0: a channel pair the model
+    leaves unrotated, as LFM3's full-attention layers do), NaN where a layer has fewer."""
+    if array == "rope_inv_freq":
+        x = data[np.isfinite(data)]
+        bad = (x < 0).any() or x.size == 0
+    else:
+        bad = not np.isfinite(data).all() or (data <= 0).any()
+    if bad:
+        report.add(array, index, "rotary parameters must be finite (inverse frequencies ≥ 0, scalings > 0)")
 
 
 def check_policy(report: Report, ctx: Context, array: str, index, origin, data: np.ndarray, dims) -> None:

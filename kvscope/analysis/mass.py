@@ -71,7 +71,8 @@ def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataA
     q = dsa.from_array(ds.kvscope.query_pos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
     chunks = c[:-1] + ((n_units,),)
     args = (units.n_sink, n_units, units.w, ds.kvscope.rows.slack)
-    data = dsa.map_blocks(window_masses, a.data, q, *args, dtype=np.float64, chunks=chunks)
+    shares = sink_shares(ds, a.data, layers, heads)  # [sample, step, layer, H, 1]: what the rows sum to, 1 − σ
+    data = dsa.map_blocks(_row_masses, a.data, q, shares, *args, dtype=np.float64, chunks=chunks)
     coords = {k: v for k, v in a.coords.items() if "pos" not in v.dims}
     return xr.DataArray(data, dims=a.dims[:-1] + ("window",), coords={**coords, "window": np.arange(n_units)})
 
@@ -104,20 +105,29 @@ def _refuse_bad_windows(windows, sinks, q, shares, n_sink: int, w: int, slack: f
     return windows
 
 
-def window_masses(block: np.ndarray, q, first: int, n_units: int, w: int, slack: float = 0.0) -> np.ndarray:
+def _row_masses(block, q, shares, first: int, n_units: int, w: int, slack: float) -> np.ndarray:
+    """:func:`window_masses` of a block of stored rows, checked against their learned sink's shares."""
+    return window_masses(block, q, first, n_units, w, slack, shares)
+
+
+def window_masses(
+    block: np.ndarray, q, first: int, n_units: int, w: int, slack: float = 0.0, shares=None
+) -> np.ndarray:
     """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
     masses: :func:`kvscope.windows.window_sums` of the rows in float32, compiled
     (:func:`kvscope.analysis.kernels.row_block_stats`), so the same bits whichever way the rows
     were chunked. ``q`` (broadcastable to the leading dims) places each row's query; rows with a
-    query are checked as probability rows (stored with relative error ``slack``) on the way,
-    ``q = None`` (column sums) are not."""
+    query are checked as probability rows (stored with relative error ``slack``; summing to
+    ``1 − σ`` with ``shares`` σ broadcastable to ``[..., 1]``) on the way, ``q = None`` (column
+    sums) are not."""
     lead, n_pos = block.shape[:-1], block.shape[-1]
     rows_ = block.reshape(-1, 1, n_pos)  # [row, 1, pos]
     out = np.empty((rows_.shape[0], 1, n_units))
     query = np.full(lead, -1, dtype=np.int64) if q is None else np.broadcast_to(q[..., 0], lead)  # [..row dims]
     no_fp = np.empty((rows_.shape[0], 0), dtype=np.int64)
     checks = new_checks(slack)
-    block_stats(rows_, query.reshape(-1), no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)), checks)
+    totals = None if shares is None else row_totals(np.broadcast_to(shares[..., 0], lead).reshape(-1, 1))
+    block_stats(rows_, query.reshape(-1), no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)), checks, totals)
     refuse_bad_rows(checks, "attn rows")
     return out.reshape(*lead, n_units)
 

@@ -42,7 +42,9 @@ class Metric:
     cli_flags: ClassVar[bool] = True  # messages name parameters by their ``kvscope analyze`` flags
     replayed: ClassVar[str | None] = None  # a replayed policy feeds it "tiers", its "fp" set, or nothing
 
-    layers: tuple[int, ...] | None = param(None, help="layers, e.g. 0,3,5 or 10-15 (default all)")
+    layers: tuple[int, ...] | None = param(
+        None, help="layers by the model's index, e.g. 0,3,5 or 10-15 (default all; a hybrid's attention layers)"
+    )
     heads: tuple[int, ...] | None = param(None, help="indices of the stored head dim (default all)")
 
     def __post_init__(self):
@@ -53,13 +55,15 @@ class Metric:
         return {name: getattr(self, name) for name in specs(self)}
 
     def check_scope(self, ds: xr.Dataset) -> None:
-        """``layers``/``heads`` inside the trace's dims (one line naming the flag otherwise)."""
-        for flag, chosen, size in (
-            ("--layers", self.layers, ds.sizes["layer"]),
-            ("--heads", self.heads, ds.sizes[ds.kvscope.hdim]),
-        ):
-            if chosen and any(x >= size for x in chosen):
-                raise KvscopeError(f"{flag} outside 0..{size - 1}")
+        """``layers`` among the trace's layers (the model's indices: a hybrid stores its attention
+        layers), ``heads`` inside its head dim (one line naming the flag otherwise)."""
+        layers = [int(x) for x in ds["layer"].values]
+        if self.layers and any(x not in layers for x in self.layers):
+            held = f"0..{len(layers) - 1}" if layers == list(range(len(layers))) else ", ".join(map(str, layers))
+            raise KvscopeError(f"--layers outside {held}")
+        size = ds.sizes[ds.kvscope.hdim]
+        if self.heads and any(x >= size for x in self.heads):
+            raise KvscopeError(f"--heads outside 0..{size - 1}")
 
     def __call__(self, ds: xr.Dataset, **given) -> xr.Dataset:
         raise NotImplementedError

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ..errors import KvscopeError, first_line
 from ..model_spec import ModelSpec
-from .capture import Probe, probe, weights_probe
+from .capture import PROBE_TOKENS, Probe, probe, weights_probe
 
 # keyword tensors an attention function may receive that do not change what it computes from
 # q, k, v and the mask: positions (already applied by RoPE) and a varlen kernel's bookkeeping
@@ -32,26 +32,59 @@ def inspect(model, attn: str = "sdpa", record_qkv: bool = False) -> ModelSpec:
     exact by definition, but its queries and keys stay unseen (no ``--record qkv``)."""
     name = (model.config.architectures or [type(model).__name__])[0]
     seen = _probed(name, probe, model)
+    if not seen.cache:
+        raise KvscopeError(
+            f"{name} keeps its state inside its own modules, not in a transformers Cache, which kvscope decodes with"
+        )
     if not seen.layers and not seen.unnamed:
         return _weights_spec(name, model, record_qkv)
     _check_seen(name, seen)
-    if seen.mask_bias and record_qkv:
-        raise KvscopeError(
-            f"--record qkv: {name} adds a position bias (ALiBi) to its attention mask; the rows kvscope records "
-            "hold it, rows recomputed from q and k would not"
-        )
     spec = _check_spec(name, ModelSpec.from_model(model, attention_layers=tuple(sorted(seen.layers))), seen)
-    _check_kernel(name, spec, attn, seen.mask_bias)
+    shaped = _mask_shapes_rows(name, spec, seen, attn)
+    if shaped and record_qkv:
+        raise KvscopeError(
+            f"--record qkv: {name} {shaped}; the rows kvscope records hold it, rows recomputed from q and k would not"
+        )
+    _check_kernel(name, spec, attn, shaped)
     return spec
 
 
+def _mask_shapes_rows(name: str, spec: ModelSpec, seen: Probe, attn: str) -> str:
+    """What, besides causality and the layer's window, the mask the model hands its attention
+    does to the rows — a position bias (Falcon's ALiBi), a selection of keys (sparse attention) —
+    in words ("" for nothing). A mask that shows keys causality or the window hide is a refusal:
+    what the model attends then is not what its config says (or, under sdpa, not what its eager
+    attention computes)."""
+    import torch
+
+    n = seen.n_tokens
+    selects = False
+    for index, layer in enumerate(spec.layer_index):
+        shown = seen.layers[layer].visible  # [q, kv]
+        if shown is None:
+            continue
+        q_pos = torch.arange(n - shown.shape[0], n)[:, None]
+        rule = spec.rule(index).visible(q_pos, torch.arange(shown.shape[1]))
+        if (shown & ~rule).any():
+            hint = "; trace it with --attn eager" if attn == "sdpa" else ""
+            raise KvscopeError(
+                f"{name}: layer {layer}'s attention mask under --attn {attn} shows keys that causality or its "
+                f"window ({spec.window(index)}) hide: not what its config describes{hint}"
+            )
+        selects |= bool((rule & ~shown).any())
+    if seen.mask_bias:
+        return "adds a bias to its logits through its attention mask (ALiBi, a dynamic mask)"
+    return "selects keys in its attention mask (beyond causality and its window)" if selects else ""
+
+
 def _probed(name: str, how, model):
-    """A probe forward (``how(model)``); one that the model itself cannot run is a refusal."""
+    """A probe (``how(model)``); one whose forwards the model itself cannot run is a refusal."""
     try:
         return how(model)
     except Exception as exc:  # noqa: BLE001 - whatever the model raises, said in one line
         raise KvscopeError(
-            f"{name}: a forward of 4 tokens with a cache fails ({first_line(exc, named=True)})"
+            f"{name}: a forward of {PROBE_TOKENS} tokens and a decode step with a cache fail "
+            f"({first_line(exc, named=True)})"
         ) from None
 
 
@@ -60,6 +93,12 @@ def _weights_spec(name: str, model, record_qkv: bool) -> ModelSpec:
     heads from the probabilities, its KV heads and head size from the keys its cache holds."""
     model.set_attn_implementation("eager")  # what such a model computes whatever it is asked
     shapes, keys = _probed(name, weights_probe, model)
+    beyond = sorted({shape[-1] for shape in shapes.values()} - {PROBE_TOKENS})
+    if beyond:
+        raise KvscopeError(
+            f"{name} attends over {beyond[0]} positions for {PROBE_TOKENS} tokens (positions of its own beside "
+            "the sequence's), which kvscope cannot place"
+        )
     if not shapes:
         raise KvscopeError(
             f"{name} neither calls transformers' attention functions nor returns its attention "
@@ -83,9 +122,26 @@ def _weights_spec(name: str, model, record_qkv: bool) -> ModelSpec:
 
 def _check_seen(name: str, seen: Probe) -> None:
     if seen.unnamed:
-        raise KvscopeError(f"{name}: {seen.unnamed} attention call(s) come from modules without a layer index")
+        raise KvscopeError(
+            f"{name}: {seen.unnamed} attention call(s) come from modules without a layer index of their own"
+        )
+    if seen.repeated:
+        layers = ", ".join(map(str, sorted(seen.repeated)))
+        raise KvscopeError(
+            f"{name}: layer(s) {layers} call attention more than once per forward (a looped model, or two "
+            "attentions per layer as differential attention): kvscope keeps one row per layer and step"
+        )
+    if seen.extra_keys:
+        layer, extra = next(iter(sorted(seen.extra_keys.items())))
+        raise KvscopeError(
+            f"{name}: layer {layer} attends to {extra} key(s) beyond the tokens (compressed or memory entries), "
+            "which are no position of the sequence"
+        )
     if seen.shared:
-        pairs = ", ".join(f"{layer} those of {owner}" for layer, owner in sorted(seen.shared.items()))
+        pairs = ", ".join(
+            f"{layer} those of {owner}" if owner >= 0 else f"{layer} keeps none of its own"
+            for layer, owner in sorted(seen.shared.items())
+        )
         raise KvscopeError(
             f"{name}: layers reuse other layers' keys and values ({pairs}): one cache serves several layers, "
             "which kvscope's per-layer cache model does not describe"
@@ -118,7 +174,24 @@ def _check_spec(name: str, spec: ModelSpec, seen: Probe) -> ModelSpec:
             )
     else:
         v_dim = first.v_dim if first.v_dim != first.head_dim else None
-        spec = replace(spec, n_heads=first.heads, n_kv_heads=first.key_heads, head_dim=first.head_dim, v_head_dim=v_dim)
+        units = _cached_units(seen, spec.layer_index, first.key_heads)
+        spec = replace(
+            spec, n_heads=first.heads, n_kv_heads=units, key_heads=first.key_heads if units != first.key_heads else None,
+            head_dim=first.head_dim, v_head_dim=v_dim,
+        )  # fmt: skip
+    if spec.n_key_heads not in (spec.n_kv_heads, spec.n_heads):
+        raise KvscopeError(
+            f"{name} attends with {spec.n_heads} heads on keys of {spec.n_key_heads} heads from a cache of "
+            f"{spec.n_kv_heads}: not a geometry kvscope stores"
+        )
+    caps = {seen.layers[layer].softcap for layer in spec.layer_index}
+    if len(caps) > 1:
+        raise KvscopeError(f"{name}: its layers cap their logits differently ({caps}): not one attention rule")
+    n_model = spec.model_layers or spec.n_layers
+    scaling = (list(spec.attention_scaling) + [None] * n_model)[:n_model]
+    for layer in spec.layer_index:  # the scaling it passes (a model may scale its queries itself and pass 1)
+        scaling[layer] = seen.layers[layer].scaling
+    spec = replace(spec, attn_logit_softcapping=caps.pop(), attention_scaling=tuple(scaling))
     for index, layer in enumerate(spec.layer_index):
         if seen.layers[layer].sink != (spec.sinks(index) is not None):
             raise KvscopeError(
@@ -127,15 +200,26 @@ def _check_spec(name: str, spec: ModelSpec, seen: Probe) -> ModelSpec:
     return spec
 
 
-def _check_kernel(name: str, spec: ModelSpec, attn: str, mask_bias: bool) -> None:
-    """flash_attention_2 has no learned-sink column, no mask to carry a bias, and wants one head
-    size for q, k and v."""
+def _cached_units(seen: Probe, layers, key_heads: int) -> int:
+    """The cache units of a layer: the KV heads its transformers cache holds — fewer than the heads
+    of the keys attention reads where the model repeats them after the cache (JetMoE's mixture
+    of attention heads: one cached head serves two) — else the keys' heads."""
+    cached = {seen.cached_heads.get(layer) for layer in layers}
+    if len(cached) == 1:
+        (units,) = cached
+        if units and units < key_heads and key_heads % units == 0:
+            return units
+    return key_heads
+
+
+def _check_kernel(name: str, spec: ModelSpec, attn: str, shaped: str) -> None:
+    """flash_attention_2 has no learned-sink column, no mask to carry a bias or a selection, and
+    wants one head size for q, k and v."""
     if attn != "flash_attention_2":
         return
-    if mask_bias:
+    if shaped:
         raise KvscopeError(
-            f"--attn flash_attention_2: {name} adds a position bias (ALiBi) to its attention mask, which that "
-            "kernel is not handed; trace it with --attn sdpa"
+            f"--attn flash_attention_2: {name} {shaped}, which that kernel is not handed; trace it with --attn sdpa"
         )
     if spec.has_sinks:
         raise KvscopeError(

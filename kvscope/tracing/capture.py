@@ -464,48 +464,94 @@ class LayerSeen:
     key_heads: int  # heads of the keys and values
     head_dim: int  # of queries and keys
     v_dim: int
+    scaling: float  # the softmax scaling it passed (a model may scale its queries itself and pass 1)
+    softcap: float | None
     sink: bool  # a learned sink logit per head (``s_aux``)
     kwargs: frozenset[str]  # the other keyword arguments that carried a tensor
+    visible: torch.Tensor | None  # [q, kv] bool: what the mask lets each query see (None: no mask, causal)
 
 
 @dataclass
 class Probe:
     """The attention modules that call the registered attention function, by ``layer_idx``."""
 
+    n_tokens: int = 0  # the probe's tokens (keys beyond them: compressed or memory entries)
     layers: dict[int, LayerSeen] = field(default_factory=dict)
     unnamed: int = 0  # calls from modules without a layer index
     mask_bias: bool = False  # a float mask with values besides 0 and −∞/min: a position bias (Falcon's ALiBi)
-    shared: dict[int, int] = field(default_factory=dict)  # layer → the earlier layer whose very keys it reads
-    _keys: dict[int, int] = field(default_factory=dict, repr=False)  # data pointer → the layer that had it first
+    shared: dict[int, int] = field(
+        default_factory=dict
+    )  # layer → the earlier layer whose keys it reads (−1: its cache holds none)
+    repeated: set[int] = field(default_factory=set)  # layers that attend more than once per forward (looped)
+    extra_keys: dict[int, int] = field(default_factory=dict)  # layer → keys handed over beyond the tokens
+    cache: bool = True  # the forward returned a transformers Cache
+    cached_heads: dict[int, int] = field(default_factory=dict)  # layer → the KV heads its cache layer holds
+    # data pointer → (the layer that had it first, its keys: held, so that no later tensor reuses the memory)
+    _keys: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
 
-    def saw(self, module, query, key, value, mask, kwargs) -> None:
+    def saw(self, module, query, key, value, mask, scaling, softcap, kwargs) -> None:
         layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
+        if not isinstance(layer, int) or layer < 0:  # (−1: a block shared by several layers, Zamba2's)
             self.unnamed += 1
             return
-        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-            hidden = mask <= torch.finfo(mask.dtype).min / 2
-            self.mask_bias |= bool((mask[~hidden] != 0).any())
-        owner = self._keys.setdefault(key.data_ptr(), layer)
+        if layer in self.layers:
+            self.repeated.add(layer)
+        if key.shape[2] > self.n_tokens:
+            self.extra_keys[layer] = key.shape[2] - self.n_tokens
+        owner, _ = self._keys.setdefault(key.data_ptr(), (layer, key))
         if owner != layer:
             self.shared[layer] = owner
         tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "s_aux")
         self.layers[layer] = LayerSeen(
-            query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], kwargs.get("s_aux") is not None, tensors
-        )
+            query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], float(scaling), softcap,
+            kwargs.get("s_aux") is not None, tensors, self._visible(mask),
+        )  # fmt: skip
+
+    def _visible(self, mask) -> torch.Tensor | None:
+        """``[q, kv]``: what the mask lets each query row see (in any batch row and head); a float
+        mask's values besides 0 and its hiding minimum mark a bias."""
+        if not isinstance(mask, torch.Tensor):
+            return None
+        rows = mask.reshape(-1, *mask.shape[-2:])  # [batch·head, q, kv]
+        if mask.dtype == torch.bool:
+            return rows.any(0).cpu()
+        shown = rows > torch.finfo(mask.dtype).min / 2
+        self.mask_bias |= bool((rows[shown] != 0).any())
+        return shown.any(0).cpu()
 
 
 _PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("kvscope_probe", default=None)
+PROBE_TOKENS = 24  # enough for a mask that selects keys (a sparse pattern, a small window) to show it
 
 
-def weights_probe(model, n_tokens: int = 4) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
-    """What ``model`` returns with ``output_attentions=True`` from a forward of ``n_tokens``: the
-    shapes ``[batch, head, q, kv]`` of its attention probabilities and ``[batch, kv_head, kv, D]``
-    of the keys its cache holds, by layer (layers that return none left out)."""
+def _prefill(model, n_tokens: int, **extra):
+    """A forward of ``n_tokens`` tokens with a cache, as a trace's prefill calls it."""
     device = next(model.parameters()).device
     ids = torch.ones((1, n_tokens), dtype=torch.long, device=device)
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, output_attentions=True)
+        return model(input_ids=ids, position_ids=torch.arange(n_tokens, device=device)[None], use_cache=True, **extra)
+
+
+def _decode_step(model, out, n_tokens: int, **extra) -> None:
+    """The decode step a trace runs after the prefill ``out`` (a model that fails it fails here)."""
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(
+            input_ids=torch.ones((1, 1), dtype=torch.long, device=device),
+            position_ids=torch.full((1, 1), n_tokens, device=device),
+            cache=cache,
+            use_cache=True,
+            **extra,
+        )
+
+
+def weights_probe(model, n_tokens: int = PROBE_TOKENS) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """What ``model`` returns with ``output_attentions=True`` from a forward of ``n_tokens``: the
+    shapes ``[batch, head, q, kv]`` of its attention probabilities and ``[batch, kv_head, kv, D]``
+    of the keys its cache holds, by layer (layers that return none left out); a decode step then
+    runs as a trace's would."""
+    out = _prefill(model, n_tokens, output_attentions=True)
     weights = getattr(out, "attentions", None) or ()
     shapes = {layer: tuple(w.shape) for layer, w in enumerate(weights) if isinstance(w, torch.Tensor) and w.dim() == 4}
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -514,22 +560,34 @@ def weights_probe(model, n_tokens: int = 4) -> tuple[dict[int, tuple[int, ...]],
         k = getattr(cached, "keys", None)
         if isinstance(k, torch.Tensor) and k.dim() == 4:
             keys[layer] = tuple(k.shape)
+    _decode_step(model, out, n_tokens, output_attentions=True)
     return shapes, keys
 
 
-def probe(model, n_tokens: int = 4) -> Probe:
+def probe(model, n_tokens: int = PROBE_TOKENS) -> Probe:
     """Which of ``model``'s layers attend through kvscope's attention function, and with what:
-    one forward of ``n_tokens`` tokens with the function registered (nothing recorded). The
-    model must already use a kvscope implementation (:func:`implementation_name`)."""
-    seen = Probe()
+    one forward of ``n_tokens`` tokens with the function registered (nothing recorded), then a
+    decode step as a trace's. The model must already use a kvscope implementation
+    (:func:`implementation_name`)."""
+    from transformers import Cache
+
+    seen = Probe(n_tokens=n_tokens)
     token = _PROBE.set(seen)
     try:
-        device = next(model.parameters()).device
-        ids = torch.ones((1, n_tokens), dtype=torch.long, device=device)
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=True)
+        out = _prefill(model, n_tokens)
     finally:
         _PROBE.reset(token)
+    seen._keys.clear()  # the keys were held for the forward only
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    seen.cache = isinstance(cache, Cache)
+    if seen.cache:  # an attention layer whose cache layer holds no keys reads another layer's
+        for layer in seen.layers:
+            cached = cache.layers[layer] if layer < len(cache.layers) else None
+            if getattr(cached, "keys", None) is None or not cached.keys.numel():
+                seen.shared.setdefault(layer, -1)
+            elif cached.keys.dim() == 4:
+                seen.cached_heads[layer] = cached.keys.shape[1]
+        _decode_step(model, out, n_tokens)
     return seen
 
 
@@ -655,7 +713,7 @@ def _capturing(kernel: str):
         sink = kwargs.get("s_aux")  # [head] learned sink logits (gpt-oss), or None
         probe = _PROBE.get()
         if probe is not None:
-            probe.saw(module, query, key, value, attention_mask, kwargs)
+            probe.saw(module, query, key, value, attention_mask, scale, softcap, kwargs)
         view = _slot_view(key)
         recorder = _ACTIVE.get()
         if view is None and recorder is not None and not module.training:

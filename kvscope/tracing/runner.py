@@ -15,7 +15,7 @@ opens the winner's), every shard commits its own samples, and the shard that com
 sample marks the store complete (:func:`finalize` does it later if that shard died first).
 
 A *cache factory* (``cache=``) decides the KV cache each batch decodes with: by default a
-plain ``DynamicCache``; :class:`kvscope.live.LivePolicy` makes a recording policy cache, whose
+cache the model makes itself (a ``DynamicCache`` for most); :class:`kvscope.live.LivePolicy` makes a recording policy cache, whose
 tiers and bytes are written with each block (``trace --policy``). A factory is called as
 ``factory(model, layout, batch)`` (``batch``: the sample indices it decodes) and has ``settings()`` (compared on resume) and ``describe(model)``.
 """
@@ -293,7 +293,7 @@ def trace_loaded(
             if progress is not None:
                 progress(Progress(done_steps, total, tokens / seconds if seconds > 0 else 0.0, writer.bytes_written))
 
-        decode_all(model, encoded, mine, layout, settings, writer, cache or _dynamic_cache, eos, on_step, questions)
+        decode_all(model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions)
         writer.close()
         complete = _complete(out) if shard is None else _complete_if_done(out)
         samples = [s for batch in mine for s in batch]
@@ -384,10 +384,9 @@ def _discard_uncommitted(out: Path, writer: StoreWriter | None) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _dynamic_cache(model, layout: Layout, batch: list[int]):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
+def _model_cache(model, layout: Layout, batch: list[int]) -> None:
+    """No cache of kvscope's: the model makes its own at the prefill (a ``DynamicCache`` for most,
+    a cache of its own for a hybrid such as MiniMax), as ``generate`` lets it."""
 
 
 def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, n_question: int = 0) -> Layout:
