@@ -128,6 +128,10 @@ def test_mla_is_one_cache_unit_per_layer(mla_store):
     assert result.sizes["kv_head"] == 1 and np.isfinite(result["output_rel_l2"].values).any()
     P, n = int(ds.prompt_len[0]), int(ds.n_steps[0])
     assert float(result["full_bytes"].values[0]) == ds.sizes["layer"] * (P + n) * 24 * 2
+    exact = kvscope.replay(mla_store, ["h2o"], [0.5], observe="exact", horizon=4, processes=0, threads=1)
+    assert np.isfinite(exact["fmm"].values).any()  # rows recomputed from every head's own q and k, per unit
+    from_qk = run_main("analyze", "fmm", mla_store, "--from-qk", "--horizon", 4, "--json")
+    assert from_qk.returncode == 0, from_qk.stderr
     one_line_error(run_main("replay", mla_store, "--policies", "kivi", "--budgets", "0.5"), "latent of 24 values")
     info = run_main("info", mla_store)
     assert "one latent of 24 values per token and layer (MLA)" in info.stdout
