@@ -20,7 +20,7 @@ import kvscope
 from kvscope.errors import KvscopeError
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import agreement, decode
-from kvscope.policies import CacheState, Ledger, LedgerError, Policy, available
+from kvscope.policies import CacheState, Ledger, LedgerError, Policy, available, parse
 from kvscope.tiers import TIER_EVICTED as EVICTED
 from kvscope.tiers import TIER_FP as FP
 from kvscope.tiers import TIER_Q as Q
@@ -28,6 +28,15 @@ from kvscope.tiers import TIER_Q as Q
 from .conftest import run_cli, run_main
 
 LIVE_POLICIES = [name for name, cls in available().items() if not cls.clairvoyant and not cls.reads_queries]
+# kvpress's presses run live through the bridge replay uses: a prompt press, a press reading the
+# layer's attention weights, one moving budget across heads, one across layers, one while decoding
+LIVE_PRESSES = [
+    "press:SnapKVPress",
+    "press:ObservedAttentionPress",
+    "press:AdaKVPress:press=KeyDiffPress",
+    "press:PyramidKVPress",
+    "press:DecodingPress:base=KnormPress:compression_interval=8",
+]
 STEPS = 40
 
 
@@ -141,6 +150,37 @@ def test_every_policy_stays_within_budget(loaded, prompt_ids, full_decode, name,
     assert live.logits.shape == full_decode.logits.shape
 
 
+@pytest.mark.parametrize("name", LIVE_PRESSES[:4])
+def test_presses_live_hold_their_budget(loaded, prompt_ids, name):
+    """A prompt press compresses once, after the prefill: the cache then holds the kept prompt
+    rows and every decode row, within β at every step, exactly the accessible positions."""
+    _, model, _ = loaded
+    cache = PolicyCache(model, name, 0.3, STEPS, check=True)
+    decode(model, prompt_ids, cache, STEPS)
+    actual, budget = np.asarray(cache.bytes_actual, dtype=np.float64), cache.budget_bytes
+    assert cache.state.reached and cache.state.setting["compression_ratio"] > 0.5
+    assert (actual <= budget * (1 + 1e-9)).all() and actual.max() > 0.9 * budget
+    np.testing.assert_array_equal(actual, cache.bytes_model)  # fp32 rows, counted as the byte model counts them
+    tiers = cache.state.tiers[..., : cache.seen]
+    assert (tiers[..., len(prompt_ids) :] == 2).all()  # every decode token kept
+    assert sum(int(p.fp_pos.numel()) for p in cache.pools) == int((tiers == 2).sum())
+    assert cache.bytes_serving[-1] > 0 and cache.state.scratch_bytes() == 0  # prompt presses keep no copy
+
+
+def test_decoding_press_live_compresses_while_decoding(loaded, prompt_ids):
+    """DecodingPress never compresses the prompt and prunes to its target every
+    ``compression_interval`` steps: the bytes grow by 7 rows between compressions, stay within
+    β, and its stand-in copies are counted with the serving buffers."""
+    _, model, _ = loaded
+    cache = PolicyCache(model, LIVE_PRESSES[4], 0.8, STEPS, check=True)
+    decode(model, prompt_ids[:60], cache, STEPS)
+    assert cache.state.reached and cache.state.setting == {"target_size": 73}  # ⌊0.8 · 100⌋ − 8 + 1
+    held = np.asarray(cache.bytes_actual) / cache.spec.fp_bytes / (cache.n_layers * cache.n_kv)  # tokens per unit
+    assert held.max() <= 80 and held[-1] < 100 and len(set(np.diff(held)) - {0.0, 1.0}) > 0
+    assert cache.state.scratch_bytes() > 0
+    assert cache.bytes_serving[-1] >= cache.state.scratch_bytes()
+
+
 def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
     _, model, _ = loaded
     cache = PolicyCache(model, "qevict", 0.3, STEPS, check=True)
@@ -167,7 +207,7 @@ def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
         ledger.quantize(window[None], np.array([layer]), np.array([head]))
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", *LIVE_PRESSES])
 def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     source, model, tokenizer = loaded
     from kvscope.live import LivePolicy
@@ -178,11 +218,11 @@ def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     settings.check()
     import pydoc_data.topics as topics
 
-    out = tmp_path / f"{name}.zarr"
+    out = tmp_path / "live.zarr"
     prompt = [Prompt(topics.topics["assignment"][:1400])]
     trace_loaded(model, tokenizer, source, prompt, out, settings, cache=LivePolicy(name, 0.3))
     live = kvscope.open_trace(out)
-    assert live.attrs["policy"]["name"] == name and live.attrs["policy"]["kv_itemsize"] == 4
+    assert live.attrs["policy"]["label"] == parse(name).label() and live.attrs["policy"]["kv_itemsize"] == 4
     replayed = kvscope.replay(live, [name], [0.3], observe="exact", kv_itemsize=4)
     tiers = replayed["tiers"].values[0, 0, 0, 0]  # [event, layer, kv_head, pos]
     recorded = live["policy_tiers"].values[0]

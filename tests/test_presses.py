@@ -173,3 +173,67 @@ def test_without_kvpress_one_line_names_the_install(tmp_path, trace):
     )  # fmt: skip
     one_line_error(proc, "press policies need kvpress")
     assert "pip install --no-deps kvpress" in proc.stderr
+
+
+USER_PRESS = '''
+from dataclasses import dataclass
+
+from kvpress import ScorerPress
+
+
+@dataclass
+class ValueNormPress(ScorerPress):
+    """Keeps the positions whose values have the largest L2 norm."""
+
+    compression_ratio: float = 0.0
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return values.norm(dim=-1)
+'''
+
+
+def test_a_users_own_press_by_dotted_path_offline_and_live(tmp_path, trace):
+    """docs/replay.md, "Your own press": a ScorerPress subclass in the user's module runs by its
+    dotted path in replay and live, alone and wrapped — and keeps the positions its score ranks
+    highest."""
+    import os
+
+    (tmp_path / "mypress.py").write_text(USER_PRESS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "r.zarr"
+    policies = "press:mypress.ValueNormPress,press:AdaKVPress:press=mypress.ValueNormPress"
+    kvscope_cmd = [sys.executable, "-m", "kvscope"]
+    proc = subprocess.run(
+        [*kvscope_cmd, "replay", str(trace), "--policies", policies, "--budgets", "0.3", "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    from kvscope.replay import open_result
+
+    result = open_result(out)
+    assert list(result.policy.values) == policies.split(",")
+    tiers = _tiers(result, "press:mypress.ValueNormPress", 0.3)[0, 0]  # [layer, kv_head, pos] after the prefill
+    values = kvscope.open_trace(trace)["v"].values[0]  # [layer, kv_head, pos, D]
+    p = int(kvscope.open_trace(trace).prompt_len[0])
+    norms = np.linalg.norm(values[..., :p, :], axis=-1)  # [layer, kv_head, P]
+    kept = tiers[..., :p] == TIER_FP
+    assert 0 < kept.mean() < 0.5
+    assert (np.where(kept, norms, np.inf).min(-1) >= np.where(kept, -np.inf, norms).max(-1)).all()
+    proc = subprocess.run(
+        [*kvscope_cmd, "run", "--prompt", "The capital of France is", "--policy", "press:mypress.ValueNormPress",
+         "--budget", "0.5", "--max-new-tokens", "4", "--json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert '"policy": "press:mypress.ValueNormPress"' in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("nosuch.Press", "cannot be imported (ModuleNotFoundError"), ("os.path", "is not a press class")],
+)
+def test_a_press_path_that_is_no_press_is_one_line(name, needle):
+    from kvscope.errors import KvscopeError
+
+    with pytest.raises(KvscopeError, match=needle.replace("(", r"\(")):
+        parse(f"press:{name}")

@@ -261,7 +261,11 @@ class PolicyCache(DynamicCache):
         self.every = every or w
         rope = Rope.from_model(model, self.n_layers)
         self.rope = rope if rope.usable() else None
-        self.recorder = AttentionRecorder(n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window)
+        policy.check_live(spec, self.rope)
+        self.model_spec = spec
+        self.recorder = AttentionRecorder(
+            n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window, record_qkv=policy.reads_queries
+        )
         self.keep_tiers, self.check = keep_tiers, check
         Cache.__init__(self, layers=[PolicyLayer(self, i) for i in range(self.n_layers)])
         self.pools = [_Pool(self.head_dim, self.kv_dtype, self.device) for _ in range(self.n_layers)]
@@ -327,7 +331,8 @@ class PolicyCache(DynamicCache):
                 self.itemsize,
                 self.obs_window,
             )
-            state = self.policy.start(spec, rope=self.rope)
+            reads = {"model": self.model_spec} if self.policy.reads_queries else {}  # a press: fed each forward
+            state = self.policy.start(spec, rope=self.rope, **reads)
             self._held = np.zeros((2, *state.tiers.shape), dtype=bool)
             self.driver = PolicyDriver(state, allocation=self.allocation, check=self.check)
             if self.state.ledger is not None:
@@ -344,8 +349,9 @@ class PolicyCache(DynamicCache):
             self._pending = "decode"
         self.seen += n_new
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
+        prefill = self._pending == "prefill"
         reads_prompt = self.policy.observes_prefill or self.allocation.reads == "scores"  # adakv: the policy's scores
-        self.recorder.enabled = self.policy.observes or (self._pending == "prefill" and reads_prompt)
+        self.recorder.enabled = self.policy.observes or (prefill and reads_prompt) or self.state.reads_forward(prefill)
         self._views = []
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -531,6 +537,8 @@ class PolicyCache(DynamicCache):
         for pool in self.pools:  # the new rows take their places before any row changes
             if pool.served is not None:
                 pool.served.settle()
+        if self.state.reads_forward(kind == "prefill"):
+            self.state.feed(*self._forward_tensors())
         used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
         self._sync()
@@ -540,7 +548,9 @@ class PolicyCache(DynamicCache):
         self.bytes_model.append(float(used.sum()))
         self.bytes_actual.append(data)
         self.bytes_index.append(index)
-        self.bytes_serving.append(sum(pool.served.nbytes() for pool in self.pools if pool.served is not None))
+        self.bytes_serving.append(
+            sum(pool.served.nbytes() for pool in self.pools if pool.served is not None) + self.state.scratch_bytes()
+        )
         if self.check:
             self._check_content()
         if self.keep_tiers and self.step % self.every == 0:
@@ -556,6 +566,16 @@ class PolicyCache(DynamicCache):
         colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
         tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
         return np.nan_to_num(colsum), np.nan_to_num(tail)
+
+    def _forward_tensors(self):
+        """``keys, values [layer, kv_head, n, D]`` float32 tensors and ``queries [n, layer, head, D]``
+        (numpy, post-RoPE) of the forward's ``n`` new positions, as attention was handed them
+        (what a trace under ``--record qkv`` stores)."""
+        caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
+        keys = torch.stack([c.k[0] for c in caps]).cpu()  # [layer, kv_head, n, D]
+        values = torch.stack([c.v[0] for c in caps]).cpu()
+        queries = torch.stack([c.q[0] for c in caps], dim=2).cpu().numpy()  # [head, n, layer, D]
+        return keys, values, np.ascontiguousarray(queries.transpose(1, 2, 0, 3))  # [n, layer, head, D]
 
     def _decide(self) -> np.ndarray:
         """The policy decides on the row this cache served (kv-group mean, by position)."""
@@ -674,8 +694,11 @@ class LivePolicy:
         }
 
     def check_model(self, model, spec: ModelSpec) -> None:
-        """Refuse, before a trace writes anything, a model a live cache cannot serve."""
+        """Refuse, before a trace writes anything, a model a live cache cannot serve (or a
+        policy it cannot run there)."""
         check_live_geometry(model, spec)
+        rope = Rope.from_model(model, spec.n_layers)
+        self.policy.check_live(spec, rope if rope.usable() else None)
 
     def __call__(self, model, layout, batch: list[int]) -> PolicyCache:
         return PolicyCache(

@@ -12,14 +12,11 @@ KV_DTYPES = ("float16", "bfloat16", "float32")  # --kv-dtype, besides "model"
 
 def live_policy(policy: Policy | str) -> Policy:
     """A policy object (from a name or ``name:key=value`` string) that can run live: the
-    clairvoyant oracle cannot."""
+    clairvoyant oracle cannot (a press is rehearsed on the model's geometry by the cache,
+    :meth:`~kvscope.policies.Policy.check_live`)."""
     policy = parse(policy) if isinstance(policy, str) else policy
     if policy.clairvoyant:
         raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
-    if policy.reads_queries:
-        raise KvscopeError(
-            f"{policy.label()} replays offline only; run it live with kvpress's own pipeline (kvscope has no live press cache yet)"
-        )
     return policy
 
 

@@ -429,6 +429,21 @@ class CacheState:
     def after_prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
         self.compress()
 
+    # -- what a live cache hands a state that reads more than rows (kvpress presses) --------
+    def reads_forward(self, prefill: bool) -> bool:
+        """Whether the state reads the q/k/v of the forward (the prompt's, or a decode step's)
+        that a live cache then hands to :meth:`feed` before the state decides."""
+        return False
+
+    def feed(self, keys, values, queries) -> None:
+        """``keys, values [layer, kv_head, n, D]`` and ``queries [n, layer, head, D]`` of a live
+        forward's ``n`` new positions."""
+        raise NotImplementedError(f"{self.policy.label()} reads no forward's tensors")
+
+    def scratch_bytes(self) -> int:
+        """Bytes the state itself holds besides the cache's own (a press's working copies)."""
+        return 0
+
     # -- helpers for policies --------------------------------------------------------------
     def evict(self, mask: np.ndarray) -> None:
         """``mask [layer, kv_head, n]`` or ``[n]`` (every head) over positions ``0..n−1`` → EVICTED."""
@@ -476,7 +491,7 @@ class Policy:
     quantizes: ClassVar[bool] = False
     observes: ClassVar[bool] = False  # decisions use the rows served at each step
     observes_prefill: ClassVar[bool] = False  # decisions use the prompt's attention (colsum, tail)
-    reads_queries: ClassVar[bool] = False  # start() also takes the recorded q and the model spec
+    reads_queries: ClassVar[bool] = False  # start() takes the model spec and recorded q/k/v (live: fed per forward)
     splits_itself: ClassVar[bool] = False  # sets its own split across layers and heads (no allocation)
 
     def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
@@ -492,6 +507,11 @@ class Policy:
         """``name`` or ``name:key=value:…`` for fields that differ from the defaults, spelled as
         the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
         return spelled(self)
+
+    def check_live(self, model, rope: Rope | None = None) -> None:
+        """Refuse in one line, before a live cache of ``model`` (its
+        :class:`~kvscope.model_spec.ModelSpec`) decodes anything, what this policy cannot do
+        there."""
 
     def unit_floor(self, spec: CacheSpec) -> float:
         """The fewest bytes one (layer, kv_head) can run at: allocations give every unit at

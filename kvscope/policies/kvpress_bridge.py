@@ -19,8 +19,12 @@ Which positions a press keeps is read from the press itself: the ``gather`` it a
 the cache's keys (observed with a :class:`torch.overrides.TorchFunctionMode`, nothing
 patched) and the ``masked_key_indices`` AdaKV leaves on the module. Keys it returns are
 checked to be exactly that gather; a press that merges, re-rotates or quantizes what it keeps
-is refused. Anything a press reads that a trace does not hold (a projection's weights, a
+is refused. Anything a press reads that the stand-ins do not hold (a projection's weights, a
 norm, extra forward passes) raises one line naming it.
+
+A live cache (:class:`kvscope.live.PolicyCache`) drives the same runner with the tensors of
+each forward as attention was handed them — what a trace under ``--record qkv`` stores — so a
+press decides live exactly as it does on a recording of that decode.
 
 kvpress pins ``transformers<5.3`` and patches transformers' attention functions on import;
 :func:`load` imports it lazily and puts the attention functions back as they were.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import typing
 from types import SimpleNamespace
 
@@ -80,10 +85,31 @@ def press_classes() -> dict[str, type]:
 
 
 def press_class(name: str) -> type:
+    """kvpress's press ``name`` (``SnapKVPress``), or a press class by dotted path
+    (``mypkg.module.MyPress``: a user's own press, importable from where kvscope runs)."""
+    if "." in name:
+        return _imported_press(name)
     classes = press_classes()
     if name not in classes:
         raise KvscopeError(f"unknown press {name!r} (kvpress has: {', '.join(sorted(classes))})")
     return classes[name]
+
+
+def press_name(cls: type) -> str:
+    """How ``press:…`` names a press class: kvpress's by its name, any other by dotted path."""
+    return cls.__name__ if cls.__module__.split(".")[0] == "kvpress" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _imported_press(path: str) -> type:
+    module, _, attr = path.rpartition(".")
+    base = load().BasePress
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception as error:  # noqa: BLE001 - whatever importing a user's module raises
+        raise KvscopeError(f"press {path} cannot be imported ({first_line(error, named=True)})") from None
+    if not (isinstance(cls, type) and issubclass(cls, base) and dataclasses.is_dataclass(cls)):
+        raise KvscopeError(f"press {path} is not a press class (a dataclass subclassing kvpress.BasePress)")
+    return cls
 
 
 def _hints(cls) -> dict:
@@ -270,11 +296,16 @@ class Rotary:
 class PressRunner:
     """One sequence's press over every layer: the stand-in caches and which positions they hold.
 
-    ``k, v [layer, kv_head, pos, D]`` (numpy, or float32 tensors used as they are — replay hands
-    every run of a sample the same ones) and ``q [qpos, layer, head, D]`` as recorded (post-RoPE);
-    ``rope`` the trace's rotary parameters; ``model`` its :class:`~kvscope.model_spec.ModelSpec`."""
+    Driven by the tensors of each forward, from a trace or from a live cache alike::
 
-    def __init__(self, press, spec, k, v, q, rope, model):
+        prefill(keys, values, queries)      keys, values [layer, kv_head, P, D] float32 tensors,
+                                            queries [P, layer, head, D] post-RoPE
+        append(position, keys, values)      [layer, kv_head, D]: the decode position enters
+        decode(position, queries)           [layer, head, D]: the press's decode hook
+
+    ``rope`` the model's rotary parameters; ``model`` its :class:`~kvscope.model_spec.ModelSpec`."""
+
+    def __init__(self, press, spec, rope, model):
         import torch
 
         kvpress = load()
@@ -290,18 +321,20 @@ class PressRunner:
             LayerStandIn(config, layer, model.head_dim, Rotary(rope, layer, model.head_dim))
             for layer in range(model.n_layers)
         ]
-        self.k = torch.as_tensor(k).float()  # [layer, kv_head, pos, D]; no copy of a float32 tensor
-        self.v = torch.as_tensor(v).float()
-        self.q = q  # [qpos, layer, head, D] post-RoPE, numpy
         self.cache = SimpleNamespace(layers=[SimpleNamespace(keys=None, values=None) for _ in self.modules])
         self.positions: list = [None] * model.n_layers  # per layer [kv_head, n] positions in the cache
         try:
             press.post_init_from_model(SimpleNamespace(config=config, device=torch.device("cpu")))
         except Exception as error:  # noqa: BLE001 - a press that needs the model itself
             raise KvscopeError(
-                f"press {self.label} needs the model itself, which a trace does not hold "
+                f"press {self.label} needs the model itself, which kvscope's stand-in layers do not give "
                 f"({first_line(error, named=True)})"
             ) from None
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the stand-in caches the press works on (held between forwards only by
+        presses that decode)."""
+        return sum(int(t.nbytes) for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
 
     # -- budget ---------------------------------------------------------------------------
     def fit_budget(self) -> tuple[bool, dict]:
@@ -358,67 +391,77 @@ class PressRunner:
         return high
 
     # -- driving ----------------------------------------------------------------------------
-    def _queries(self, layer: int, positions):
-        """Pre-RoPE queries of ``positions`` in ``layer`` as hidden states ``[1, n, H·D]``."""
+    def _queries(self, layer: int, queries, positions):
+        """Pre-RoPE queries ``[1, n, H·D]`` (the layer's hidden states, as ``q_proj`` = identity
+        reads them) from its post-RoPE ``queries [n, H, D]`` at ``positions [n]``."""
         import torch
 
         from ..rope import undo_rope
 
-        q = np.asarray(self.q[positions, layer], dtype=np.float32)  # [n, H, D]
+        q = np.asarray(queries, dtype=np.float32)  # [n, H, D]
         if self.rope is not None:
             cos, sin = self.modules[layer].rotary_emb.numpy(positions)
             q = undo_rope(q, cos[:, None], sin[:, None], self.n_rot, float(self.rope.scaling[layer]))
         return torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32)).reshape(1, len(positions), -1)
 
-    def _attentions(self, layer: int, p: int):
-        """``[1, H, P, P]`` prefill attention of ``layer`` by kvscope's rule."""
+    def _attentions(self, layer: int, queries, keys):
+        """``[1, H, P, P]`` prefill attention of ``layer`` by kvscope's rule from its
+        ``queries [P, H, D]`` and ``keys [kv_head, P, D]``."""
         import torch
 
         from ..attention import grouped
 
         h, n_kv = self.model.n_heads, self.model.n_kv_heads
-        query = torch.from_numpy(np.asarray(self.q[:p, layer], dtype=np.float32)).transpose(0, 1)  # [H, P, D]
+        p = keys.shape[1]
+        query = torch.from_numpy(np.asarray(queries, dtype=np.float32)).transpose(0, 1)  # [H, P, D]
         rows = grouped(query, n_kv)  # [Hkv, group·P, D]
         q_pos = torch.arange(p).repeat(h // n_kv)[:, None]
-        probs = self.model.rule(layer).probs(rows, self.k[layer, :, :p], q_pos, torch.arange(p))
+        probs = self.model.rule(layer).probs(rows, keys, q_pos, torch.arange(p))
         return probs.reshape(1, h, p, p)
 
-    def prefill(self, p: int) -> np.ndarray:
-        """The prompt ``0..p−1`` in every layer, compressed by the press → present ``[layer, kv_head, p]``."""
+    def prefill(self, keys, values, queries) -> np.ndarray:
+        """The prompt ``0..P−1`` in every layer (``keys, values [layer, kv_head, P, D]`` float32
+        tensors, ``queries [P, layer, head, D]``), compressed by the press → present
+        ``[layer, kv_head, P]``."""
         import torch
 
+        p = keys.shape[2]
         present = np.zeros((len(self.modules), self.spec.n_kv, p), dtype=bool)
         for layer, module in enumerate(self.modules):
             cache = self.cache.layers[layer]
-            cache.keys = self.k[layer, :, :p][None].clone()  # [1, Hkv, P, D]
-            cache.values = self.v[layer, :, :p][None].clone()
+            cache.keys = keys[layer][None].clone()  # [1, Hkv, P, D]
+            cache.values = values[layer][None].clone()
             self.positions[layer] = torch.arange(p).repeat(self.spec.n_kv, 1)
-            attentions = self._attentions(layer, p) if self.attentions else None
-            self._hook(module, self._queries(layer, np.arange(p)), torch.arange(p), attentions)
+            q = queries[:, layer]  # [P, H, D]
+            attentions = self._attentions(layer, q, keys[layer]) if self.attentions else None
+            self._hook(module, self._queries(layer, q, np.arange(p)), torch.arange(p), attentions)
             present[layer] = self._present(layer, p)
             if not self.decodes:  # a prompt press never reads this cache again
                 cache.keys = cache.values = None
         return present
 
-    def append(self, position: int) -> None:
-        """Decode position ``position`` enters every layer's cache."""
+    def append(self, position: int, keys, values) -> None:
+        """Decode position ``position`` enters every layer's cache (``keys, values
+        [layer, kv_head, D]`` float32 tensors)."""
         import torch
 
         for layer, cache in enumerate(self.cache.layers):
-            cache.keys = torch.cat([cache.keys, self.k[layer, :, position][None, :, None]], dim=2)
-            cache.values = torch.cat([cache.values, self.v[layer, :, position][None, :, None]], dim=2)
+            cache.keys = torch.cat([cache.keys, keys[layer][None, :, None]], dim=2)
+            cache.values = torch.cat([cache.values, values[layer][None, :, None]], dim=2)
             self.positions[layer] = torch.cat(
                 [self.positions[layer], torch.full((self.spec.n_kv, 1), position, dtype=torch.long)], dim=1
             )
 
-    def decode(self, position: int) -> np.ndarray:
-        """The decode step of the query at ``position`` → present ``[layer, kv_head, position + 1]``."""
+    def decode(self, position: int, queries) -> np.ndarray:
+        """The decode step of the query at ``position`` (``queries [layer, head, D]``) → present
+        ``[layer, kv_head, position + 1]``."""
         import torch
 
         length = position + 1
         present = np.zeros((len(self.modules), self.spec.n_kv, length), dtype=bool)
         for layer, module in enumerate(self.modules):
-            self._hook(module, self._queries(layer, np.array([position])), torch.tensor([position]), None)
+            hidden = self._queries(layer, queries[layer][None], np.array([position]))
+            self._hook(module, hidden, torch.tensor([position]), None)
             present[layer] = self._present(layer, length)
         return present
 
@@ -444,13 +487,13 @@ class PressRunner:
             missing = module.__dict__.get("missing")
             if missing:
                 raise KvscopeError(
-                    f"press {self.label} reads {missing[-1]!r} of the attention layer, which a trace does not hold "
-                    "(it records the layer's q, k and v — not its weights, norms or inputs)"
+                    f"press {self.label} reads {missing[-1]!r} of the attention layer, which kvscope does not hold "
+                    "(a trace or a live cache hands a press the layer's q, k and v — not its weights, norms or inputs)"
                 ) from None
             raise KvscopeError(
-                f"press {self.label} failed on layer {module.layer_idx} of the recording "
+                f"press {self.label} failed on layer {module.layer_idx} "
                 f"({first_line(error, named=True)}); a press that runs the model itself (extra forward passes) "
-                "cannot replay from a trace"
+                "cannot run on kvscope's stand-in layers"
             ) from None
         after = cache.keys
         if after is before:

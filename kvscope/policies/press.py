@@ -34,6 +34,8 @@ from ..errors import KvscopeError
 from . import kvpress_bridge as bridge
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy
 
+REHEARSAL_PROMPT = 128  # tokens (at least) of the random prompt a press is tried on before it runs live
+
 
 def _options(options) -> tuple[tuple[str, str], ...]:
     items = options.items() if isinstance(options, dict) else options
@@ -44,7 +46,11 @@ def _options(options) -> tuple[tuple[str, str], ...]:
         key, value = item
         key = bridge.ALIASES.get(key, key)
         text = (
-            value.__name__ if isinstance(value, type) else str(value).lower() if isinstance(value, bool) else str(value)
+            bridge.press_name(value)
+            if isinstance(value, type)
+            else str(value).lower()
+            if isinstance(value, bool)
+            else str(value)
         )
         out.append((str(key), text))
     return tuple(out)
@@ -90,32 +96,85 @@ class Press(Policy):
         """A fresh kvpress object (presses keep per-sequence state, e.g. DecodingPress's buffers)."""
         return bridge.build(self._tree)
 
+    def check_live(self, model, rope=None) -> None:
+        """Rehearse the press on random tensors of ``model``'s geometry — a prompt of
+        :data:`REHEARSAL_PROMPT` tokens (twice the press's largest integer parameter, if more: a
+        window must fit) and a decode step, as a live cache feeds them — so that a press that
+        fails on kvscope's stand-in layers (it reads a projection's weights, runs the model
+        itself) is refused in one line before anything is decoded."""
+        import torch
+
+        sizes = [int(v) for _, v in self.options if v.lstrip("-").isdigit()]
+        p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
+        spec = CacheSpec(model.n_layers, model.n_kv_heads, model.head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
+        state = self.start(spec, rope=rope, model=model)
+        generator = torch.Generator().manual_seed(0)
+        shape = (model.n_layers, model.n_kv_heads, p + 1, model.head_dim)
+        k, v = (torch.randn(shape, generator=generator) for _ in range(2))
+        q = torch.randn((p + 1, model.n_layers, model.n_heads, model.head_dim), generator=generator).numpy()
+        state.feed(k[:, :, :p], v[:, :, :p], q[:p])
+        state.prefill(np.zeros((*shape[:2], p)), None)
+        state.append(p)
+        if state.reads_forward(prefill=False):
+            state.feed(k[:, :, p:], v[:, :, p:], q[p:])
+        state.compress()
+
     def start(self, spec: CacheSpec, k=None, v=None, rope=None, q=None, model=None) -> CacheState:
-        if k is None or q is None or model is None:
+        """Offline: ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded
+        (post-RoPE). Live (no ``k``, ``v``, ``q``): the cache feeds each forward's tensors
+        (:meth:`_PressState.feed`). ``model``: the :class:`~kvscope.model_spec.ModelSpec`."""
+        recorded = (k, v, q)
+        if model is None or (any(x is None for x in recorded) and any(x is not None for x in recorded)):
             raise KvscopeError(f"{self.label()} needs recorded q/k/v (trace with --record qkv)")
-        return _PressState(self, spec, bridge.PressRunner(self.make_press(), spec, k, v, q, rope, model))
+        runner = bridge.PressRunner(self.make_press(), spec, rope, model)
+        return _PressState(self, spec, runner, None if k is None else recorded)
 
 
 class _PressState(CacheState):
-    """Tiers follow the positions the press keeps in each layer's stand-in cache."""
+    """Tiers follow the positions the press keeps in each layer's stand-in cache. The press
+    reads each forward's q/k/v: sliced from a recording, or fed by a live cache
+    (:meth:`feed`) right before the state decides."""
 
-    def __init__(self, policy: Press, spec: CacheSpec, runner):
+    def __init__(self, policy: Press, spec: CacheSpec, runner, recorded=None):
         super().__init__(policy, spec)
         self.runner = runner
+        self.recorded = recorded  # (k [layer, kv_head, pos, D], v, q [qpos, layer, head, D]) or None: live
+        self.fed = None
         self.pooled = True
         self.reached, self.setting = runner.fit_budget()
 
-    def after_prefill(self, colsum, tail) -> None:
-        self._evict_absent(self.runner.prefill(self.length))
+    def reads_forward(self, prefill: bool) -> bool:
+        """Whether the forward (the prompt's, or a decode step's) must be fed to :meth:`feed`."""
+        return prefill or self.runner.decodes
 
-    def append(self, position: int) -> None:
-        super().append(position)
-        if self.runner.decodes:
-            self.runner.append(position)
+    def feed(self, keys, values, queries) -> None:
+        """A live forward's tensors: ``keys, values [layer, kv_head, n, D]`` float32 tensors and
+        ``queries [n, layer, head, D]`` (post-RoPE) of its ``n`` new positions."""
+        self.fed = (keys, values, queries)
+
+    def scratch_bytes(self) -> int:
+        return self.runner.scratch_bytes()
+
+    def _forward(self, start: int, stop: int):
+        """``keys, values [layer, kv_head, n, D]``, ``queries [n, layer, head, D]`` of positions
+        ``start … stop − 1``."""
+        if self.recorded is not None:
+            k, v, q = self.recorded
+            return k[:, :, start:stop], v[:, :, start:stop], q[start:stop]
+        fed, self.fed = self.fed, None
+        if fed is None or fed[0].shape[2] != stop - start:
+            raise RuntimeError("a live press state reads the tensors of each forward it decides on (feed)")
+        return fed
+
+    def after_prefill(self, colsum, tail) -> None:
+        self._evict_absent(self.runner.prefill(*self._forward(0, self.length)))
 
     def compress(self) -> None:
         if self.runner.decodes:
-            self._evict_absent(self.runner.decode(self.length - 1))
+            position = self.length - 1
+            keys, values, queries = self._forward(position, self.length)
+            self.runner.append(position, keys[:, :, 0], values[:, :, 0])
+            self._evict_absent(self.runner.decode(position, queries[0]))
 
     def _evict_absent(self, present: np.ndarray) -> None:
         """``present [layer, kv_head, length]``: what the press still holds; the rest is evicted."""
