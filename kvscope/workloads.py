@@ -19,9 +19,10 @@ chat task) and lands within 2% of ``context``.
 | ``niah`` | RULER-style needle in a haystack: single, multi-key, multi-value | share of the expected numbers in the answer |
 | ``vt`` | RULER-style variable tracking | share of the chain's variables in the answer |
 
-``niah`` and ``vt`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
+``niah``, ``vt`` and ``passkey`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
 starts where the template asks it, so ``--question-agnostic`` compresses the haystack before it.
 | ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
+| ``passkey`` | pass-key retrieval in repeated filler (Landmark Attention) | 1 if the key is in the answer |
 """
 
 from __future__ import annotations
@@ -194,6 +195,21 @@ def build_vt(recipe, tokenizer, rng, index):
     return make, None
 
 
+def build_passkey(recipe, tokenizer, rng, index):
+    key = rng.randrange(10_000, 100_000)
+    depth = rng.random()
+    filler = [x.strip() + "." for x in recipe["filler"].split(".") if x.strip()]
+    question = recipe["question"]
+
+    def make(n: int):
+        body = [filler[i % len(filler)] for i in range(n)]
+        body.insert(round(depth * n), recipe["needle"].format(key=key))
+        text = recipe["template"].format(body=" ".join(body), question=question)
+        return text, [str(key)], {"depth": round(depth, 3), QUESTION_AT: text.rindex(question)}
+
+    return make, None
+
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
@@ -268,6 +284,7 @@ WORKLOADS = {
     "niah": Workload("niah", build_niah, score_all_present),
     "vt": Workload("vt", build_vt, score_all_present),
     "reasoning": Workload("reasoning", build_reasoning, score_final_number),
+    "passkey": Workload("passkey", build_passkey, score_all_present),
 }
 
 

@@ -12,7 +12,7 @@ from kvscope.errors import KvscopeError
 
 from .conftest import run_cli, run_main
 
-NAMES = ["prose", "code", "niah", "vt", "reasoning"]
+NAMES = ["prose", "code", "niah", "vt", "reasoning", "passkey"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,18 @@ def test_niah_variants_hide_their_needles(tokenizer):
             assert f"{p.meta['key']} is: {value}." in p.text
         assert p.text.count("special magic numbers for") >= len(p.expected) + 1
     assert multikey.text.count("One of the special magic numbers for") == 4  # three distractor keys
+
+
+def test_passkey_hides_one_key_and_asks_for_it(tokenizer):
+    prompts = W.prompts("passkey", tokenizer, context=1024, seed=0)
+    assert len(prompts) == 4 and len({p.expected[0] for p in prompts}) == 4
+    for p in prompts:
+        (key,) = p.expected
+        assert len(key) == 5 and p.text.count(f"The pass key is {key}. Remember it. {key} is the pass key.") == 1
+        assert p.text.endswith("What is the pass key? The pass key is") and p.text[p.split :].startswith("What is the pass key?")
+        assert W.score("passkey", f" {key}. Remember", p.expected) == 1.0 and W.score("passkey", " 1234", p.expected) == 0
+    depths = [p.text.index(p.expected[0]) / len(p.text) for p in prompts]
+    assert max(depths) - min(depths) > 0.2  # hidden at different depths
 
 
 def test_vt_chain_resolves_to_the_asked_value(tokenizer):
@@ -103,15 +115,15 @@ def test_each_workload_traces_by_the_cli(tmp_path, name):
     ds = kvscope.open_trace(out)
     (prompt,) = ds.attrs["prompts"]
     assert prompt["meta"]["workload"] == name and abs(int(ds["prompt_len"].values[0]) - 384) <= 8
-    assert (prompt.get("expected") is not None) == (name in ("niah", "vt", "reasoning"))
-    assert ds.attrs["generation"]["chat_template"] == (name in ("niah", "vt", "reasoning"))
+    assert (prompt.get("expected") is not None) == (name in ("niah", "vt", "reasoning", "passkey"))
+    assert ds.attrs["generation"]["chat_template"] == (name in ("niah", "vt", "reasoning"))  # passkey: a completion
 
 
 def test_workloads_command_and_bad_input(tmp_path):
     rows = json.loads(run_cli("workloads", "--json", check=True).stdout)
     assert [r["name"] for r in rows] == NAMES
     assert {r["name"]: r["scorer"] is not None for r in rows} == {
-        "prose": False, "code": False, "niah": True, "vt": True, "reasoning": True,
+        "prose": False, "code": False, "niah": True, "vt": True, "reasoning": True, "passkey": True,
     }  # fmt: skip
     cases = [
         (("trace", "--workload", "poetry", "--out", tmp_path / "a.zarr"), "unknown workload"),
