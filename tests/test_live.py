@@ -284,6 +284,10 @@ def test_cli_run_trace_validate(tmp_path, small_qkv_trace):
     proc = run_main("validate", full, "--policy", "h2o", "--budget", "0.3")
     assert proc.returncode == 0, proc.stderr
     assert "decisions: identical" in proc.stdout and "predicted / live" in proc.stdout
+    proc = run_main("validate", full, "--policy", "press:KnormPress", "--budget", "0.3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["policy"] == "press:KnormPress" and report["decisions_identical"]
 
 
 def test_cli_bad_input(tmp_path):

@@ -149,12 +149,12 @@ def run_loaded(
     on_step=None,
     question: list[int] = (),
     allocation=None,
+    full: Decoded | None = None,
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
-    ``question`` holds the question's tokens (question-agnostic)."""
-    from transformers import DynamicCache
-
+    ``question`` holds the question's tokens (question-agnostic). ``full``: the full-KV decode
+    of this prompt already made (:func:`full_decode`), shared by every policy run on it."""
     n_forwards = len(question) + max_new_tokens
 
     def make():
@@ -164,7 +164,8 @@ def run_loaded(
 
     probe = make()  # refuse bad input before decoding anything
     steps = {"steps": max_new_tokens, "on_step": on_step, "question": question}
-    full = decode(model, prompt_ids, DynamicCache(config=model.config), **steps)
+    if full is None:
+        full = full_decode(model, prompt_ids, max_new_tokens, on_step=on_step, question=question)
     free = decode(model, prompt_ids, probe, **steps)
     forced = decode(model, prompt_ids, make(), forced=full.tokens, **steps)
     metrics = agreement(full, free, forced)
@@ -196,6 +197,14 @@ def run_loaded(
         result.score = float(scorer(text, expected))
         result.score_full = float(scorer(text_full, expected))
     return result
+
+
+def full_decode(model, prompt_ids: list[int], max_new_tokens: int, on_step=None, question=()) -> Decoded:
+    """The full-KV decode of :func:`run_loaded` (a ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    return decode(model, prompt_ids, cache, max_new_tokens, on_step=on_step, question=question)
 
 
 def _layer_shares(spec) -> list[float]:
