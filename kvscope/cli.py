@@ -110,7 +110,9 @@ def _add_trace(sub) -> None:
         "--question-agnostic", action="store_true",
         help="prefill the context only, then decode the question into the cache (split prompts: niah, vt, JSONL)",
     )  # fmt: skip
-    p.add_argument("--policy", default=None, help="decode under this live policy cache (e.g. qevict)")
+    p.add_argument(
+        "--policy", default=None, help="decode under this live policy cache (e.g. qevict, press:SnapKVPress)"
+    )
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
     p.add_argument("--allocation", default=None, help="--policy: how β is split across layers and KV heads")
     p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
@@ -304,7 +306,9 @@ def _finalize(args) -> int:
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate under a policy cache and compare with full-KV decoding")
     _add_prompt_sources(p)
-    p.add_argument("--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5")
+    p.add_argument(
+        "--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5 or press:KnormPress"
+    )
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
     _add_allocation(p, several=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
@@ -392,7 +396,7 @@ def _cmd_run(args) -> int:
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check that replay predicts a live policy cache (decisions, errors)")
     p.add_argument("store", help="a full-KV trace recorded with --record qkv")
-    p.add_argument("--policy", required=True, help="a policy, e.g. h2o or qevict:q_frac=0.5")
+    p.add_argument("--policy", required=True, help="a policy, e.g. h2o, qevict:q_frac=0.5 or press:SnapKVPress")
     p.add_argument("--budget", required=True, help="β in (0, 1]")
     _add_allocation(p, several=False)
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
