@@ -48,7 +48,8 @@ bench: setup
 	$(PY) benchmarks/replay_speed.py
 	$(PY) benchmarks/live_memory.py
 
-# the three studies of analyses/ on every workload (traces recorded once into results/traces)
+# the studies of analyses/ on every workload (traces recorded once into results/traces); the last,
+# offline replay against live decoding, traces and decodes its own prompts (about an hour on 2 cores)
 study: setup
 	$(PY) analyses/workload_traces.py
 	$(PY) analyses/observation.py
@@ -57,6 +58,7 @@ study: setup
 	$(PY) analyses/table2.py
 	$(PY) analyses/presses.py
 	$(PY) analyses/allocation.py
+	$(PY) analyses/offline_vs_live.py
 
 clean:
 	rm -rf $(VENV) traces/*.zarr .pytest_cache
