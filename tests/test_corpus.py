@@ -121,6 +121,7 @@ CASES = [
     ("replay-press-without-qkv", ["replay", "{PLAIN}", "--policies", "press:KnormPress", "--budgets", "0.3"], "press:KnormPress needs recorded q/k/v"),
     ("validate-press-reads-weights", ["validate", "{QKV}", "--policy", "press:LeverageScorePress", "--budget", "0.3"], "reads 'k_proj' of the attention layer"),
     ("run-press-reads-weights", ["run", "--model", "{TINY}", "--prompt", "hi", "--policy", "press:LeverageScorePress", "--budget", "0.3"], "reads 'k_proj' of the attention layer"),
+    ("trace-policy-press-window-past-the-prompt", ["trace", "--model", "{TINY}", "--prompt", "The quick brown fox jumps over the lazy dog.", "--max-new-tokens", "2", "--policy", "press:SnapKVPress:window_size=100", "--budget", "0.3", "--out", "{TMP}/a.zarr"], "should be greater than the window size 100"),
     ("trace-policy-press-needs-the-model", ["trace", "--model", "{TINY}", "--prompt", "hi", "--max-new-tokens", "2", "--policy", "press:QFilterPress", "--budget", "0.3", "--out", "{TMP}/a.zarr"], "needs the model itself"),
     ("trace-question-agnostic-no-question", ["trace", "--model", "{TINY}", "--prompt", "hi there", "--max-new-tokens", "2", "--question-agnostic", "--out", "{TMP}/a.zarr"], "has no question: --question-agnostic needs"),
     ("trace-prompts-context-without-question", ["trace", "--model", "{TINY}", "--prompts", "{HALF}", "--max-new-tokens", "2", "--out", "{TMP}/a.zarr"], "'context' and 'question' must both be non-empty strings"),

@@ -490,10 +490,13 @@ class PressRunner:
                     f"press {self.label} reads {missing[-1]!r} of the attention layer, which kvscope does not hold "
                     "(a trace or a live cache hands a press the layer's q, k and v — not its weights, norms or inputs)"
                 ) from None
+            hint = (  # kvpress's own checks are assertions that say what is wrong; anything else is a guess
+                ""
+                if isinstance(error, AssertionError)
+                else "; a press that runs the model itself (extra forward passes) cannot run on kvscope's stand-in layers"
+            )
             raise KvscopeError(
-                f"press {self.label} failed on layer {module.layer_idx} "
-                f"({first_line(error, named=True)}); a press that runs the model itself (extra forward passes) "
-                "cannot run on kvscope's stand-in layers"
+                f"press {self.label} failed on layer {module.layer_idx} ({first_line(error, named=True)}){hint}"
             ) from None
         after = cache.keys
         if after is before:
