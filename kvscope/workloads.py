@@ -140,6 +140,12 @@ def _haystack_words(rng: random.Random, n_words: int) -> list[str]:
     return words[:n_words]
 
 
+def _repeated_sentences(text: str, n: int) -> list[str]:
+    """``n`` sentences of ``text`` (split at periods) repeated in order: RULER's noise filler."""
+    sentences = [x.strip() + "." for x in text.split(".") if x.strip()]
+    return [sentences[i % len(sentences)] for i in range(n)]
+
+
 def build_niah(recipe, tokenizer, rng, index):
     variant = recipe["variants"][index % len(recipe["variants"])]
     keys = rng.sample(recipe["keys"], recipe["n_keys"] if variant == "multikey" else 1)
@@ -182,10 +188,9 @@ def build_vt(recipe, tokenizer, rng, index):
     while any(pending):
         merged.append(rng.choice([p for p in pending if p]).pop(0))
     depths = sorted(rng.random() for _ in merged)
-    noise = [x.strip() + "." for x in recipe["noise"].split(".") if x.strip()]
 
     def make(n: int):
-        body = [noise[i % len(noise)] for i in range(n)]
+        body = _repeated_sentences(recipe["noise"], n)
         for statement, depth in sorted(zip(merged, depths), key=lambda x: -x[1]):
             body.insert(round(depth * n), statement)
         text = recipe["template"].format(body=" ".join(body), value=value, n=len(names))
@@ -198,11 +203,10 @@ def build_vt(recipe, tokenizer, rng, index):
 def build_passkey(recipe, tokenizer, rng, index):
     key = rng.randrange(10_000, 100_000)
     depth = rng.random()
-    filler = [x.strip() + "." for x in recipe["filler"].split(".") if x.strip()]
     question = recipe["question"]
 
     def make(n: int):
-        body = [filler[i % len(filler)] for i in range(n)]
+        body = _repeated_sentences(recipe["filler"], n)
         body.insert(round(depth * n), recipe["needle"].format(key=key))
         text = recipe["template"].format(body=" ".join(body), question=question)
         return text, [str(key)], {"depth": round(depth, 3), QUESTION_AT: text.rindex(question)}
