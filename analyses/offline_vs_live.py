@@ -40,6 +40,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload_traces import add_arguments
 
 OURS = ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict"]
 PRESSES = [
@@ -334,25 +336,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="prompts per workload")
     ap.add_argument("--budgets", default="0.2,0.3,0.5")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--workloads", default="niah,passkey")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--model", default="smollm2-135m")
+    add_arguments(ap)  # --context, --workloads, --model, --seed, --results as every study takes them
+    ap.set_defaults(workloads="niah,passkey")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=2, help="processes (live) and threads (replay)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", default=str(ROOT / "results" / "offline_vs_live"))
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "offline_vs_live.png"))
     ap.add_argument("--report", help="a summary.json of an earlier run: its analysis again, without decoding")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "offline-vs-live.md"), help="the summary, for the docs")
     args = ap.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.policies = args.policies.split(",")
+    folder = Path(args.results) / "offline_vs_live"
     if args.report:
-        report(json.loads(Path(args.report).read_text()), Path(args.results), Path(args.doc), Path(args.figure))
+        report(json.loads(Path(args.report).read_text()), folder, Path(args.doc), Path(args.figure))
         return
     from kvscope import workloads
 
-    folder = Path(args.results)
     folder.mkdir(parents=True, exist_ok=True)
     names = args.workloads.split(",")
     prompts = {}

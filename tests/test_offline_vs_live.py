@@ -61,7 +61,7 @@ def test_the_study_end_to_end(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads((tmp_path / "summary.json").read_text())
+    doc = json.loads((tmp_path / "offline_vs_live" / "summary.json").read_text())
     assert len(doc["records"]) == 4  # 2 policies × 1 budget × 2 prompts, offline and live in one record
     for r in doc["records"]:
         assert 0 <= r["fmm"] <= 1 and r["kl"] >= 0 and 0 <= r["agreement"] <= 1 and r["score"] in (0.0, 1.0)
