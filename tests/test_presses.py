@@ -237,3 +237,24 @@ def test_a_press_path_that_is_no_press_is_one_line(name, needle):
 
     with pytest.raises(KvscopeError, match=needle.replace("(", r"\(")):
         parse(f"press:{name}")
+
+
+def test_a_press_state_takes_recorded_numpy_arrays_as_replay_s_tensors(trace):
+    """``Press.start`` takes k/v as numpy arrays or float32 tensors alike (replay shares tensors)."""
+    import torch
+
+    from kvscope.policies import CacheSpec
+
+    ds = kvscope.open_trace(trace)
+    k, v, q = (ds[name].values[0].astype(np.float32) for name in ("k", "v", "q"))
+    model, p = ds.kvscope.model, int(ds.prompt_len[0])
+    spec = CacheSpec(model.n_layers, model.n_kv_heads, model.head_dim, p, p + 24, 0.3)
+    press = parse("press:KnormPress")
+    states = [
+        press.start(spec, k, v, None, q, model),
+        press.start(spec, *map(torch.from_numpy, (k, v)), None, q, model),
+    ]
+    for state in states:
+        state.prefill(np.zeros((model.n_layers, model.n_kv_heads, p)), None)
+    np.testing.assert_array_equal(states[0].tiers, states[1].tiers)
+    assert 0.5 < (states[0].tiers[..., :p] == TIER_EVICTED).mean() < 1

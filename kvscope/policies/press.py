@@ -123,11 +123,16 @@ class Press(Policy):
         """Offline: ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded
         (post-RoPE). Live (no ``k``, ``v``, ``q``): the cache feeds each forward's tensors
         (:meth:`_PressState.feed`). ``model``: the :class:`~kvscope.model_spec.ModelSpec`."""
-        recorded = (k, v, q)
-        if model is None or (any(x is None for x in recorded) and any(x is not None for x in recorded)):
+        if model is None or (any(x is None for x in (k, v, q)) and any(x is not None for x in (k, v, q))):
             raise KvscopeError(f"{self.label()} needs recorded q/k/v (trace with --record qkv)")
+        recorded = None
+        if k is not None:
+            import torch
+
+            k, v = (torch.as_tensor(x).float() for x in (k, v))  # no copy of float32 tensors (replay shares them)
+            recorded = (k, v, q)
         runner = bridge.PressRunner(self.make_press(), spec, rope, model)
-        return _PressState(self, spec, runner, None if k is None else recorded)
+        return _PressState(self, spec, runner, recorded)
 
 
 class _PressState(CacheState):
