@@ -697,8 +697,7 @@ class LivePolicy:
         """Refuse, before a trace writes anything, a model a live cache cannot serve (or a
         policy it cannot run there)."""
         check_live_geometry(model, spec)
-        rope = Rope.from_model(model, spec.n_layers)
-        self.policy.check_live(spec, rope if rope.usable() else None)
+        self.policy.check_live(spec, Rope.from_model(model, spec.n_layers))  # the press's runner drops an unusable one
 
     def __call__(self, model, layout, batch: list[int]) -> PolicyCache:
         return PolicyCache(
