@@ -55,7 +55,7 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     import torch
     from transformers import DynamicCache
 
-    from kvscope.model_spec import last_logits_only
+    from kvscope.model_spec import last_logits_only, returned_cache, with_cache
 
     cache = DynamicCache(config=model.config)
     tokens = []
@@ -65,8 +65,8 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     with torch.no_grad():
         x = input_ids
         for _ in range(new_tokens):
-            out = model(input_ids=x, cache=cache, use_cache=True, **last_only)
-            cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            out = model(input_ids=x, use_cache=True, **with_cache(model, cache), **last_only)
+            cache = returned_cache(out)
             x = out.logits[:, -1:].float().argmax(-1)
             tokens.append(int(x))
             sync()

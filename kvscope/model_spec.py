@@ -290,6 +290,44 @@ def _latent_geometry(cfg) -> dict:
     return {"head_dim": nope + rope, "kv_latent_dim": rank + rope}
 
 
+TRANSFORMERS_TESTED = (5, 25)  # the oldest transformers the suite runs on: pyproject's floor (tests/test_house.py)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than :data:`TRANSFORMERS_TESTED` (``version``: the installed
+    one by default). Older releases differ in what kvscope relies on — the cache's keyword, how
+    sliding-window and hybrid layers mask and cache — and a trace made with them is wrong, not
+    refused (5.17 decodes every step on its own token alone)."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) < TRANSFORMERS_TESTED:
+        floor = ".".join(map(str, TRANSFORMERS_TESTED))
+        raise KvscopeError(
+            f"transformers {version} is older than {floor}, the oldest kvscope is tested on: pip install 'transformers>={floor},<6'"
+        )
+
+
+def with_cache(model, cache) -> dict:
+    """The keyword argument that hands ``cache`` to ``model``'s forward: ``cache=`` where the
+    forward takes it (transformers ≥ 5.24), ``past_key_values=`` before. The wrong name is not an
+    error there: ``**kwargs`` swallows it and every decode step attends to its own token alone."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def returned_cache(out):
+    """The cache a forward returned (``out.cache``; ``out.past_key_values`` before transformers 5.24)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def last_logits_only(model) -> dict:
     """Keyword arguments for a forward whose next token needs the last position's logits only:
     ``logits_to_keep=1`` where the model's ``forward`` takes it (transformers' ``generate`` does

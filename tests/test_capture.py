@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvscope
+from kvscope.model_spec import returned_cache, with_cache
 from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was late for dinner at home."
@@ -160,8 +161,8 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
             x, seq = ids, ids.shape[1]
             for _ in range(4):
                 recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long)))
-                out = model(input_ids=x, cache=cache, use_cache=True)
-                cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+                out = model(input_ids=x, use_cache=True, **with_cache(model, cache))
+                cache = returned_cache(out)
                 logits.append(out.logits[:, -1])
                 x = out.logits[:, -1:].argmax(-1)
                 seq += 1
@@ -512,3 +513,68 @@ def test_forwards_ask_for_the_last_logits_only(tiny_models):
         def forward(self, input_ids, cache=None, use_cache=True): ...
 
     assert last_logits_only(NoKeep()) == {}
+
+
+def test_forwards_hand_the_cache_under_the_name_the_model_takes(tiny_models):
+    """transformers renamed ``past_key_values`` to ``cache`` in 5.24, and a model's ``**kwargs``
+    swallow the name it does not know: every decode step would then attend to its own token
+    alone. kvscope's forwards name the cache as the model's forward does."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    class Before524(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class From524(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    assert with_cache(Before524(), "c") == {"past_key_values": "c"}
+    assert with_cache(From524(), "c") == {"cache": "c"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([list(range(5, 45))]), use_cache=True, **with_cache(model, cache))
+        out = model(input_ids=torch.tensor([[7]]), use_cache=True, **with_cache(model, returned_cache(out)))
+    assert returned_cache(out) is cache and cache.get_seq_length() == 41
+
+
+def test_a_model_that_ignores_the_cache_it_is_handed_is_refused(tmp_path, tiny_models):
+    """A forward that decodes on a cache of its own (as any model of transformers < 5.24 did when
+    handed ``cache=``) gives rows that attend to the new token alone: refused in one line before
+    a store exists."""
+    from kvscope.errors import KvscopeError
+    from kvscope.models import load, resolve
+    from kvscope.prompts import Prompt
+    from kvscope.tracing.runner import TraceSettings, trace_loaded
+
+    source = resolve(str(tiny_models["llama"]))
+    model, tokenizer = load(source)
+    forward = model.forward
+
+    def forgetful(*args, **kwargs):
+        kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+        return forward(*args, **kwargs)
+
+    model.forward = forgetful
+    settings = TraceSettings(model=str(tiny_models["llama"]), max_new_tokens=3)
+    with pytest.raises(KvscopeError, match="did not use the cache it was handed"):
+        trace_loaded(model, tokenizer, source, [Prompt("Some words to trace.", "test")], tmp_path / "t.zarr", settings)
+    assert not (tmp_path / "t.zarr").exists()
+
+
+def test_transformers_older_than_the_tested_floor_is_refused():
+    """The floor kvscope checks at run time is the one it declares (pyproject) and the one its
+    suite runs on; an older transformers is refused in one line before a model is probed."""
+    import tomllib
+    from pathlib import Path
+
+    from kvscope.errors import KvscopeError
+    from kvscope.model_spec import TRANSFORMERS_TESTED, check_transformers
+
+    pyproject = tomllib.loads((Path(kvscope.__file__).parents[1] / "pyproject.toml").read_text())
+    floor = ".".join(map(str, TRANSFORMERS_TESTED))
+    assert f"transformers>={floor},<6" in pyproject["project"]["dependencies"]
+    check_transformers()  # the installed one
+    check_transformers(f"{floor}.0rc1")
+    check_transformers("6.0.0.dev0")
+    with pytest.raises(KvscopeError, match=rf"transformers 5.17.0 is older than {floor}"):
+        check_transformers("5.17.0")

@@ -20,6 +20,7 @@ import kvscope
 from kvscope.errors import KvscopeError
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import agreement, decode
+from kvscope.model_spec import with_cache
 from kvscope.policies import CacheState, Ledger, LedgerError, Policy, available, parse
 from kvscope.tiers import TIER_EVICTED as EVICTED
 from kvscope.tiers import TIER_FP as FP
@@ -112,14 +113,16 @@ def test_an_observing_cache_serves_the_row_it_observes(loaded, prompt_ids, full_
 def test_generate_accepts_the_cache(loaded, prompt_ids, full_decode):
     _, model, _ = loaded
     cache = PolicyCache(model, "h2o", 0.3, 12)
-    out = model.generate(torch.tensor([prompt_ids]), cache=cache, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    out = model.generate(
+        torch.tensor([prompt_ids]), **with_cache(model, cache), max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )
     manual = decode(model, prompt_ids, PolicyCache(model, "h2o", 0.3, 12), 12)
     assert out[0, len(prompt_ids) :].tolist() == manual.tokens
     assert cache.step == 10  # 12 forwards: the last decision is applied by the next forward, which never comes
     prepare(model, "eager")  # eager builds a mask for every forward: the cache's decisions must not upset it
     try:
         out = model.generate(
-            torch.tensor([prompt_ids]), cache=PolicyCache(model, "qevict", 0.3, 12), max_new_tokens=12,
+            torch.tensor([prompt_ids]), **with_cache(model, PolicyCache(model, "qevict", 0.3, 12)), max_new_tokens=12,
             do_sample=False, min_new_tokens=12,
         )  # fmt: skip
         assert out.shape[1] == len(prompt_ids) + 12
@@ -189,7 +192,7 @@ def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
     with torch.no_grad():
         inputs = model_inputs
         for t in range(STEPS):
-            out = model(input_ids=inputs, cache=cache, use_cache=True)
+            out = model(input_ids=inputs, use_cache=True, **with_cache(model, cache))
             cache.end_step()
             pool = cache.pools[5]
             if pool.q is not None:  # codes of a position never change while it is held

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model_spec import ModelSpec, last_logits_only
+from ..model_spec import ModelSpec, last_logits_only, returned_cache, with_cache
 from ..models import DEFAULT_MODEL, check_model_dtype, load, resolve
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
@@ -61,8 +61,8 @@ def decode(
     started = time.perf_counter()
     with torch.no_grad():
         for t in range(len(question) + steps):
-            out = model(input_ids=inputs, cache=cache, use_cache=True, **last_only)
-            cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            out = model(input_ids=inputs, use_cache=True, **with_cache(model, cache), **last_only)
+            cache = returned_cache(out)
             if hasattr(cache, "end_step"):
                 cache.end_step()
             if t < len(question):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import KvscopeError, first_line
-from ..model_spec import ModelSpec
+from ..model_spec import ModelSpec, check_transformers
 from .capture import PROBE_TOKENS, Probe, probe, weights_probe
 
 # keyword tensors an attention function may receive that do not change what it computes from
@@ -30,6 +30,7 @@ def inspect(model, attn: str = "sdpa", record_qkv: bool = False) -> ModelSpec:
     A model that attends inside its own modules (BLOOM and MPT with ALiBi, GPT-1, …) never calls
     the function: its rows are then transformers' own eager probabilities (``output_attentions``),
     exact by definition, but its queries and keys stay unseen (no ``--record qkv``)."""
+    check_transformers()
     name = (model.config.architectures or [type(model).__name__])[0]
     seen = _probed(name, probe, model)
     if not seen.cache:

@@ -37,6 +37,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
 
 from .. import attention
+from ..model_spec import returned_cache, with_cache
 from .settings import KERNELS
 
 _BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
@@ -533,16 +534,21 @@ def _prefill(model, n_tokens: int, **extra):
 
 
 def _decode_step(model, out, n_tokens: int, **extra) -> None:
-    """The decode step a trace runs after the prefill ``out`` (a model that fails it fails here)."""
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    """The decode step a trace runs after the prefill ``out`` (a model that fails it fails here,
+    and so does one that decodes on a cache of its own instead of the one it is handed)."""
+    cache = returned_cache(out)
     device = next(model.parameters()).device
     with torch.no_grad():
-        model(
+        step = model(
             input_ids=torch.ones((1, 1), dtype=torch.long, device=device),
             position_ids=torch.full((1, 1), n_tokens, device=device),
-            cache=cache,
             use_cache=True,
+            **with_cache(model, cache),
             **extra,
+        )
+    if cache is not None and returned_cache(step) is not cache:
+        raise RuntimeError(
+            "the decode step did not use the cache it was handed (a transformers version kvscope does not know?)"
         )
 
 
@@ -554,7 +560,7 @@ def weights_probe(model, n_tokens: int = PROBE_TOKENS) -> tuple[dict[int, tuple[
     out = _prefill(model, n_tokens, output_attentions=True)
     weights = getattr(out, "attentions", None) or ()
     shapes = {layer: tuple(w.shape) for layer, w in enumerate(weights) if isinstance(w, torch.Tensor) and w.dim() == 4}
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = returned_cache(out)
     keys = {}
     for layer, cached in enumerate(getattr(cache, "layers", None) or ()):
         k = getattr(cached, "keys", None)
@@ -578,7 +584,7 @@ def probe(model, n_tokens: int = PROBE_TOKENS) -> Probe:
     finally:
         _PROBE.reset(token)
     seen._keys.clear()  # the keys were held for the forward only
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = returned_cache(out)
     seen.cache = isinstance(cache, Cache)
     if seen.cache:  # an attention layer whose cache layer holds no keys reads another layer's
         for layer in seen.layers:

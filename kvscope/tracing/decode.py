@@ -23,7 +23,7 @@ import torch
 
 from ..dtypes import stored
 from ..errors import StoreError
-from ..model_spec import last_logits_only
+from ..model_spec import last_logits_only, returned_cache, with_cache
 from ..schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
@@ -119,8 +119,8 @@ class BatchDecode:
             input_ids=next_input,
             attention_mask=self.mask if self.padded else None,  # all ones: let transformers skip the mask
             position_ids=self.position_ids if t == 0 else (self.position_ids[:, -1:] + t),
-            cache=self.cache,
             use_cache=True,
+            **with_cache(self.model, self.cache),
             **({"output_attentions": True} if weights else {}),
             **self.last_only,
         )
@@ -128,7 +128,7 @@ class BatchDecode:
             for layer, probs in enumerate(out.attentions):
                 if probs is not None:
                     self.recorder.observe_weights(self.recorder.slot_of(layer), probs)
-        self.cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        self.cache = returned_cache(out)
         if self.records is not None:
             self.cache.end_step()
             self.records.add_step(t, self.cache)
