@@ -262,3 +262,39 @@ def test_half_to_single_is_exact_for_every_fp16_pattern():
     nan = np.isnan(ref)
     assert (np.isnan(out) == nan).all()
     assert (out[~nan].view(np.uint32) == ref[~nan].view(np.uint32)).all()  # ±0, subnormals, ±Inf included
+
+
+def test_the_fp16_row_decode_and_its_checks_equal_numpy():
+    """A row decoded through the lookup table is numpy's fp16 → float32 with NaN as 0, its NaN
+    counted; the check's float64 sum, added in any order by the compiler, is exact for values
+    decoded from fp16 and so equals ``math.fsum`` — every pattern, zeros, subnormals and Inf included."""
+    from kvscope.analysis.kernels import HALF_TABLE, _decode_half_row, _half_row_sum, _row_sum
+
+    rng = np.random.default_rng(5)
+    bits = np.concatenate([np.arange(2**16, dtype=np.uint16), rng.integers(0, 2**16, 4099).astype(np.uint16)])
+    out = np.empty(bits.size, np.float32)
+    nans = _decode_half_row(bits, HALF_TABLE, out)
+    ref = bits.view(np.float16).astype(np.float32)
+    assert nans == np.isnan(ref).sum()
+    assert (out.view(np.uint32) == np.nan_to_num(ref, nan=0.0, posinf=np.inf, neginf=-np.inf).view(np.uint32)).all()
+    for n in (0, 1, 17, 4096):
+        row = rng.random(n).astype(np.float16).astype(np.float32)  # probability-like: exact sums in float64
+        total, outside = _half_row_sum(row, n)
+        assert total == math.fsum(row.tolist()) == _row_sum(row, n)[0] and outside == 0
+    row = np.array([0.5, -0.25, 1.0 + 2**-10, 1.0 + 2**-9, 0.0], np.float32)
+    assert _half_row_sum(row, 5)[1] == _row_sum(row, 5)[1] == 2  # below 0, and above the highest fp16 "1"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rows_out_of_range_are_named_with_their_extremes(dtype):
+    """Only rows holding a value outside [0, 1 + 2^-10] are scanned for their extremes; the
+    message names the smallest and the largest value of those rows."""
+    from kvscope.analysis.kernels import row_checks, rows_problem
+
+    x = np.zeros((3, 1, 8), dtype)
+    x[:, 0, 0] = 1.0
+    assert rows_problem(row_checks(x, np.full(3, 7))) is None
+    x[1, 0, :3] = [1.25, -0.125, -0.125]
+    x[2, 0, :2] = [0.5, 0.5]
+    problem = rows_problem(row_checks(x, np.full(3, 7)))
+    assert problem == "probabilities outside [0, 1] (min -0.125, max 1.25)"

@@ -131,16 +131,17 @@ def half_to_single(bits, out):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def row_block_stats(
-    half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals
+    half, full, table, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals
 ):  # pragma: no cover
     """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
-    (uint16, decoded by :func:`half_to_single`) or as float32 ``full`` (the other one empty). NaN
+    (uint16, decoded through ``table``: :data:`HALF_TABLE`) or as float32 ``full`` (the other one empty). NaN
     (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
     that stays in cache for every statistic, and checked on the way:
 
     ``checks  [5]`` float64, accumulated over rows with a query: rows whose NaN are not exactly
               the positions beyond the query, the smallest and the largest value up to the
-              query, and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
+              query of rows holding one outside ``[0, HIGHEST]`` (±inf while none does: only
+              those are counted in full), and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
               values (``T(n) = 2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a
               bad sum); ``checks[4]`` (read, not written) is the relative error ``ρ`` of a lossy
               row format (:mod:`kvscope.rowformat`), which widens the tolerance to
@@ -177,16 +178,17 @@ def row_block_stats(
                 fp_size += 1
         for h in range(n_heads):
             if is_half:
-                half_to_single(half[t, h], buf)
+                nans = _decode_half_row(half[t, h], table, buf)
             else:
                 buf[:] = full[t, h]
-            nans = 0
-            for p in range(n_pos):
-                v = buf[p]
-                nans += v != v
-                buf[p] = v if v == v else zero
+                nans = 0
+                for p in range(n_pos):
+                    v = buf[p]
+                    nans += v != v
+                    buf[p] = v if v == v else zero
             if qt >= 0:
-                _check_row(buf, qt, nans, n_pos, is_half, checks, totals[t, h] if totals.shape[0] else 1.0)
+                target = totals[t, h] if totals.shape[0] else 1.0
+                _check_row(buf, qt, nans, n_pos, is_half, checks, target)
             if n_units == 0 and k == 0:  # the checks only
                 continue
             for j in range(n_win):  # position order within each window, windows side by side
@@ -237,17 +239,67 @@ def _check_row(buf, qt, nans, n_pos, is_half, checks, target):  # pragma: no cov
     n = min(qt + 1, n_pos)
     if nans != n_pos - n:
         checks[0] += 1.0
-    total = 0.0
-    lo, hi = checks[1], checks[2]
-    for p in range(n):
-        v = buf[p]
-        total += v
-        lo = min(lo, v)
-        hi = max(hi, v)
-    checks[1], checks[2] = lo, hi
+    total, outside = _half_row_sum(buf, n) if is_half else _row_sum(buf, n)
+    if outside:  # a value no probability has: the row's extremes, for the message
+        lo, hi = checks[1], checks[2]
+        for p in range(n):
+            lo = min(lo, buf[p])
+            hi = max(hi, buf[p])
+        checks[1], checks[2] = lo, hi
     tolerance = 2.0**-10 + n * 2.0**-24 if is_half else 1e-5 + n * 2.0**-23
     tolerance += checks[4] * (1.0 + tolerance + n * (2.0**-14 if is_half else 2.0**-126))
     checks[3] = max(checks[3], abs(total - target) - tolerance)
+
+
+HIGHEST = np.float32(1.0 + 2.0**-10)  # the largest value a stored probability may hold (fp16 rounding of 1)
+
+
+@njit(nogil=True, cache=True)
+def _row_sum(buf, n):  # pragma: no cover - compiled
+    """``(Σ buf[:n] in float64, position order; how many lie outside [0, HIGHEST])``."""
+    total, outside = 0.0, 0
+    for p in range(n):
+        v = buf[p]
+        total += v
+        outside += (v < 0) | (v > HIGHEST)
+    return total, outside
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
+def _half_row_sum(buf, n):  # pragma: no cover - compiled
+    """:func:`_row_sum` of values decoded from fp16, in any order: each is a multiple of 2^-24,
+    so float64 partial sums below 2^29 are exact and the order cannot change them — the compiler
+    may add in vector lanes. (A row whose sum reaches 2^29 holds values no probability row has
+    and fails its check by far, whatever the last bits.)"""
+    total, outside = 0.0, 0
+    for p in range(n):
+        v = buf[p]
+        total += np.float64(v)
+        outside += (v < 0) | (v > HIGHEST)
+    return total, outside
+
+
+@njit(nogil=True, cache=True)
+def _decode_half_row(bits, table, out):  # pragma: no cover - compiled
+    """``out[p] = table[bits[p]]`` (fp16 → float32 with NaN as 0: :data:`HALF_TABLE`); returns
+    how many of ``bits`` are NaN (exponent all ones, mantissa not 0)."""
+    nans = 0
+    for p in range(bits.shape[0]):
+        b = bits[p]
+        out[p] = table[b]
+        nans += (b & 0x7FFF) > 0x7C00
+    return nans
+
+
+def _half_table() -> np.ndarray:
+    """float32 of every fp16 bit pattern (:func:`half_to_single`), NaN patterns as 0."""
+    table = np.empty(1 << 16, np.float32)
+    half_to_single(np.arange(1 << 16, dtype=np.uint16), table)
+    table[np.isnan(table)] = 0.0
+    return table
+
+
+HALF_TABLE = _half_table()  # 256 KiB: a row's decode is one lookup per position
 
 
 def new_checks(slack: float = 0.0) -> np.ndarray:
@@ -281,7 +333,7 @@ def rows_problem(checks: np.ndarray) -> str | None:
     """What is wrong with the rows ``checks`` summarize, or None."""
     if checks[0]:
         return f"{int(checks[0])} row(s) with NaN where a probability belongs or values beyond the query"
-    if checks[1] < 0 or checks[2] > 1 + 2.0**-10:
+    if checks[1] < 0 or checks[2] > HIGHEST:
         return f"probabilities outside [0, 1] (min {checks[1]:.3g}, max {checks[2]:.3g})"
     if checks[3] > 0:
         return (
@@ -314,7 +366,7 @@ def block_stats(
         half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
     checks = new_checks() if checks is None else checks
     totals = _ONES if totals is None else np.ascontiguousarray(np.broadcast_to(totals, x.shape[:2]), dtype=np.float64)
-    row_block_stats(half, full, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals)
+    row_block_stats(half, full, HALF_TABLE, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals)
 
 
 def row_totals(shares) -> np.ndarray | None:

@@ -78,7 +78,7 @@ def _two_stages(ds, prep, units, runs, peaks):
     unit_width = sum(m.width(run) for m, run in zip(units, runs))
     width = unit_width + n_peak
 
-    def per_chunk(x, shares, block_info=None):
+    def per_chunk(x, shares=None, block_info=None):
         """Stage 1: ``[1, step, 1, H, pos]`` stored rows (``shares [1, step, 1, H, 1]``: their
         learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the block's
         peak/coverage sums in its first step's row."""
@@ -102,7 +102,7 @@ def _two_stages(ds, prep, units, runs, peaks):
     packed = dsa.map_blocks(
         per_chunk,
         raw,
-        sink_shares(ds, raw, prep.layers, prep.heads),
+        *([sink_shares(ds, raw, prep.layers, prep.heads)] if learned else []),  # none: every row sums to 1
         dtype=np.float64,
         chunks=raw.chunks[:4] + ((packed_width,),),
         name=f"study-rows-{run_id}",
