@@ -1,4 +1,4 @@
-"""Analysis throughput and memory on synthetic stores larger than a few GB.
+"""Analysis throughput and memory on synthetic stores larger than a few GB, on one process and on dask.
 
 For each size, a synthetic token-resolution store (random rows with sinks, real schema,
 fp16, blosc-zstd) is written once, then — in a fresh subprocess, so that peak RSS is the
@@ -8,9 +8,16 @@ streaming read) and are timed against a plain chunked read of the same `attn` ar
 process (so each peak RSS is its own), interleaved read, analysis, read, analysis; the
 second pair is reported (warm page cache), each the median of ``--repeats`` after one
 untimed call in the same process (which loads numba's compiled kernels; its time is
-reported as ``analysis_first_call_s``).
+reported as ``analysis_first_call_s``). With ``--dask N`` the analyses also run on a local
+dask.distributed cluster of N single-threaded worker processes (``kvscope … --dask local:N``),
+timed against the single process and checked to give the same numbers.
 
-    python benchmarks/analysis_throughput.py --sizes 0.5 2 [--dir /tmp/kvscope-bench]
+Both sides say what they read — the array's shape and the rows that hold a probability at
+position 0 (the read counts them; the analyses' peaks count the rows they scanned) — and the
+benchmark stops with exit 1, recording nothing, where they disagree. Each run is appended to
+``benchmarks/results/analysis_throughput.jsonl`` (``--no-record``: not).
+
+    python benchmarks/analysis_throughput.py --sizes 0.5 2 [--dask 2] [--dir /tmp/kvscope-bench]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPE = dict(n_layers=16, n_kv=4, prompt_len=3584, n_steps=512)  # 268 MB of fp16 rows per sample
 
@@ -38,6 +46,7 @@ def measure(path: str, repeats: int, what: str) -> dict:
     """In a fresh process: time ``what`` (plain read, or the analyses) and its peak RSS
     (``VmHWM`` of this process: ``ru_maxrss`` would carry the parent's peak across exec)."""
     import dask
+    import dask.array as dsa
 
     import kvscope
     from kvscope.analysis import study
@@ -46,13 +55,21 @@ def measure(path: str, repeats: int, what: str) -> dict:
     ds = kvscope.open_trace(path, chunks={})
     attn = ds["attn"].data
     rss_before = _peak_rss_mb()
+    client = None
+    if what.startswith("dask:"):
+        from distributed import Client
 
-    def plain_read():
-        attn[..., :1].sum().compute()  # every chunk is fetched and decoded; almost nothing computed
+        from kvscope.cluster import local_cluster
+
+        client = Client(local_cluster(int(what.split(":")[1])))
+
+    def plain_read():  # every chunk is fetched and decoded; the rows holding position 0 counted
+        return {"rows": int((~dsa.isnan(attn[..., 0])).sum().compute())}
 
     def analysis():
         r = study(ds, n_boot=200)
-        return {k: float(v.get("mean", v.get("lir", v.get("alpha")))) for k, v in r.items()}
+        values = {k: float(v.get("mean", v.get("lir", v.get("alpha")))) for k, v in r.items()}
+        return {"rows": int(r["peaks"]["n_rows"].sum()), **values}
 
     run = plain_read if what == "read" else analysis
     t0 = time.perf_counter()
@@ -63,13 +80,33 @@ def measure(path: str, repeats: int, what: str) -> dict:
         t0 = time.perf_counter()
         values = run()
         times.append(time.perf_counter() - t0)
+    if client is not None:
+        client.close()
     return {
         "seconds": statistics.median(times),
         "first_call_seconds": first,
         "peak_rss_mb": _peak_rss_mb(),
         "rss_after_imports_mb": rss_before,
+        "shape": list(attn.shape),
         "values": values,
     }
+
+
+def check_agreement(path: Path, runs: dict) -> None:
+    """Every side read the same array and the same rows, and the analyses gave the same
+    numbers on every scheduler; else one line and exit 1 (nothing recorded)."""
+    sides = [(what, run) for what, measured in runs.items() for run in measured]
+    reference = sides[0][1]
+    for what, run in sides:
+        if run["shape"] != reference["shape"] or run["values"]["rows"] != reference["values"]["rows"]:
+            sys.exit(
+                f"{path}: the {what} read shape {run['shape']} and {run['values']['rows']} rows, the "
+                f"{sides[0][0]} {reference['shape']} and {reference['values']['rows']}: they must agree"
+            )
+    analyses = [(what, run["values"]) for what, run in sides if what != "read"]
+    for what, values in analyses[1:]:
+        if json.dumps(values) != json.dumps(analyses[0][1]):  # bit for bit (NaN equal to NaN)
+            sys.exit(f"{path}: the analyses on {what} gave {values}, on {analyses[0][0]} {analyses[0][1]}")
 
 
 def _peak_rss_mb() -> float:
@@ -82,6 +119,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.5, 2.0], help="store sizes in GB of fp16 rows")
     ap.add_argument("--dir", default="/tmp/kvscope-bench", help="where the synthetic stores are kept")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dask", type=int, default=0, help="also on a local cluster of this many worker processes")
+    ap.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--what", default="read", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -89,8 +128,11 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.repeats, args.what)))
         return
 
+    from record import append_run, machine
+
     from kvscope.synthetic import write_synthetic_store
 
+    machine_info = machine()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for size in args.sizes:
@@ -102,7 +144,8 @@ def main() -> None:
             print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         runs = {}
-        for what in ("read", "analysis", "read", "analysis"):  # interleaved; the page cache is warm after the first
+        sides = ("read", "analysis") + ((f"dask:{args.dask}",) if args.dask else ())
+        for what in sides * 2:  # interleaved; the page cache is warm after the first round
             proc = subprocess.run(
                 [sys.executable, __file__, "--measure", str(path), "--repeats", str(args.repeats), "--what", what],
                 capture_output=True,
@@ -110,6 +153,7 @@ def main() -> None:
                 check=True,
             )
             runs.setdefault(what, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        check_agreement(path, runs)
         read, analysis = runs["read"][-1], runs["analysis"][-1]
         result = {
             "logical_gb": n_samples * bytes_per_sample() / 1e9,
@@ -124,15 +168,27 @@ def main() -> None:
             "values": analysis["values"],
             "path": str(path),
         }
+        if args.dask:
+            on_dask = runs[f"dask:{args.dask}"][-1]
+            result.update(
+                dask_workers=args.dask, dask_s=on_dask["seconds"], dask_speedup=analysis["seconds"] / on_dask["seconds"]
+            )
         rows.append(result)
         print(
             f"{result['logical_gb']:.2f} GB rows ({result['on_disk_gb']:.2f} GB on disk): plain read "
             f"{result['read_s']:.1f} s (peak RSS {result['read_peak_rss_mb']:.0f} MB), FMM+churn+LIR+peaks "
             f"{result['analysis_s']:.1f} s (peak RSS {result['analysis_peak_rss_mb']:.0f} MB), "
-            f"ratio {result['ratio']:.2f} (target ≤ 2)",
+            f"ratio {result['ratio']:.2f} (target ≤ 1.3)"
+            + (
+                f"; on {args.dask} dask workers {result['dask_s']:.1f} s, {result['dask_speedup']:.2f}× one process"
+                if args.dask
+                else ""
+            ),
             flush=True,
         )
     print(json.dumps(rows, indent=1))
+    if not args.no_record:
+        print(f"recorded in {append_run('analysis_throughput', rows, machine_info)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
