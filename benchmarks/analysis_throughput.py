@@ -12,6 +12,10 @@ reported as ``analysis_first_call_s``). With ``--dask N`` the analyses also run 
 dask.distributed cluster of N single-threaded worker processes (``kvscope … --dask local:N``),
 timed against the single process and checked to give the same numbers.
 
+``--chunks analysis`` opens the store as ``kvscope analyze`` does (``open_trace(chunks="analysis")``:
+several stored blocks of steps per task, one zarr call each) for both sides; the default reads
+the store's own chunks.
+
 Both sides say what they read — the array's shape and the rows that hold a probability at
 position 0 (the read counts them; the analyses' peaks count the rows they scanned) — and the
 benchmark stops with exit 1, recording nothing, where they disagree. Each run is appended to
@@ -42,7 +46,7 @@ def bytes_per_sample() -> int:
     return SHAPE["n_steps"] * SHAPE["n_layers"] * SHAPE["n_kv"] * T * 2
 
 
-def measure(path: str, repeats: int, what: str) -> dict:
+def measure(path: str, repeats: int, what: str, chunks: str = "store") -> dict:
     """In a fresh process: time ``what`` (plain read, or the analyses) and its peak RSS
     (``VmHWM`` of this process: ``ru_maxrss`` would carry the parent's peak across exec)."""
     import dask
@@ -52,7 +56,7 @@ def measure(path: str, repeats: int, what: str) -> dict:
     from kvscope.analysis import study
 
     dask.config.set(scheduler="threads")
-    ds = kvscope.open_trace(path, chunks={})
+    ds = kvscope.open_trace(path, chunks={} if chunks == "store" else chunks)
     attn = ds["attn"].data
     rss_before = _peak_rss_mb()
     client = None
@@ -121,11 +125,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dask", type=int, default=0, help="also on a local cluster of this many worker processes")
     ap.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
+    ap.add_argument(
+        "--chunks", default="store", choices=["store", "analysis"],
+        help="read and analyse the store's chunks, or open_trace(chunks='analysis') as `kvscope analyze` does",
+    )  # fmt: skip
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--what", default="read", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.repeats, args.what)))
+        print(json.dumps(measure(args.measure, args.repeats, args.what, args.chunks)))
         return
 
     from record import append_run, machine
@@ -147,7 +155,18 @@ def main() -> None:
         sides = ("read", "analysis") + ((f"dask:{args.dask}",) if args.dask else ())
         for what in sides * 2:  # interleaved; the page cache is warm after the first round
             proc = subprocess.run(
-                [sys.executable, __file__, "--measure", str(path), "--repeats", str(args.repeats), "--what", what],
+                [
+                    sys.executable,
+                    __file__,
+                    "--measure",
+                    str(path),
+                    "--repeats",
+                    str(args.repeats),
+                    "--what",
+                    what,
+                    "--chunks",
+                    args.chunks,
+                ],  # fmt: skip
                 capture_output=True,
                 text=True,
                 check=True,
@@ -167,6 +186,7 @@ def main() -> None:
             "rss_after_imports_mb": analysis["rss_after_imports_mb"],
             "values": analysis["values"],
             "path": str(path),
+            "chunks": args.chunks,
         }
         if args.dask:
             on_dask = runs[f"dask:{args.dask}"][-1]

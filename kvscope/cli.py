@@ -733,7 +733,7 @@ def _cmd_analyze(args) -> int:
     metric = args.metric_class(**_params_from_args(args.metric_class, args))
     if args.plot:
         figure_path(args.plot)
-    ds = open_trace(args.store, chunks={})
+    ds = open_trace(args.store, chunks="analysis")  # tasks of several stored blocks: one read each
     if args.from_qk:
         from .analysis import with_recomputed_rows
 

@@ -45,7 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
+from . import (
+    dataset,  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
+    defaults,
+)
 from .errors import StoreError, first_line
 from .model_spec import ModelSpec
 from .rowformat import ROW_ARRAYS, RowFormat
@@ -185,7 +188,9 @@ def open_trace(path: str | os.PathLike, chunks=None):
     after the checks of :func:`check_store`; every chunk it reads is checked too.
 
     ``chunks=None`` gives lazily indexed arrays; ``chunks={}`` dask arrays with the store's
-    chunks (one block of steps × one layer); any other value is passed to xarray. Only committed
+    chunks (one block of steps × one layer); ``chunks="analysis"`` dask arrays of as many of
+    those blocks of steps as :func:`analysis_chunks` puts in one task; any other value is passed
+    to xarray. Only committed
     steps are visible: ``n_steps`` and ``query_pos`` say which rows exist, and in a partial store
     uncommitted rows read as NaN (lazily: a partial store opens dask-backed)."""
     import xarray as xr
@@ -194,8 +199,12 @@ def open_trace(path: str | os.PathLike, chunks=None):
     complete = checked.attrs["status"] == "complete"
     if not complete and chunks is None:
         chunks = {}
+    if isinstance(chunks, str) and chunks == "analysis":
+        chunks = analysis_chunks(checked.layout)
     try:  # never the consolidated copy of the metadata: the arrays' own, which check_store checked
-        with walking_members():
+        with walking_members(), warnings.catch_warnings():
+            # query_pos and token_id are stored whole per sample (and replaced below by the checked copies)
+            warnings.filterwarnings("ignore", message="The specified chunks separate the stored chunks")
             ds = xr.open_zarr(checked.store, chunks=chunks, consolidated=False, zarr_format=3)
     except Exception as exc:
         raise StoreError(f"cannot open {path}: {first_line(exc)}") from exc
@@ -209,6 +218,17 @@ def open_trace(path: str | os.PathLike, chunks=None):
         ds = _committed_only(ds, checked)
     ds.attrs = dict(checked.attrs)
     return ds
+
+
+def analysis_chunks(layout: Layout, task_bytes: int = defaults.ANALYSIS_TASK_BYTES) -> dict:
+    """``{"step": n}``: the most whole blocks of steps whose stored rows (one sample × one layer)
+    fit in ``task_bytes``, at least one block. A task then reads its rows in one zarr call: on a
+    2-core machine a read of 1 MiB chunks spends more time in zarr's and dask's per-call Python
+    than in decompression, and reading 16 of them per call halved it (docs/performance.md)."""
+    attn = next(spec for spec in schema(layout)[1] if spec.name == "attn")
+    block = int(np.prod(attn.chunks)) * np.dtype(attn.dtype).itemsize
+    blocks = max(1, task_bytes // block)
+    return {"step": min(layout.n_steps, blocks * layout.block_steps)}
 
 
 def _committed_only(ds, checked: CheckedStore):

@@ -494,3 +494,40 @@ def test_selection_codes_table_is_the_rule(codes, accessible, n_sink):
     want[:n_sink] = -1
     got = selection_codes(tiers, accessible, n_sink)
     assert got.dtype == np.int8 and got.tolist() == want.tolist()
+
+
+def test_every_analysis_gives_the_same_bits_whatever_the_steps_per_task(tmp_path):
+    """``open_trace(chunks="analysis")`` reads several stored blocks of steps per task (one zarr
+    call); every metric and a study give bit for bit what they give on the store's own chunks,
+    with tasks of several blocks and a last, shorter one."""
+    import dataclasses
+
+    import dask
+
+    import kvscope
+    from kvscope.analysis import study
+    from kvscope.analysis.registry import available
+    from kvscope.store import analysis_chunks, check_store
+    from kvscope.synthetic import write_synthetic_store
+
+    path = tmp_path / "s.zarr"
+    write_synthetic_store(path, n_samples=2, n_steps=100, n_layers=2, n_kv=2, prompt_len=300, seed=3)
+    layout = check_store(path).layout
+    block = 2 * layout.block_steps * layout.n_kv_heads * layout.n_pos * 2  # two blocks of fp16 rows
+    assert analysis_chunks(layout, block) == {"step": 64} and analysis_chunks(layout) == {"step": 100}
+    opened = {
+        "store": kvscope.open_trace(path, chunks={}),
+        "two blocks": kvscope.open_trace(path, chunks=analysis_chunks(layout, block)),
+        "analysis": kvscope.open_trace(path, chunks="analysis"),
+    }
+    assert opened["two blocks"].attn.data.chunks[1] == (64, 36)
+    with dask.config.set(scheduler="threads"):
+        for name, cls in available().items():
+            params = {"n_boot": 20} if "n_boot" in {f.name for f in dataclasses.fields(cls)} else {}
+            results = {how: cls(**params)(ds) for how, ds in opened.items()}
+            for how, result in results.items():
+                xr.testing.assert_identical(result, results["store"]), (name, how)
+        studies = {how: study(ds, n_boot=20) for how, ds in opened.items()}
+        for how, result in studies.items():
+            for name in result:
+                xr.testing.assert_identical(result[name], studies["store"][name])

@@ -369,6 +369,15 @@ def block_stats(
     row_block_stats(half, full, HALF_TABLE, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals)
 
 
+def step_blocks(t0: int, n: int, block_steps: int) -> list[tuple[int, int]]:
+    """Steps ``t0 … t0+n−1`` cut where the store's blocks of ``block_steps`` steps end:
+    ``[(start, stop), …]`` relative to ``t0``. Sums over a block's rows (peaks, coverage) are
+    made per stored block whatever the task holds, so that they keep their bits however many
+    blocks a task reads (``open_trace(chunks="analysis")``)."""
+    cuts = [t0, *range((t0 // block_steps + 1) * block_steps, t0 + n, block_steps), t0 + n]
+    return [(a - t0, b - t0) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 def row_totals(shares) -> np.ndarray | None:
     """What rows sum to given their learned sink's shares ``σ`` (any shape; None: no sinks, 1).
     A row with no share recorded (NaN: no query there) keeps 1: it is not checked."""

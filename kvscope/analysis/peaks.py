@@ -35,7 +35,7 @@ from .. import defaults
 from ..errors import KvscopeError
 from ..params import param
 from ..policies.logquant import fp_sets_per_step
-from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals, step_blocks
 from .mass import sink_shares, stored_rows
 from .metric import Bootstrapped, Metric, ci_text, fmt, num, nums
 
@@ -80,10 +80,11 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
 
 
 def _block_rows(
-    x: np.ndarray, q: np.ndarray, shares, fp_sets, n_sink: int, k: int, slack: float, block_info=None
+    x: np.ndarray, q: np.ndarray, shares, fp_sets, n_sink: int, k: int, slack: float, block_steps: int, block_info=None
 ) -> np.ndarray:
-    """Everything peaks needs from one block of rows, in one pass, summed over the block's
-    steps per trace unit: ``[s, 1, l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
+    """Everything peaks needs from a task's rows, in one pass, summed over the steps of each
+    stored block (:func:`~kvscope.analysis.kernels.step_blocks`) per trace unit: ``[s, block,
+    l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
     mass on LogQuant's FP set, Σ of the share on a recency window of the same size, and the
     number of rows with non-sink mass (:func:`kvscope.analysis.kernels.row_block_stats`).
@@ -95,20 +96,22 @@ def _block_rows(
     s_, n_step, n_l, n_h, n_pos = x.shape
     first_sample, t0 = block_info[0]["array-location"][0][0], block_info[0]["array-location"][1][0]
     n_bins = n_bins_for(n_pos)
-    out = np.zeros((s_, 1, n_l, n_h, peak_width(n_bins)))
-    no_windows = np.empty((n_step, n_h, 0))
+    blocks = step_blocks(t0, n_step, block_steps)
+    out = np.zeros((s_, len(blocks), n_l, n_h, peak_width(n_bins)))
     first_layer = block_info[0]["array-location"][2][0]
     for i in range(s_):
         fp = fp_sets.block(first_sample + i, t0, n_step)
         for j in range(n_l):
             # no windows out; windows of 8 are summed only for each row's total mass
-            checks = new_checks(slack)
             totals = row_totals(shares[i, :, j, :, 0])
-            block_stats(
-                x[i, :, j], q[i, :, 0, 0, 0], fp, n_sink, 8, 0, k, n_bins, no_windows, out[i, 0, j], checks, totals
-            )
-            where = f"attn rows of sample {first_sample + i}, steps {t0}–{t0 + n_step - 1}, layer {first_layer + j}"
-            refuse_bad_rows(checks, where)
+            for b, (lo, hi) in enumerate(blocks):
+                checks = new_checks(slack)
+                block_stats(x[i, lo:hi, j], q[i, lo:hi, 0, 0, 0], fp[lo:hi], n_sink, 8, 0, k, n_bins,
+                            np.empty((hi - lo, n_h, 0)), out[i, b, j], checks, totals[lo:hi])  # fmt: skip
+                where = (
+                    f"attn rows of sample {first_sample + i}, steps {t0 + lo}–{t0 + hi - 1}, layer {first_layer + j}"
+                )
+                refuse_bad_rows(checks, where)
     return out
 
 
@@ -208,6 +211,9 @@ class Peaks(Bootstrapped, Metric):
         q_arr = dsa.from_array(qpos[:, :, None, None, None], chunks=(c[0], c[1], 1, 1, 1))
         width = peak_width(n_bins_for(arr.shape[-1]))
         shares = sink_shares(ds, arr, self.layers, self.heads)
+        B = ds.kvscope.block_steps
+        starts = np.cumsum((0,) + c[1])
+        n_blocks = tuple(len(step_blocks(int(t0), n, B)) for t0, n in zip(starts, c[1]))
         per_block = dsa.map_blocks(
             _block_rows,
             arr,
@@ -217,10 +223,11 @@ class Peaks(Bootstrapped, Metric):
             self.sinks(ds),
             self.k,
             ds.kvscope.rows.slack,
+            B,
             dtype=np.float64,
             drop_axis=[4],
             new_axis=[4],
-            chunks=(c[0], (1,) * len(c[1]), c[2], c[3], (width,)),
+            chunks=(c[0], n_blocks, c[2], c[3], (width,)),
         )  # [sample, step block, layer, H, width]: independent leaves, summed on the driver
         return a, (per_block.compute() if compute else per_block)
 

@@ -23,7 +23,7 @@ import xarray as xr
 
 from ..errors import KvscopeError
 from .common import UnitData
-from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals
+from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals, step_blocks
 from .mass import sink_shares, stored_rows
 from .metric import UnitMetric
 from .peaks import LogQuantSets, Peaks, n_bins_for
@@ -78,21 +78,28 @@ def _two_stages(ds, prep, units, runs, peaks):
     unit_width = sum(m.width(run) for m, run in zip(units, runs))
     width = unit_width + n_peak
 
-    def per_chunk(x, shares=None, block_info=None):
+    step_starts, layer_starts = np.cumsum((0,) + raw.chunks[1]), np.cumsum((0,) + raw.chunks[2])
+    block_steps = ds.kvscope.block_steps
+
+    def per_chunk(x, shares=None, block_id=None):
         """Stage 1: ``[1, step, 1, H, pos]`` stored rows (``shares [1, step, 1, H, 1]``: their
         learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the block's
-        peak/coverage sums in its first step's row."""
-        sample = block_info[0]["chunk-location"][0]
-        t0, t1 = block_info[0]["array-location"][1]
+        peak/coverage sums in its first step's row. (``block_id``, not ``block_info``: dask
+        walks a task's arguments, and a dict per chunk cost more than the row checks.)"""
+        sample = block_id[0]
+        t0 = int(step_starts[block_id[1]])
+        t1 = t0 + x.shape[1]
         out = np.zeros(x.shape[:4] + (packed_width,))
         fp = fp_sets.block(sample, t0, t1 - t0) if peaks else np.empty((t1 - t0, 0), dtype=np.int64)
-        peak_sums = out[0, 0, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
-        checks = new_checks(slack)
         totals = row_totals(shares[0, :, 0, :, 0]) if learned else None
-        block_stats(x[0, :, 0], qpos[sample, t0:t1], fp, u_geom.n_sink, u_geom.w, n_units, k, n_bins if peaks else 1,
-                    out[0, :, 0, :, :n_units], peak_sums, checks, totals)  # fmt: skip
-        layer = block_info[0]["array-location"][2][0]
-        refuse_bad_rows(checks, f"attn rows of sample {sample}, steps {t0}–{t1 - 1}, layer {layer}")
+        layer = int(layer_starts[block_id[2]])
+        for a, b in step_blocks(t0, t1 - t0, block_steps):  # per stored block: its peak sums in its first row
+            peak_sums = out[0, a, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
+            checks = new_checks(slack)
+            block_stats(x[0, a:b, 0], qpos[sample, t0 + a : t0 + b], fp[a:b], u_geom.n_sink, u_geom.w, n_units, k,
+                        n_bins if peaks else 1, out[0, a:b, 0, :, :n_units], peak_sums, checks,
+                        None if totals is None else totals[a:b])  # fmt: skip
+            refuse_bad_rows(checks, f"attn rows of sample {sample}, steps {t0 + a}–{t0 + b - 1}, layer {layer}")
         return out
 
     per_head = raw.shape[1] * packed_width * 8  # float64 bytes of one trace unit's window masses
@@ -109,9 +116,9 @@ def _two_stages(ds, prep, units, runs, peaks):
     ).rechunk({1: -1, 3: heads_per_task})  # fmt: skip  (all steps of a (sample, layer), heads split when that is large)
     pre = prep.prefill.data[:, None]  # [sample, 1, layer, H, unit]
 
-    def per_sample_layer(y, pb, block_info=None):
+    def per_sample_layer(y, pb, block_id=None):
         """Stage 2: every unit metric's per-unit pass over the task's heads; peaks summed."""
-        sample = block_info[0]["chunk-location"][0]
+        sample = block_id[0]
         masses = np.moveaxis(y[0, :, 0, :, :n_units], 1, 0)  # [H, step, unit]
         u = UnitData(
             masses, pb[0, 0, 0], qpos[sample], int(n_steps_all[sample]), u_geom, include_prefill=prep.include_prefill
