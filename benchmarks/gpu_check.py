@@ -15,6 +15,8 @@ shapes and kernels, not on trained weights.
    (kv rows, fp16) under both layer-output modes (``--attn-output kernel`` and ``probs``) vs a
    plain untraced decode, medians of ``--repeats`` interleaved repeats.
 3. replay: the 1,024-token trace recorded with q/k/v, 8 policies × 2 budgets, against one decode.
+4. same output: the bf16 model's last logits over a prefill and 3 steps, plain sdpa against the
+   same with explicit position ids and under kvscope's registered sdpa with a recorder active.
 
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
     python benchmarks/gpu_check.py --device cpu --small          # the script itself, small and fast
@@ -106,6 +108,51 @@ def check_capture(tokenizer, args, workdir: Path) -> dict:
     return out
 
 
+def same_output(model, tokenizer, args, prompt_tokens: int) -> dict:
+    """Does tracing change what the model computes? The last logits of a prefill and 3 greedy
+    steps, bf16 on the device: plain ``sdpa`` without and with explicit position ids (as a trace
+    passes them), and under kvscope's registered ``sdpa`` with a recorder active
+    (``--attn-output kernel``); max |Δ| of each against the plain run and whether tokens agree."""
+    import torch
+    from trace_overhead import prose_prompt
+    from transformers import DynamicCache
+
+    from kvscope.model_spec import returned_cache, with_cache
+    from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
+
+    register()
+    ids = tokenizer(prose_prompt(tokenizer, prompt_tokens), return_tensors="pt")["input_ids"].to(args.device)
+    cfg = model.config
+
+    def run(capture: bool, positions: bool):
+        model.set_attn_implementation(implementation_name("sdpa") if capture else "sdpa")
+        recorder = AttentionRecorder(n_layers=cfg.num_hidden_layers, n_stored_heads=cfg.num_key_value_heads)
+        cache, logits, tokens = DynamicCache(config=cfg), [], []
+        with torch.no_grad(), recorder.active():
+            x, seq = ids, ids.shape[1]
+            for t in range(4):
+                recorder.enabled = capture
+                recorder.begin(ForwardContext(seq_len=seq, pad=torch.zeros(1, dtype=torch.long, device=args.device)))
+                pos = (
+                    {"position_ids": torch.arange(seq - x.shape[1], seq, device=args.device)[None]} if positions else {}
+                )
+                out = model(input_ids=x, use_cache=True, logits_to_keep=1, **pos, **with_cache(model, cache))
+                cache = returned_cache(out)
+                logits.append(out.logits[:, -1].float())
+                x = out.logits[:, -1:].argmax(-1)
+                tokens.append(int(x))
+                seq += 1
+        return torch.cat(logits), tokens
+
+    plain, plain_tokens = run(False, False)
+    report = {"prompt_tokens": int(ids.shape[1])}
+    for name, capture, positions in [("position_ids", False, True), ("kvscope_sdpa", True, True)]:
+        logits, tokens = run(capture, positions)
+        report[name] = {"max_abs": float((logits - plain).abs().max()), "tokens_equal": tokens == plain_tokens}
+    model.set_attn_implementation("sdpa")
+    return report
+
+
 def _has_flash(device: str) -> bool:
     import importlib.util
 
@@ -117,7 +164,7 @@ def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
     interleaved repeats: medians of each traced run over the plain run of its repeat; the
     prefill over as many adjacent prefill pairs)."""
     import torch
-    from trace_overhead import prefill_pairs, prose_prompt, run_repeats, summarize
+    from trace_overhead import prefill_pairs, prose_prompt, run_repeats, summarize, untraced_decode
 
     from kvscope.tracing.runner import TraceSettings
 
@@ -129,7 +176,14 @@ def overhead(model, tokenizer, args, prompt_tokens: int) -> dict:
     source = source_of("overhead")
     measured, _ = run_repeats(model, tokenizer, source, prompt, ids, settings, outputs, args.repeats, sync)
     pairs = prefill_pairs(model, tokenizer, source, prompt, ids, settings, outputs, args.repeats, sync)
-    return {"prompt_tokens": int(ids.shape[1]), **summarize(measured, outputs, pairs)}
+    model.set_attn_implementation(settings.attn)
+    # the control for tokens_equal_untraced: do two untraced decodes of the prompt agree at all?
+    repeatable = untraced_decode(model, ids, settings.max_new_tokens, sync)[2] == measured[-1]["plain"]["tokens"]
+    return {
+        "prompt_tokens": int(ids.shape[1]),
+        "untraced_repeatable": repeatable,
+        **summarize(measured, outputs, pairs),
+    }
 
 
 def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict:
@@ -147,7 +201,10 @@ def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict
     t0 = time.perf_counter()
     result = kvscope.replay(store, POLICIES, [0.2, 0.5], n_boot=100)
     seconds = time.perf_counter() - t0
-    fmm = {str(p): round(float(result["fmm_mean"].sel(policy=p, budget=0.2, allocation="uniform")), 4) for p in result["policy"].values}
+    fmm = {
+        str(p): round(float(result["fmm_mean"].sel(policy=p, budget=0.2, allocation="uniform")), 4)
+        for p in result["policy"].values
+    }
     return {"seconds": seconds, "runs": len(POLICIES) * 2, "over_one_decode": seconds / decode_s, "fmm_at_0.2": fmm}
 
 
@@ -183,6 +240,8 @@ def main() -> None:
         _say(report, "capture_vs_eager", started)
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = build_model(tokenizer, args.layers, args.device, dtype, args.small)
+        report["same_output"] = [same_output(model, tokenizer, args, n) for n in args.tokens]
+        _say(report, "same_output", started)
         report["overhead"] = [overhead(model, tokenizer, args, n) for n in args.tokens]
         _say(report, "overhead", started)
         first = report["overhead"][0]
@@ -221,7 +280,11 @@ def _device_name(device: str) -> str:
 
 
 def _say(report: dict, key: str, started: float) -> None:
-    print(f"[{time.perf_counter() - started:6.1f} s] {key}: {json.dumps(_finite(report[key]))}", file=sys.stderr, flush=True)
+    print(
+        f"[{time.perf_counter() - started:6.1f} s] {key}: {json.dumps(_finite(report[key]))}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
