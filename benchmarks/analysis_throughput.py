@@ -38,6 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import record  # benchmarks/record.py: runs as data
+
 SHAPE = dict(n_layers=16, n_kv=4, prompt_len=3584, n_steps=512)  # 268 MB of fp16 rows per sample
 
 
@@ -124,7 +126,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/kvscope-bench", help="where the synthetic stores are kept")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dask", type=int, default=0, help="also on a local cluster of this many worker processes")
-    ap.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
+    record.add_argument(ap)
     ap.add_argument(
         "--chunks", default="store", choices=["store", "analysis"],
         help="read and analyse the store's chunks, or open_trace(chunks='analysis') as `kvscope analyze` does",
@@ -136,11 +138,9 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.repeats, args.what, args.chunks)))
         return
 
-    from record import append_run, machine
-
     from kvscope.synthetic import write_synthetic_store
 
-    machine_info = machine()
+    machine_info = record.machine()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for size in args.sizes:
@@ -166,7 +166,7 @@ def main() -> None:
                     what,
                     "--chunks",
                     args.chunks,
-                ],  # fmt: skip
+                ],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -207,8 +207,7 @@ def main() -> None:
             flush=True,
         )
     print(json.dumps(rows, indent=1))
-    if not args.no_record:
-        print(f"recorded in {append_run('analysis_throughput', rows, machine_info)}", file=sys.stderr)
+    record.finish("analysis_throughput", args, rows, machine_info)
 
 
 if __name__ == "__main__":

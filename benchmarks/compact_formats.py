@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import record  # benchmarks/record.py: runs as data
+
 import kvscope
 from kvscope import analysis as A
 from kvscope.compact import compact
@@ -155,11 +157,14 @@ def main() -> None:
     p.add_argument("--budgets", default="0.2,0.5")
     p.add_argument("--level", type=int, default=9, help="zstd level of the compacted rows")
     p.add_argument("--json", type=Path, default=None)
+    record.add_argument(p)
     args = p.parse_args()
+    machine_info = record.machine()  # the load as the run begins
     budgets = [float(b) for b in args.budgets.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvscope-compact-") as work:
         rows = run(args.traces, args.formats.split(","), budgets, Path(work), args.level)
     doc = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "rows": rows}
+    record.finish("compact_formats", args, doc, machine_info)
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(markdown(rows))

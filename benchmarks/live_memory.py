@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import record  # benchmarks/record.py: runs as data
+
 POLICIES = ["streaming", "h2o", "snapkv", "kivi", "logquant", "qevict"]
 
 
@@ -51,7 +53,9 @@ def main() -> None:
         default=True,
         help="time a full-KV decode right before each policy's (default)",
     )
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     import torch
     from transformers import DynamicCache
@@ -113,6 +117,7 @@ def main() -> None:
         "machine": platform.machine(),
         "rows": rows,
     }
+    record.finish("live_memory", args, doc, machine_info)
     if args.json:
         print(json.dumps(doc, indent=1))
         return

@@ -6,7 +6,11 @@ and its load as the run began, the command line and the figures::
     from record import append_run
     append_run("analysis_throughput", {"sizes": [...]})          # → benchmarks/results/analysis_throughput.jsonl
 
-``--no-record`` on a benchmark's command line skips it (a trial run).
+``--no-record`` on a benchmark's command line skips it (a trial run)::
+
+    record.add_argument(ap); args = ap.parse_args(); started = record.machine()
+    ...
+    record.finish("trace_overhead", args, report, started)
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ ROOT = RESULTS.parents[1]
 
 def machine() -> dict:
     """The machine a run measured: processor, cores, memory, load average and versions."""
-    import numpy
+    from importlib.metadata import PackageNotFoundError, version
 
     info = {
         "processor": _cpu_model() or platform.processor() or platform.machine(),
@@ -33,12 +37,12 @@ def machine() -> dict:
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "load_1min": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
-        "numpy": numpy.__version__,
     }
-    for name in ("zarr", "dask", "torch", "transformers"):
-        module = sys.modules.get(name)
-        if module is not None:
-            info[name] = module.__version__
+    for name in ("numpy", "numba", "zarr", "dask", "torch", "transformers"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            pass
     return info
 
 
@@ -73,6 +77,17 @@ def append_run(name: str, figures, machine_info: dict | None = None, argv: list[
     with path.open("a") as out:
         out.write(json.dumps(record) + "\n")
     return path
+
+
+def add_argument(parser) -> None:
+    """``--no-record``: a trial run, not appended to benchmarks/results."""
+    parser.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
+
+
+def finish(name: str, args, figures, machine_info: dict) -> None:
+    """Append the run unless ``--no-record``; say where on stderr."""
+    if not getattr(args, "no_record", False):
+        print(f"recorded in {append_run(name, figures, machine_info)}", file=sys.stderr)
 
 
 def _cpu_model() -> str | None:

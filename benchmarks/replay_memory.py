@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import record  # benchmarks/record.py: runs as data
+
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 BUDGETS = "0.2,0.35,0.5"
 ONE_STATE = ("h2o", "0.35")
@@ -76,7 +78,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--json", action="store_true")
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     from kvscope.synthetic import write_synthetic_store
 
@@ -99,6 +103,7 @@ def main() -> None:
         "final_length_ratio": (P + 8 * S) / (P + S), "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "rows": rows,
     }  # fmt: skip
+    record.finish("replay_memory", args, report, machine_info)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import record  # benchmarks/record.py: runs as data
+
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 
 REPLAY = """
@@ -86,7 +88,9 @@ def main() -> None:
     ap.add_argument("--allocations", default="uniform,pyramid,adakv,oracle")
     ap.add_argument("--tune-trials", type=int, default=50)
     ap.add_argument("--json", action="store_true")
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     import statistics
 
@@ -181,6 +185,7 @@ def main() -> None:
         "tune_over_five_decodes": allocated["tune_seconds"] / (5 * (plain_prefill + plain_decode)),
         "rows": replayed["rows"],
     }
+    record.finish("replay_speed", args, report, machine_info)
     if args.json:
         print(json.dumps(report, indent=1))
         return

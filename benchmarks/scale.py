@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import record  # benchmarks/record.py: runs as data
+
 POLICIES = "full,streaming,h2o,snapkv,kivi,logquant,qevict,oracle"
 BUDGETS = "0.2,0.35,0.5"
 
@@ -111,7 +113,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="fewer for a quick check of the script")
     ap.add_argument("--folder", default=None, help="where the stores go (default: a temporary folder, removed)")
     ap.add_argument("--json", action="store_true")
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     from kvscope.synthetic import write_geometry_store
 
@@ -140,6 +144,7 @@ def main() -> None:
         "steps": args.steps, "layers": args.layers, "workers": args.workers, "policies": POLICIES, "budgets": BUDGETS,
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "rows": rows,
     }  # fmt: skip
+    record.finish("scale", args, report, machine_info)
     print(json.dumps(report, indent=1) if args.json else table(report))
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import record  # benchmarks/record.py: runs as data
+
 
 def prose_prompt(tokenizer, n_tokens: int) -> str:
     from pydoc_data import topics
@@ -228,7 +230,9 @@ def main() -> None:
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--attn-output", default="kernel,probs", help="layer-output modes traced, comma-separated")
     ap.add_argument("--json", action="store_true")
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     import torch
 
@@ -272,6 +276,7 @@ def main() -> None:
         "attn_raw_fp16_bytes_per_step": raw_per_step,
         "disk_over_raw_fp16": stored_per_step / raw_per_step,
     }
+    record.finish("trace_overhead", args, report, machine_info)
     if args.json:
         print(json.dumps(report, indent=1))
         return

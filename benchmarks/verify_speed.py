@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import record  # benchmarks/record.py: runs as data
+
 SHAPE = dict(n_layers=16, n_kv=4, prompt_len=3584, n_steps=512)  # 268 MB of fp16 rows per sample
 ARRAYS = ("attn", "prefill_colsum", "prefill_tail", "q", "k", "v")
 
@@ -66,15 +68,13 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/kvscope-bench")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=2, help="read/verify process pairs (the last is reported)")
-    ap.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
+    record.add_argument(ap)
     ap.add_argument("--measure", nargs=3, metavar=("PATH", "REPEATS", "WHAT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]), args.measure[2])))
         return
-    from record import append_run, machine
-
-    machine_info = machine()
+    machine_info = record.machine()
     path = Path(args.store) if args.store else synthetic(Path(args.dir), args.size_gb)
     result = {}
     for _ in range(args.pairs):
@@ -85,15 +85,8 @@ def main() -> None:
     on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
     print(f"{path} ({on_disk:.2f} GB on disk): plain read {result['read']:.2f} s, verify {result['verify']:.2f} s, "
           f"ratio {ratio:.2f} (target ≤ 1.2)")  # fmt: skip
-    if not args.no_record:
-        figures = {
-            "store": str(path),
-            "on_disk_gb": on_disk,
-            "read_s": result["read"],
-            "verify_s": result["verify"],
-            "ratio": ratio,
-        }
-        print(f"recorded in {append_run('verify_speed', figures, machine_info)}", file=sys.stderr)
+    figures = {"store": str(path), "on_disk_gb": on_disk, "read_s": result["read"], "verify_s": result["verify"]}
+    record.finish("verify_speed", args, {**figures, "ratio": ratio}, machine_info)
 
 
 def synthetic(folder: Path, size_gb: float) -> Path:
