@@ -2,10 +2,10 @@
 
 Two fused stages, each chunk of ``attn`` read and decoded exactly once:
 
-1. per stored chunk (one block of steps × one layer): one compiled, GIL-free pass over its
-   rows (:func:`kvscope.analysis.kernels.row_block_stats`) gives the window masses
-   ``[step, H, window]`` and the block's peak and coverage sums — the rows themselves never
-   leave the task;
+1. per task of rows (one or more stored blocks of steps × one layer; ``open_trace(chunks=
+   "analysis")`` reads several in one call): one compiled, GIL-free pass over its rows
+   (:func:`kvscope.analysis.kernels.row_block_stats`) gives the window masses ``[step, H,
+   window]`` and each stored block's peak and coverage sums — the rows never leave the task;
 2. per (sample, layer): the window masses of all its steps (``S × H × U`` float64, the memory
    bound) go through the per-unit pass of every unit metric (FMM, churn and LIR share one
    history selection), computed for all heads at once.
@@ -83,9 +83,8 @@ def _two_stages(ds, prep, units, runs, peaks):
 
     def per_chunk(x, shares=None, block_id=None):
         """Stage 1: ``[1, step, 1, H, pos]`` stored rows (``shares [1, step, 1, H, 1]``: their
-        learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the block's
-        peak/coverage sums in its first step's row. (``block_id``, not ``block_info``: dask
-        walks a task's arguments, and a dict per chunk cost more than the row checks.)"""
+        learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the
+        peak/coverage sums of each stored block in the block's first step's row."""
         sample = block_id[0]
         t0 = int(step_starts[block_id[1]])
         t1 = t0 + x.shape[1]
