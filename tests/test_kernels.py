@@ -298,3 +298,15 @@ def test_rows_out_of_range_are_named_with_their_extremes(dtype):
     x[2, 0, :2] = [0.5, 0.5]
     problem = rows_problem(row_checks(x, np.full(3, 7)))
     assert problem == "probabilities outside [0, 1] (min -0.125, max 1.25)"
+
+
+def test_step_blocks_cut_a_task_where_the_stored_blocks_end():
+    """A task's steps, cut at multiples of the store's block: aligned tasks give whole blocks and a
+    last short one; a task that starts mid-block is cut at the next boundary."""
+    from kvscope.analysis.kernels import step_blocks
+
+    assert step_blocks(0, 100, 32) == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert step_blocks(64, 36, 32) == [(0, 32), (32, 36)]
+    assert step_blocks(32, 32, 32) == [(0, 32)]
+    assert step_blocks(10, 40, 32) == [(0, 22), (22, 40)]
+    assert step_blocks(0, 5, 32) == [(0, 5)]
