@@ -1,6 +1,6 @@
 """GPU check: capture = eager on the accelerator, trace overhead at 1K and 8K tokens, a replay.
 
-Made for a lent GPU machine (benchmarks/gpu_check.sh runs it there in under 10 minutes), and
+Made for a CUDA machine (benchmarks/gpu_check.sh runs it there in a few minutes), and
 runnable anywhere at a small size (``--device cpu --small``) to check the script itself. The
 model is built in memory with random weights at Llama-3.1-8B's attention geometry (32 query /
 8 KV heads, head_dim 128, hidden 4096; ``--layers`` of them) and SmolLM2's tokenizer, so no
