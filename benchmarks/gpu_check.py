@@ -117,12 +117,12 @@ def same_output(model, tokenizer, args, prompt_tokens: int) -> dict:
     from trace_overhead import prose_prompt
     from transformers import DynamicCache
 
-    from kvscope.model_spec import returned_cache, with_cache
+    from kvscope.model_spec import cache_keyword, returned_cache
     from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
 
     register()
     ids = tokenizer(prose_prompt(tokenizer, prompt_tokens), return_tensors="pt")["input_ids"].to(args.device)
-    cfg = model.config
+    cfg, keyword = model.config, cache_keyword(model)
 
     def run(capture: bool, positions: bool):
         model.set_attn_implementation(implementation_name("sdpa") if capture else "sdpa")
@@ -136,7 +136,7 @@ def same_output(model, tokenizer, args, prompt_tokens: int) -> dict:
                 pos = (
                     {"position_ids": torch.arange(seq - x.shape[1], seq, device=args.device)[None]} if positions else {}
                 )
-                out = model(input_ids=x, use_cache=True, logits_to_keep=1, **pos, **with_cache(model, cache))
+                out = model(input_ids=x, use_cache=True, logits_to_keep=1, **pos, **{keyword: cache})
                 cache = returned_cache(out)
                 logits.append(out.logits[:, -1].float())
                 x = out.logits[:, -1:].argmax(-1)

@@ -57,17 +57,18 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     import torch
     from transformers import DynamicCache
 
-    from kvscope.model_spec import last_logits_only, returned_cache, with_cache
+    from kvscope.model_spec import cache_keyword, last_logits_only, returned_cache
 
     cache = DynamicCache(config=model.config)
     tokens = []
     last_only = last_logits_only(model)  # as the trace's forwards (and generate)
+    keyword = cache_keyword(model)
     sync()
     stamps = [time.perf_counter()]
     with torch.no_grad():
         x = input_ids
         for _ in range(new_tokens):
-            out = model(input_ids=x, use_cache=True, **with_cache(model, cache), **last_only)
+            out = model(input_ids=x, use_cache=True, **{keyword: cache}, **last_only)
             cache = returned_cache(out)
             x = out.logits[:, -1:].float().argmax(-1)
             tokens.append(int(x))

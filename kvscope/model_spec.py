@@ -312,14 +312,19 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
-def with_cache(model, cache) -> dict:
-    """The keyword argument that hands ``cache`` to ``model``'s forward: ``cache=`` where the
-    forward takes it (transformers ≥ 5.24), ``past_key_values=`` before. The wrong name is not an
-    error there: ``**kwargs`` swallows it and every decode step attends to its own token alone."""
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes a KV cache: ``cache`` where the forward
+    has it (transformers ≥ 5.24), ``past_key_values`` before. The wrong name is not an error there:
+    ``**kwargs`` swallows it and every decode step attends to its own token alone. (A decode loop
+    asks once, not per step: the answer comes from the forward's signature.)"""
     import inspect
 
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """``{keyword: cache}`` for one forward of ``model`` (:func:`cache_keyword`)."""
+    return {cache_keyword(model): cache}
 
 
 def returned_cache(out):

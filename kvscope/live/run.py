@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model_spec import ModelSpec, last_logits_only, returned_cache, with_cache
+from ..model_spec import ModelSpec, cache_keyword, last_logits_only, returned_cache
 from ..models import DEFAULT_MODEL, check_model_dtype, load, resolve
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
@@ -58,10 +58,11 @@ def decode(
     tokens, logits = [], []
     inputs = torch.tensor([prompt_ids], device=device)
     last_only = last_logits_only(model)
+    keyword = cache_keyword(model)
     started = time.perf_counter()
     with torch.no_grad():
         for t in range(len(question) + steps):
-            out = model(input_ids=inputs, use_cache=True, **with_cache(model, cache), **last_only)
+            out = model(input_ids=inputs, use_cache=True, **{keyword: cache}, **last_only)
             cache = returned_cache(out)
             if hasattr(cache, "end_step"):
                 cache.end_step()

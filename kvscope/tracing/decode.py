@@ -23,7 +23,7 @@ import torch
 
 from ..dtypes import stored
 from ..errors import StoreError
-from ..model_spec import last_logits_only, returned_cache, with_cache
+from ..model_spec import cache_keyword, last_logits_only, returned_cache
 from ..schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
@@ -56,6 +56,7 @@ class BatchDecode:
         )
         self.cache = cache
         self.last_only = last_logits_only(model)  # the prompt's logits at every position: never read
+        self.cache_keyword = cache_keyword(model)
         self.records = CacheRecords(layout) if layout.policy_events else None
         self.dtype = np.float16 if settings.dtype == "float16" else np.float32
         self.n_steps = np.full(B, S, dtype=np.int64)  # final number of steps per sample
@@ -120,7 +121,7 @@ class BatchDecode:
             attention_mask=self.mask if self.padded else None,  # all ones: let transformers skip the mask
             position_ids=self.position_ids if t == 0 else (self.position_ids[:, -1:] + t),
             use_cache=True,
-            **with_cache(self.model, self.cache),
+            **{self.cache_keyword: self.cache},
             **({"output_attentions": True} if weights else {}),
             **self.last_only,
         )
