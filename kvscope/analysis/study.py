@@ -78,20 +78,18 @@ def _two_stages(ds, prep, units, runs, peaks):
     unit_width = sum(m.width(run) for m, run in zip(units, runs))
     width = unit_width + n_peak
 
-    step_starts, layer_starts = np.cumsum((0,) + raw.chunks[1]), np.cumsum((0,) + raw.chunks[2])
     block_steps = ds.kvscope.block_steps
 
-    def per_chunk(x, shares=None, block_id=None):
+    def per_chunk(x, shares, block_info=None):
         """Stage 1: ``[1, step, 1, H, pos]`` stored rows (``shares [1, step, 1, H, 1]``: their
         learned sink's) → ``[1, step, 1, H, U + n_peak]``: window masses per step, the
         peak/coverage sums of each stored block in the block's first step's row."""
-        sample = block_id[0]
-        t0 = int(step_starts[block_id[1]])
-        t1 = t0 + x.shape[1]
+        sample = block_info[0]["chunk-location"][0]
+        t0, t1 = block_info[0]["array-location"][1]
         out = np.zeros(x.shape[:4] + (packed_width,))
         fp = fp_sets.block(sample, t0, t1 - t0) if peaks else np.empty((t1 - t0, 0), dtype=np.int64)
         totals = row_totals(shares[0, :, 0, :, 0]) if learned else None
-        layer = int(layer_starts[block_id[2]])
+        layer = block_info[0]["array-location"][2][0]
         for a, b in step_blocks(t0, t1 - t0, block_steps):  # per stored block: its peak sums in its first row
             peak_sums = out[0, a, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
             checks = new_checks(slack)
@@ -108,16 +106,16 @@ def _two_stages(ds, prep, units, runs, peaks):
     packed = dsa.map_blocks(
         per_chunk,
         raw,
-        *([sink_shares(ds, raw, prep.layers, prep.heads)] if learned else []),  # none: every row sums to 1
+        sink_shares(ds, raw, prep.layers, prep.heads),
         dtype=np.float64,
         chunks=raw.chunks[:4] + ((packed_width,),),
         name=f"study-rows-{run_id}",
     ).rechunk({1: -1, 3: heads_per_task})  # fmt: skip  (all steps of a (sample, layer), heads split when that is large)
     pre = prep.prefill.data[:, None]  # [sample, 1, layer, H, unit]
 
-    def per_sample_layer(y, pb, block_id=None):
+    def per_sample_layer(y, pb, block_info=None):
         """Stage 2: every unit metric's per-unit pass over the task's heads; peaks summed."""
-        sample = block_id[0]
+        sample = block_info[0]["chunk-location"][0]
         masses = np.moveaxis(y[0, :, 0, :, :n_units], 1, 0)  # [H, step, unit]
         u = UnitData(
             masses, pb[0, 0, 0], qpos[sample], int(n_steps_all[sample]), u_geom, include_prefill=prep.include_prefill
