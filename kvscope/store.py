@@ -199,7 +199,7 @@ def open_trace(path: str | os.PathLike, chunks=None):
     complete = checked.attrs["status"] == "complete"
     if not complete and chunks is None:
         chunks = {}
-    if isinstance(chunks, str) and chunks == "analysis":
+    if chunks == "analysis":
         chunks = analysis_chunks(checked.layout)
     try:  # never the consolidated copy of the metadata: the arrays' own, which check_store checked
         with walking_members(), warnings.catch_warnings():
