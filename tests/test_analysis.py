@@ -277,6 +277,24 @@ def test_peaks_fit_recovers_a_known_power_law():
     assert ll_pow > ll_exp  # the power law wins on power-law data
 
 
+def test_peaks_bootstrap_interval_is_made_of_the_samples_own_fits():
+    # two samples: a draw of whole samples is (2, 0), (1, 1) or (0, 2), so α's interval is bounded by the
+    # fits on each sample alone and on both (a sample's statistics doubled give its own fit, up to the order of sums)
+    rng = np.random.default_rng(3)
+    n_steps, P = 24, 40
+    attn = np.full((2, n_steps, 2, 2, P + n_steps), np.nan, dtype=np.float32)
+    for s, t in np.ndindex(2, n_steps):
+        q = P - 1 + t
+        row = rng.gamma(0.3 + s, size=(2, 2, q + 1))
+        attn[s, t, :, :, : q + 1] = row / row.sum(-1, keepdims=True)
+    ds = dataset_from_rows(attn, prompt_len=P, n_sink=2)
+    both = A.peaks(ds, n_boot=200)
+    alone = [float(A.peaks(ds.isel(sample=[s]), n_boot=1)["alpha"]) for s in (0, 1)]
+    fits = sorted(alone + [float(both["alpha"])])
+    assert fits[0] < fits[-1]
+    np.testing.assert_allclose([float(both["alpha_low"]), float(both["alpha_high"])], [fits[0], fits[-1]], rtol=1e-9)
+
+
 def test_peaks_end_to_end_on_a_dataset_with_planted_peaks():
     # every row's single peak sits at distance 2 -> all counts in bin [2, 4)
     n_steps, P = 6, 12

@@ -306,13 +306,18 @@ class Peaks(Bootstrapped, Metric):
             return math.nan, math.nan
         rng = np.random.default_rng(self.seed)
         n = S_n if self.resample == "samples" else S_n * L * H
-        boot = []
+        boot, fits = [], {}  # a draw repeated (few samples give few distinct ones) is fitted once
         for _ in range(self.n_boot):
             counts = np.bincount(rng.integers(0, n, n), minlength=n)
-            weights = (
-                np.broadcast_to(counts[:, None, None], shape) if self.resample == "samples" else counts.reshape(shape)
-            )
-            boot.append(fitted(weights)[0])
+            key = counts.tobytes()
+            if key not in fits:
+                weights = (
+                    np.broadcast_to(counts[:, None, None], shape)
+                    if self.resample == "samples"
+                    else counts.reshape(shape)
+                )
+                fits[key] = fitted(weights)[0]
+            boot.append(fits[key])
         lo, hi = np.quantile(boot, [0.025, 0.975])
         return float(lo), float(hi)
 
