@@ -17,10 +17,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import defaults
-from .errors import KvscopeError, first_line
-from .models import DEFAULT_MODEL, check_model_dtype
-from .report import print_table
+from .. import defaults
+from ..errors import KvscopeError, first_line
+from ..models import DEFAULT_MODEL, check_model_dtype
+from ..report import print_table
 
 EXIT_BAD_INPUT = 2
 
@@ -130,11 +130,11 @@ def _add_trace(sub) -> None:
 
 def _prompts(args):
     """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
-    from .prompts import Prompt, load_prompts_file
+    from ..prompts import Prompt, load_prompts_file
 
     workload = None
     if args.workload is not None:
-        from . import workloads
+        from .. import workloads
 
         workload = workloads.get(args.workload)
         recipe = workload.recipe
@@ -169,7 +169,7 @@ def _trace_cache(args):
         raise KvscopeError("--budget goes with --policy")
     if args.budget is None:
         raise KvscopeError("--policy needs --budget")
-    from .live import LivePolicy
+    from ..live import LivePolicy
 
     return LivePolicy(args.policy, args.budget, args.kv_dtype, args.allocation or "uniform")
 
@@ -182,7 +182,7 @@ def _check_record(args) -> None:
 
 def _trace_settings(args):
     """``TraceSettings`` from the options of ``kvscope trace`` (the same names, but for two)."""
-    from .tracing.settings import TraceSettings
+    from ..tracing.settings import TraceSettings
 
     renamed = {"record_qkv": "qkv" in args.record, "stop_at_eos": not args.ignore_eos}
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceSettings) if f.name not in renamed}
@@ -216,7 +216,7 @@ def _cmd_trace(args) -> int:
     settings.check()  # before torch and transformers load: a refused option costs no import
     if args.dask is not None:
         return _trace_dask(args, prompts, workload, settings, cache)
-    from .tracing.runner import trace
+    from ..tracing.runner import trace
 
     what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
     bar, task = _progress("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
@@ -239,7 +239,7 @@ def _shard(args):
     """The ``--shard I/N`` of the command line (None without), checked before any work."""
     if args.shard is None:
         return None
-    from .tracing.shard import Shard
+    from ..tracing.shard import Shard
 
     if args.dask is not None:
         raise KvscopeError("--shard and --dask do not go together: --dask runs one shard per worker itself")
@@ -250,7 +250,7 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
     """``trace --dask``: one shard per worker, then the store is complete."""
     import time
 
-    from .tracing.distributed import refuse_early, trace_dask
+    from ..tracing.distributed import refuse_early, trace_dask
 
     started = time.perf_counter()
     refuse_early(prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache)  # before the cluster
@@ -268,7 +268,7 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
 
 def _print_traced(results, seconds: float, label: str, prompts, workload) -> None:
     """What a trace (or its shards) decoded: steps, speed, the store, each sample's text."""
-    from .store import store_info
+    from ..store import store_info
 
     path = results[0].path
     info = store_info(path)
@@ -289,7 +289,7 @@ def _print_traced(results, seconds: float, label: str, prompts, workload) -> Non
 
 def _finalize(args) -> int:
     """``trace --finalize STORE``: mark a store whose samples are all done complete."""
-    from .tracing.runner import finalize
+    from ..tracing.runner import finalize
 
     given = [f for f in ("prompt", "prompts", "workload", "out", "shard", "dask") if getattr(args, f) is not None]
     given += [f for f in ("resume", "force") if getattr(args, f)]
@@ -334,10 +334,10 @@ def _add_run(sub) -> None:
 def _live_inputs(args, clairvoyant_allocation: bool = False):
     """``(policy, budget, allocation)`` of ``--policy``/``--budget``/``--allocation``/``--kv-dtype``,
     checked before any work (the oracle allocation only where a trace gives it: validate)."""
-    from .live.inputs import kv_dtype_name, live_allocation, live_policy
-    from .policies import check_budget
-    from .policies.allocation import check_allocatable
-    from .policies.allocation import parse as parse_allocation
+    from ..live.inputs import kv_dtype_name, live_allocation, live_policy
+    from ..policies import check_budget
+    from ..policies.allocation import check_allocatable
+    from ..policies.allocation import parse as parse_allocation
 
     budget = check_budget(args.budget)
     policy = live_policy(args.policy)
@@ -350,7 +350,7 @@ def _live_inputs(args, clairvoyant_allocation: bool = False):
 def _cmd_run(args) -> int:
     policy, budget, allocation = _live_inputs(args)
     check_model_dtype(args.model_dtype)  # before torch loads with kvscope.live.run
-    from .live.run import run
+    from ..live.run import run
 
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = defaults.MAX_NEW_TOKENS
@@ -414,11 +414,11 @@ def _add_validate(sub) -> None:
 def _cmd_validate(args) -> int:
     from rich.table import Table
 
-    from .store import read_attrs
+    from ..store import read_attrs
 
     policy, budget, allocation = _live_inputs(args, clairvoyant_allocation=True)
     read_attrs(args.store)
-    from .live.validate import validate
+    from ..live.validate import validate
 
     report = validate(
         args.store, policy, budget, live_out=args.live_out, force=args.force, model=args.model,
@@ -457,7 +457,7 @@ def _add_workloads(sub) -> None:
 
 
 def _cmd_workloads(args) -> int:
-    from .workloads import RECIPES, available
+    from ..workloads import RECIPES, available
 
     rows = []
     for name, w in available().items():
@@ -497,7 +497,7 @@ def _add_policies(sub) -> None:
 
 
 def _parameter_rows(cls) -> list[dict]:
-    from .params import specs
+    from ..params import specs
 
     return [
         {
@@ -515,8 +515,8 @@ def _parameter_rows(cls) -> list[dict]:
 
 
 def _cmd_policies(args) -> int:
-    from .policies import available
-    from .policies.allocation import REGISTRY as ALLOCATIONS
+    from ..policies import available
+    from ..policies.allocation import REGISTRY as ALLOCATIONS
 
     doc = {
         "policies": {
@@ -577,8 +577,8 @@ def _add_compact(sub) -> None:
 
 
 def _cmd_compact(args) -> int:
-    from .compact import compact
-    from .rowformat import row_format
+    from ..compact import compact
+    from ..rowformat import row_format
 
     summary = compact(args.store, args.out, args.rows, level=args.level)
     if args.json:
@@ -603,8 +603,8 @@ def _add_verify(sub) -> None:
 
 
 def _cmd_verify(args) -> int:
-    from .replay.check import is_result, verify_result
-    from .verify import verify
+    from ..replay.check import is_result, verify_result
+    from ..verify import verify
 
     report = verify_result(args.store) if is_result(args.store) else verify(args.store, deep=args.deep)
     if args.json:
@@ -621,9 +621,9 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from .rowformat import row_format
-    from .store import store_info
-    from .verify import refuse_if_damaged, verify
+    from ..rowformat import row_format
+    from ..store import store_info
+    from ..verify import refuse_if_damaged, verify
 
     if not args.quick:
         refuse_if_damaged(verify(args.store))
@@ -670,7 +670,7 @@ def _add_analyze(sub, metrics: bool = True) -> None:
     if not metrics:
         sub.add_parser("analyze", help="metrics of a trace")
         return
-    from .analysis import available
+    from ..analysis import available
 
     p = sub.add_parser("analyze", help="metrics of a trace: " + ", ".join(available()))
     metrics = p.add_subparsers(dest="analysis", required=True, parser_class=_Parser, metavar="METRIC")
@@ -690,7 +690,7 @@ def _add_analyze(sub, metrics: bool = True) -> None:
 
 def _add_param_options(parser, cls) -> None:
     """``--flag VALUE`` for every parameter field of ``cls`` (a bool that defaults to True: ``--no-…``)."""
-    from .params import specs
+    from ..params import specs
 
     for name, (spec, kind, optional, default) in specs(cls).items():
         if not spec.cli:
@@ -711,7 +711,7 @@ def _escaped(text: str) -> str:
 
 def _params_from_args(cls, args) -> dict:
     """The parameters given on the command line, parsed to their fields' types (checked by ``cls``)."""
-    from .params import parse_param, specs
+    from ..params import parse_param, specs
 
     out = {}
     for name, (spec, kind, _optional, default) in specs(cls).items():
@@ -725,17 +725,17 @@ def _params_from_args(cls, args) -> dict:
 
 
 def _cmd_analyze(args) -> int:
-    from .figures import save
-    from .paths import figure_path
-    from .report import print_rows
-    from .store import open_trace
+    from ..figures import save
+    from ..paths import figure_path
+    from ..report import print_rows
+    from ..store import open_trace
 
     metric = args.metric_class(**_params_from_args(args.metric_class, args))
     if args.plot:
         figure_path(args.plot)
     ds = open_trace(args.store, chunks="analysis")  # tasks of several stored blocks: one read each
     if args.from_qk:
-        from .analysis import with_recomputed_rows
+        from ..analysis import with_recomputed_rows
 
         ds = with_recomputed_rows(ds)
     metric, given = _replayed_inputs(metric, ds, args)
@@ -763,12 +763,12 @@ def _replayed_inputs(metric, ds, args):
         return metric, {}
     if args.policy is None or args.budget is None:
         raise KvscopeError("--policy and --budget go together")
-    from .analysis import available
+    from ..analysis import available
 
     if not metric.replayed:
         takers = [name for name, cls in available().items() if cls.replayed]
         raise KvscopeError(f"--policy applies to {', '.join(takers[:-1])} and {takers[-1]}, not {metric.name}")
-    from .replay import replay, tiers_for
+    from ..replay import replay, tiers_for
 
     result = replay(ds, [args.policy], [args.budget], allocations=[args.allocation], every=metric.every, errors=False)
     tiers = tiers_for(
@@ -795,7 +795,7 @@ class _DaskContext:
             return None
         from distributed import Client
 
-        from .cluster import local_cluster
+        from ..cluster import local_cluster
 
         if self.spec.startswith("local:"):
             try:
@@ -826,7 +826,7 @@ class _DaskContext:
 
 
 def _save_figure(fig, path) -> None:
-    from .figures import save
+    from ..figures import save
 
     save(fig, path)
 
@@ -835,7 +835,7 @@ def _save_figure(fig, path) -> None:
 
 
 def _budgets(text: str) -> list[float]:
-    from .policies import check_budget
+    from ..policies import check_budget
 
     parts = [x for x in text.split(",") if x.strip()]
     if not parts:
@@ -844,7 +844,7 @@ def _budgets(text: str) -> list[float]:
 
 
 def _add_allocation(p, several: bool) -> None:
-    from .policies.allocation import REGISTRY
+    from ..policies.allocation import REGISTRY
 
     p.add_argument(
         "--allocation", default="uniform",
@@ -855,7 +855,7 @@ def _add_allocation(p, several: bool) -> None:
 
 
 def _allocations(text: str) -> list:
-    from .policies.allocation import parse
+    from ..policies.allocation import parse
 
     parts = [x for x in text.split(",") if x.strip()]
     if not parts:
@@ -907,11 +907,11 @@ def _add_replay(sub) -> None:
 
 
 def _cmd_replay(args) -> int:
-    from .paths import figure_path, output_path
-    from .plots import plot_compare
-    from .policies import parse
-    from .replay import replay
-    from .replay.store import refuse_existing
+    from ..paths import figure_path, output_path
+    from ..plots import plot_compare
+    from ..policies import parse
+    from ..replay import replay
+    from ..replay.store import refuse_existing
 
     policies = [parse(x) for x in args.policies.split(",") if x.strip()]
     if not policies:
@@ -937,7 +937,7 @@ def _cmd_replay(args) -> int:
     protocol = " · question-agnostic" if result.attrs.get("protocol") == "question-agnostic" else ""
     code = _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
     if not args.json:
-        from .store import read_attrs
+        from ..store import read_attrs
 
         _say_lossy_rows(read_attrs(args.store))
     return code
@@ -945,7 +945,7 @@ def _cmd_replay(args) -> int:
 
 def _say_lossy_rows(attrs: dict) -> None:
     """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
-    from .rowformat import RowFormat
+    from ..rowformat import RowFormat
 
     rows = RowFormat.of(attrs)
     if rows.lossy:
@@ -953,7 +953,7 @@ def _say_lossy_rows(attrs: dict) -> None:
 
 
 def _show_comparison(result, args, title: str) -> int:
-    from .report import comparison_doc, print_comparison
+    from ..report import comparison_doc, print_comparison
 
     if args.json:
         doc = comparison_doc(result)
@@ -980,9 +980,9 @@ def _add_compare(sub) -> None:
 
 
 def _cmd_compare(args) -> int:
-    from .paths import figure_path
-    from .plots import plot_compare
-    from .replay import open_result
+    from ..paths import figure_path
+    from ..plots import plot_compare
+    from ..replay import open_result
 
     if args.plot:
         figure_path(args.plot)
@@ -996,7 +996,7 @@ def _cmd_compare(args) -> int:
 
 
 def _add_tune(sub) -> None:
-    from .tune import OBJECTIVES
+    from ..tune import OBJECTIVES
 
     p = sub.add_parser("tune", help="search a policy's and its allocation's parameters offline, check the best live")
     p.add_argument("store", help="a trace (with q/k/v for --objective output-error)")
@@ -1024,8 +1024,8 @@ def _add_tune(sub) -> None:
 
 
 def _cmd_tune(args) -> int:
-    from .paths import output_path
-    from .tune import check_live, held_out, tune
+    from ..paths import output_path
+    from ..tune import check_live, held_out, tune
 
     if args.out:
         output_path(args.out, "--out", inputs=[args.store], file=True)
@@ -1033,7 +1033,7 @@ def _cmd_tune(args) -> int:
             raise KvscopeError(f"--out {args.out} exists; choose another path (results are never overwritten)")
     held = None
     if args.check is not None:
-        from .policies.allocation import parse as parse_allocation
+        from ..policies.allocation import parse as parse_allocation
 
         held = held_out(args.store, args.check, parse_allocation(args.allocation), args.model)
     result = tune(
@@ -1104,7 +1104,7 @@ def _add_models(sub) -> None:
 
 
 def _cmd_models(args) -> int:
-    from .models import available_models, cache_dir
+    from ..models import available_models, cache_dir
 
     rows = available_models()
     if args.json:
@@ -1141,9 +1141,9 @@ def _add_view(sub) -> None:
 
 
 def _cmd_view(args) -> int:
-    from .paths import output_path
-    from .replay import open_result
-    from .store import open_trace
+    from ..paths import output_path
+    from ..replay import open_result
+    from ..store import open_trace
 
     if not 0 <= args.port <= 65535:
         raise KvscopeError(f"--port {args.port} is not a port (0..65535; 0 takes a free one)")
@@ -1154,7 +1154,7 @@ def _cmd_view(args) -> int:
     result = open_result(args.replay) if args.replay else None
     where = f"--replay {args.replay}"
     if html is not None:
-        from .explorer import write_html
+        from ..explorer import write_html
 
         info = write_html(ds, result, html, tokens=args.tokens, where=where)
         rows, cols = info["cells"]
@@ -1164,7 +1164,7 @@ def _cmd_view(args) -> int:
 
 
 def _serve(args, ds, result, where: str) -> int:
-    from .explorer import serve
+    from ..explorer import serve
 
     server = serve(ds, result, host=args.host, port=args.port, tokens=args.tokens, where=where)
     server.start()
@@ -1180,7 +1180,7 @@ def _serve(args, ds, result, where: str) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``command`` (the subcommand a command line runs) the
     others' options may be left out where building them costs imports."""
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="kvscope", description="What an LLM's KV cache really needs.")
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
@@ -1245,7 +1245,7 @@ def _stop_io_at_exit() -> None:
 
 @functools.cache
 def _register_stop_io() -> None:
-    from .store import stop_background_io
+    from ..store import stop_background_io
 
     atexit.register(stop_background_io)
 

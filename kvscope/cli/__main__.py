@@ -1,0 +1,5 @@
+"""``python -m kvscope.cli …`` — the same command line as ``kvscope …``."""
+
+from . import main
+
+raise SystemExit(main())
