@@ -7,78 +7,38 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import dataclasses
 import functools
 import json
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from .. import defaults
 from ..errors import KvscopeError, first_line
 from ..models import DEFAULT_MODEL, check_model_dtype
 from ..report import print_table
-
-EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints usage + error otherwise)
-        print(f"kvscope: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
-@contextlib.contextmanager
-def quiet_libraries():
-    """What the command line keeps out of its output while it runs: transformers' info logs
-    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings. The hub
-    client's telemetry is off unless set (its extra request would wait on an unreachable hub)."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    # a refused chunk ends zarr's concurrent reads early: the others are stopped at exit
-    # (_stop_io_at_exit), and asyncio's notes on them kept out of the output
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    hf_logging = sys.modules.get("transformers.utils.logging")
-    if hf_logging is not None:  # imported already (the environment above is read at import)
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        yield
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
-
+from .common import (
+    EXIT_BAD_INPUT,
+    DaskContext,
+    Parser,
+    add_allocation,
+    add_prompt_sources,
+    human_bytes,
+    in_codec,
+    one_line,
+    progress_bar,
+    quiet_libraries,
+    read_prompts,
+    say_lossy_rows,
+)
 
 # -- trace --------------------------------------------------------------------------
 
 
-def _add_prompt_sources(p, required: bool = True) -> None:
-    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`_prompts`;
-    ``required=False``: the command checks that one is given, where it needs one)."""
-    src = p.add_mutually_exclusive_group(required=required)
-    src.add_argument("--prompt", help="one prompt text")
-    src.add_argument(
-        "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
-    )
-    src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
-    p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
-    p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
-
-
 def _add_trace(sub) -> None:
     p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
-    _add_prompt_sources(p, required=False)  # not with --finalize
+    add_prompt_sources(p, required=False)  # not with --finalize
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
     p.add_argument("--out", default=None, help="store path (*.zarr); required")
@@ -128,36 +88,6 @@ def _add_trace(sub) -> None:
     p.set_defaults(func=_cmd_trace)
 
 
-def _prompts(args):
-    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
-    from ..prompts import Prompt, load_prompts_file
-
-    workload = None
-    if args.workload is not None:
-        from .. import workloads
-
-        workload = workloads.get(args.workload)
-        recipe = workload.recipe
-        args.max_new_tokens = args.max_new_tokens or int(recipe.get("max_new_tokens", 64))
-        args.chat = args.chat or bool(recipe.get("chat", False))
-        prompts = workloads.prompts_for_model(
-            args.workload, args.model, context=args.context, seed=args.seed, samples=args.samples,
-            chat=args.chat, max_new_tokens=args.max_new_tokens, trust_remote_code=args.trust_remote_code,
-        )  # fmt: skip
-    else:
-        if args.context is not None or args.samples is not None:
-            raise KvscopeError("--context and --samples go with --workload")
-        if args.max_new_tokens is None:
-            raise KvscopeError("--max-new-tokens is required (except with --workload)")
-        if args.prompt is not None:
-            if not args.prompt.strip():
-                raise KvscopeError("--prompt is empty")
-            prompts = [Prompt(args.prompt, "cli")]
-        else:
-            prompts = load_prompts_file(args.prompts)
-    return prompts, workload
-
-
 def _trace_cache(args):
     """The live policy cache factory of ``--policy``/``--budget``/``--allocation``/``--kv-dtype``
     (None without)."""
@@ -189,18 +119,6 @@ def _trace_settings(args):
     return TraceSettings(**same, **renamed)
 
 
-def _progress(label: str, quiet: bool, what: str = "", fields: dict | None = None):
-    """A transient rich progress bar on stderr: ``(bar, task)``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(
-        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(what), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=quiet, transient=True,
-    )  # fmt: skip
-    return bar, bar.add_task(label, total=None, **(fields or {}))
-
-
 def _cmd_trace(args) -> int:
     if args.finalize is not None:
         return _finalize(args)
@@ -211,7 +129,7 @@ def _cmd_trace(args) -> int:
         raise KvscopeError("the following arguments are required: --out")
     cache = _trace_cache(args)
     _check_record(args)
-    prompts, workload = _prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
+    prompts, workload = read_prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
     settings = _trace_settings(args)
     settings.check()  # before torch and transformers load: a refused option costs no import
     if args.dask is not None:
@@ -219,11 +137,11 @@ def _cmd_trace(args) -> int:
     from ..tracing.runner import trace
 
     what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
-    bar, task = _progress("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
+    bar, task = progress_bar("trace", args.quiet, what, {"tps": 0.0, "written": "0 B"})
     with bar:
 
         def on_step(p):
-            written = _human_bytes(p.bytes_written)
+            written = human_bytes(p.bytes_written)
             bar.update(task, completed=p.steps_done, total=p.steps_total, tps=p.tokens_per_s, written=written)
 
         result = trace(
@@ -254,8 +172,8 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
 
     started = time.perf_counter()
     refuse_early(prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache)  # before the cluster
-    with _DaskContext(args.dask) as client:
-        bar, task = _progress("trace", args.quiet, "shards")
+    with DaskContext(args.dask) as client:
+        bar, task = progress_bar("trace", args.quiet, "shards")
         with bar:
             results = trace_dask(
                 client, prompts, args.out, settings, resume=args.resume, force=args.force, cache=cache,
@@ -278,7 +196,7 @@ def _print_traced(results, seconds: float, label: str, prompts, workload) -> Non
     print(
         f"traced {label}{len(rows)} sample(s), {steps} steps in {seconds:.1f} s "
         f"({steps / seconds if seconds else 0:.1f} steps/s) → {path} "
-        f"[{_human_bytes(info['stored_bytes'])} on disk, compression {info['compression_ratio'] or 0:.2f}×{state}]"
+        f"[{human_bytes(info['stored_bytes'])} on disk, compression {info['compression_ratio'] or 0:.2f}×{state}]"
     )
     for n, _, text in rows:
         graded = ""
@@ -305,12 +223,12 @@ def _finalize(args) -> int:
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate under a policy cache and compare with full-KV decoding")
-    _add_prompt_sources(p)
+    add_prompt_sources(p)
     p.add_argument(
         "--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5 or press:KnormPress"
     )
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
-    _add_allocation(p, several=False)
+    add_allocation(p, several=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
@@ -354,8 +272,8 @@ def _cmd_run(args) -> int:
 
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = defaults.MAX_NEW_TOKENS
-    prompts, workload = _prompts(args)
-    bar, task = _progress("run", args.quiet, "forwards (full KV, policy, policy teacher-forced per prompt)")
+    prompts, workload = read_prompts(args)
+    bar, task = progress_bar("run", args.quiet, "forwards (full KV, policy, policy teacher-forced per prompt)")
     with bar:
         results = run(
             prompts, policy, budget, model=args.model, max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype,
@@ -384,7 +302,7 @@ def _cmd_run(args) -> int:
         score = "" if r.score is None else f"{r.score:.2f} ({r.score_full:.2f})"
         table.add_row(
             str(n), f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.perplexity:.3f} ({r.perplexity_full:.3f})",
-            f"{r.tokens_per_s:.1f} ({r.tokens_per_s_full:.1f})", _human_bytes(r.bytes_actual_peak),
+            f"{r.tokens_per_s:.1f} ({r.tokens_per_s_full:.1f})", human_bytes(r.bytes_actual_peak),
             f"{r.bytes_actual_peak / r.full_bytes:.3f}" + ("" if r.budget_reached else " floor"), score,
         )  # fmt: skip
     print_table(table, 110)
@@ -398,7 +316,7 @@ def _add_validate(sub) -> None:
     p.add_argument("store", help="a full-KV trace recorded with --record qkv")
     p.add_argument("--policy", required=True, help="a policy, e.g. h2o, qevict:q_frac=0.5 or press:SnapKVPress")
     p.add_argument("--budget", required=True, help="β in (0, 1]")
-    _add_allocation(p, several=False)
+    add_allocation(p, several=False)
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
     p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
     p.add_argument("--force", action="store_true", help="overwrite an existing --live-out")
@@ -587,9 +505,9 @@ def _cmd_compact(args) -> int:
     raw, rows = summary["attn_raw_bytes"], summary["attn_out_bytes"]
     print(row_format(summary["rows"]).line())
     print(
-        f"{args.out}: attn {_human_bytes(rows)} ({rows / raw:.3f} of raw fp16 rows, "
+        f"{args.out}: attn {human_bytes(rows)} ({rows / raw:.3f} of raw fp16 rows, "
         f"{rows / summary['attn_in_bytes']:.3f} of {args.store}); "
-        f"store {_human_bytes(summary['out_bytes'])} (was {_human_bytes(summary['in_bytes'])})"
+        f"store {human_bytes(summary['out_bytes'])} (was {human_bytes(summary['in_bytes'])})"
     )
     return 0
 
@@ -645,7 +563,7 @@ def _cmd_info(args) -> int:
     print(f"steps committed {info['steps_committed']}")
     ratio = info["compression_ratio"]
     print(
-        f"on disk {_human_bytes(info['stored_bytes'])} for {_human_bytes(info['logical_bytes'])} of written chunks"
+        f"on disk {human_bytes(info['stored_bytes'])} for {human_bytes(info['logical_bytes'])} of written chunks"
         + (f" (compression {ratio:.2f}×)" if ratio else "")
     )
     table = Table("array", "dims", "shape", "dtype", "on disk", "ratio")
@@ -654,7 +572,7 @@ def _cmd_info(args) -> int:
             continue
         r = a["logical_bytes"] / a["stored_bytes"] if a["stored_bytes"] else 0
         table.add_row(
-            name, ", ".join(a["dims"]), str(tuple(a["shape"])), a["dtype"], _human_bytes(a["stored_bytes"]), f"{r:.2f}×"
+            name, ", ".join(a["dims"]), str(tuple(a["shape"])), a["dtype"], human_bytes(a["stored_bytes"]), f"{r:.2f}×"
         )
     print_table(table)
     return 0
@@ -673,7 +591,7 @@ def _add_analyze(sub, metrics: bool = True) -> None:
     from ..analysis import available
 
     p = sub.add_parser("analyze", help="metrics of a trace: " + ", ".join(available()))
-    metrics = p.add_subparsers(dest="analysis", required=True, parser_class=_Parser, metavar="METRIC")
+    metrics = p.add_subparsers(dest="analysis", required=True, parser_class=Parser, metavar="METRIC")
     for name, cls in available().items():
         q = metrics.add_parser(name, help=_escaped(cls.title), description=_escaped(cls.title))
         q.add_argument("store")
@@ -739,7 +657,7 @@ def _cmd_analyze(args) -> int:
 
         ds = with_recomputed_rows(ds)
     metric, given = _replayed_inputs(metric, ds, args)
-    with _DaskContext(args.dask):
+    with DaskContext(args.dask):
         result = metric(ds, **given)
     doc = metric.summary(result)
     doc["row_format"] = ds.kvscope.rows.attrs(ds.kvscope.n_sink)  # how the rows these numbers come from were stored
@@ -750,7 +668,7 @@ def _cmd_analyze(args) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     print_rows(metric.table(doc), f"{args.analysis} · {args.store}")
-    _say_lossy_rows(ds.attrs)
+    say_lossy_rows(ds.attrs)
     if args.plot:
         print(f"figure written to {args.plot}")
     return 0
@@ -782,49 +700,6 @@ def _replayed_inputs(metric, ds, args):
     return metric, metric.inputs_from_tiers(tiers, ds.kvscope.n_sink)
 
 
-class _DaskContext:
-    """``--dask local:N`` starts a LocalCluster; ``tcp://…`` connects to a scheduler."""
-
-    def __init__(self, spec: str | None):
-        self.spec = spec
-        self.client = self.cluster = None
-        self.environ: dict = {}
-
-    def __enter__(self):
-        if not self.spec:
-            return None
-        from distributed import Client
-
-        from ..cluster import local_cluster
-
-        if self.spec.startswith("local:"):
-            try:
-                n = int(self.spec.split(":", 1)[1])
-            except ValueError:
-                raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
-            if n < 1:
-                raise KvscopeError("--dask local:N needs N ≥ 1")
-            self.environ = dict(os.environ)  # the nanny sets OMP_NUM_THREADS=1 … here too, for its workers
-            self.cluster = local_cluster(n)
-            self.client = Client(self.cluster)
-        elif self.spec.startswith(("tcp://", "tls://")):
-            try:
-                self.client = Client(self.spec, timeout="10s")
-            except OSError as exc:
-                raise KvscopeError(f"cannot reach the dask scheduler at {self.spec}: {exc}") from None
-        else:
-            raise KvscopeError(f"--dask takes local:N or tcp://host:port (got {self.spec!r})")
-        return self.client
-
-    def __exit__(self, *exc):
-        if self.client is not None:
-            self.client.close()
-        if self.cluster is not None:
-            self.cluster.close()
-            os.environ.clear()
-            os.environ.update(self.environ)
-
-
 def _save_figure(fig, path) -> None:
     from ..figures import save
 
@@ -841,17 +716,6 @@ def _budgets(text: str) -> list[float]:
     if not parts:
         raise KvscopeError("--budgets needs at least one value in (0, 1]")
     return [check_budget(x.strip()) for x in parts]
-
-
-def _add_allocation(p, several: bool) -> None:
-    from ..policies.allocation import REGISTRY
-
-    p.add_argument(
-        "--allocation", default="uniform",
-        help=("comma-separated, each " if several else "")
-        + "how β's bytes are split across layers and KV heads: " + ", ".join(REGISTRY)
-        + " (name or name:key=value, e.g. pyramid:beta=10; default uniform)",
-    )  # fmt: skip
 
 
 def _allocations(text: str) -> list:
@@ -872,7 +736,7 @@ def _add_replay(sub) -> None:
         help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see kvscope policies)",
     )
     p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
-    _add_allocation(p, several=True)
+    add_allocation(p, several=True)
     p.add_argument("--observe", default="renorm", help="renorm (default) | exact (needs --record qkv)")
     p.add_argument("--horizon", type=int, default=defaults.HORIZON, help="FMM horizon H")
     p.add_argument("--every", type=int, default=None, help="steps between events (default w)")
@@ -924,8 +788,8 @@ def _cmd_replay(args) -> int:
     if args.plot:
         figure_path(args.plot)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
-    bar, task = _progress(f"replay {len(policies)}×{len(allocations)}×{len(budgets)}", quiet, "steps")
-    with bar, _DaskContext(args.dask) as client:
+    bar, task = progress_bar(f"replay {len(policies)}×{len(allocations)}×{len(budgets)}", quiet, "steps")
+    with bar, DaskContext(args.dask) as client:
         result = replay(
             args.store, policies, budgets, allocations=allocations, observe=args.observe, horizon=args.horizon, every=args.every,
             question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task,
@@ -939,17 +803,8 @@ def _cmd_replay(args) -> int:
     if not args.json:
         from ..store import read_attrs
 
-        _say_lossy_rows(read_attrs(args.store))
+        say_lossy_rows(read_attrs(args.store))
     return code
-
-
-def _say_lossy_rows(attrs: dict) -> None:
-    """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
-    from ..rowformat import RowFormat
-
-    rows = RowFormat.of(attrs)
-    if rows.lossy:
-        print(rows.line())
 
 
 def _show_comparison(result, args, title: str) -> int:
@@ -1003,7 +858,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--policy", required=True, help="the policy whose parameters are searched, e.g. qevict")
     p.add_argument("--budget", required=True, help="β in (0, 1]")
     p.add_argument("--objective", default="fmm", help=" | ".join(OBJECTIVES) + " (default fmm)")
-    _add_allocation(p, several=False)
+    add_allocation(p, several=False)
     p.add_argument(
         "--space", action="append", default=[], metavar="KEY=LO:HI|KEY=A,B",
         help="search KEY over a float interval or values (allocation.KEY for the allocation's); repeatable",
@@ -1042,7 +897,7 @@ def _cmd_tune(args) -> int:
     )  # fmt: skip
     if args.check is not None:
         quiet = args.quiet or args.json or not sys.stderr.isatty()
-        bar, task = _progress("check", quiet, "forwards (default, best)")
+        bar, task = progress_bar("check", quiet, "forwards (default, best)")
         with bar:
             result.check = check_live(
                 result, args.store, args.check, model=args.model, progress=lambda: bar.advance(task), held=held
@@ -1158,7 +1013,7 @@ def _cmd_view(args) -> int:
 
         info = write_html(ds, result, html, tokens=args.tokens, where=where)
         rows, cols = info["cells"]
-        print(f"wrote {html} ({_human_bytes(info['bytes'])}; {info['images']} images of {rows} × {cols} cells)")
+        print(f"wrote {html} ({human_bytes(info['bytes'])}; {info['images']} images of {rows} × {cols} cells)")
         return 0
     return _serve(args, ds, result, where)
 
@@ -1182,9 +1037,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     others' options may be left out where building them costs imports."""
     from .. import __version__
 
-    parser = _Parser(prog="kvscope", description="What an LLM's KV cache really needs.")
+    parser = Parser(prog="kvscope", description="What an LLM's KV cache really needs.")
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _add_trace(sub)
     _add_info(sub)
     _add_verify(sub)
@@ -1212,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
         with quiet_libraries():
             return int(args.func(args) or 0)
     except KvscopeError as exc:
-        return _one_line(exc)
+        return one_line(exc)
     except KeyboardInterrupt:
         print("kvscope: interrupted", file=sys.stderr)
         return 130
@@ -1222,8 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # never a traceback (KVSCOPE_DEBUG=1 shows it)
         if os.environ.get("KVSCOPE_DEBUG"):
             raise
-        if _in_codec(exc):  # CRC-valid bytes that still do not decode: a damaged chunk
-            return _one_line(
+        if in_codec(exc):  # CRC-valid bytes that still do not decode: a damaged chunk
+            return one_line(
                 KvscopeError(f"a chunk could not be decoded ({first_line(exc, named=True)}); run kvscope verify")
             )
         print(
@@ -1248,22 +1103,6 @@ def _register_stop_io() -> None:
     from ..store import stop_background_io
 
     atexit.register(stop_background_io)
-
-
-def _one_line(exc: Exception) -> int:
-    print(f"kvscope: error: {' '.join(str(exc).split())}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-def _in_codec(exc: BaseException) -> bool:
-    """The exception was raised while zarr decoded a chunk."""
-    tb = exc.__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if "/zarr/codecs/" in name or "/numcodecs/" in name:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,184 @@
+"""What the commands share: the one-line parser and error, the quiet libraries, the prompt and
+allocation options, progress bars, the dask cluster of ``--dask``, sizes in words."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import warnings
+
+from ..errors import KvscopeError
+
+EXIT_BAD_INPUT = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage + error otherwise)
+        print(f"kvscope: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """What the command line keeps out of its output while it runs: transformers' info logs
+    and progress bars, zarr's note on consolidated metadata, libraries' FutureWarnings. The hub
+    client's telemetry is off unless set (its extra request would wait on an unreachable hub)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    # a refused chunk ends zarr's concurrent reads early: the others are stopped at exit
+    # (_stop_io_at_exit), and asyncio's notes on them kept out of the output
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:  # imported already (the environment above is read at import)
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+def one_line(exc: Exception) -> int:
+    print(f"kvscope: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def in_codec(exc: BaseException) -> bool:
+    """The exception was raised while zarr decoded a chunk."""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if "/zarr/codecs/" in name or "/numcodecs/" in name:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def progress_bar(label: str, quiet: bool, what: str = "", fields: dict | None = None):
+    """A transient rich progress bar on stderr: ``(bar, task)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(what), TimeRemainingColumn(),
+        console=Console(stderr=True), disable=quiet, transient=True,
+    )  # fmt: skip
+    return bar, bar.add_task(label, total=None, **(fields or {}))
+
+
+def add_prompt_sources(p, required: bool = True) -> None:
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`read_prompts`;
+    ``required=False``: the command checks that one is given, where it needs one)."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument(
+        "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
+    )
+    src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
+    p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
+    p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
+
+
+def read_prompts(args):
+    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
+    from ..prompts import Prompt, load_prompts_file
+
+    workload = None
+    if args.workload is not None:
+        from .. import workloads
+
+        workload = workloads.get(args.workload)
+        recipe = workload.recipe
+        args.max_new_tokens = args.max_new_tokens or int(recipe.get("max_new_tokens", 64))
+        args.chat = args.chat or bool(recipe.get("chat", False))
+        prompts = workloads.prompts_for_model(
+            args.workload, args.model, context=args.context, seed=args.seed, samples=args.samples,
+            chat=args.chat, max_new_tokens=args.max_new_tokens, trust_remote_code=args.trust_remote_code,
+        )  # fmt: skip
+    else:
+        if args.context is not None or args.samples is not None:
+            raise KvscopeError("--context and --samples go with --workload")
+        if args.max_new_tokens is None:
+            raise KvscopeError("--max-new-tokens is required (except with --workload)")
+        if args.prompt is not None:
+            if not args.prompt.strip():
+                raise KvscopeError("--prompt is empty")
+            prompts = [Prompt(args.prompt, "cli")]
+        else:
+            prompts = load_prompts_file(args.prompts)
+    return prompts, workload
+
+
+def add_allocation(p, several: bool) -> None:
+    from ..policies.allocation import REGISTRY
+
+    p.add_argument(
+        "--allocation", default="uniform",
+        help=("comma-separated, each " if several else "")
+        + "how β's bytes are split across layers and KV heads: " + ", ".join(REGISTRY)
+        + " (name or name:key=value, e.g. pyramid:beta=10; default uniform)",
+    )  # fmt: skip
+
+
+class DaskContext:
+    """``--dask local:N`` starts a LocalCluster; ``tcp://…`` connects to a scheduler."""
+
+    def __init__(self, spec: str | None):
+        self.spec = spec
+        self.client = self.cluster = None
+        self.environ: dict = {}
+
+    def __enter__(self):
+        if not self.spec:
+            return None
+        from distributed import Client
+
+        from ..cluster import local_cluster
+
+        if self.spec.startswith("local:"):
+            try:
+                n = int(self.spec.split(":", 1)[1])
+            except ValueError:
+                raise KvscopeError(f"--dask local:N needs a worker count (got {self.spec!r})") from None
+            if n < 1:
+                raise KvscopeError("--dask local:N needs N ≥ 1")
+            self.environ = dict(os.environ)  # the nanny sets OMP_NUM_THREADS=1 … here too, for its workers
+            self.cluster = local_cluster(n)
+            self.client = Client(self.cluster)
+        elif self.spec.startswith(("tcp://", "tls://")):
+            try:
+                self.client = Client(self.spec, timeout="10s")
+            except OSError as exc:
+                raise KvscopeError(f"cannot reach the dask scheduler at {self.spec}: {exc}") from None
+        else:
+            raise KvscopeError(f"--dask takes local:N or tcp://host:port (got {self.spec!r})")
+        return self.client
+
+    def __exit__(self, *exc):
+        if self.client is not None:
+            self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+            os.environ.clear()
+            os.environ.update(self.environ)
+
+
+def say_lossy_rows(attrs: dict) -> None:
+    """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
+    from ..rowformat import RowFormat
+
+    rows = RowFormat.of(attrs)
+    if rows.lossy:
+        print(rows.line())
