@@ -11,6 +11,20 @@ and its load as the run began, the command line and the figures::
     record.add_argument(ap); args = ap.parse_args(); started = record.machine()
     ...
     record.finish("trace_overhead", args, report, started)
+
+A report written elsewhere — ``benchmarks/gpu_check.py --out gpu_check.json`` on a CUDA machine,
+``$OUT/gpu_check.json`` from ``benchmarks/gpu_check.sh`` — is appended as a run from the command line::
+
+    python benchmarks/record.py append gpu_check gpu_check.json
+    python benchmarks/record.py append gpu_check gpu_check.json --elsewhere \
+        --machine gpu="NVIDIA H200" cores=16 memory_gib=128 load="idle apart from the run" --date 2026-12-04
+
+The report's JSON is the run's figures. The machine is this one (``machine()``, less the load: the
+run is over) with the report's GPU (``device_name`` where ``device`` is CUDA); ``--elsewhere``: the
+report ran on another machine, so only the report's GPU and ``--machine KEY=VALUE`` describe it
+(values are JSON where they parse: numbers stay numbers). ``--date`` (default now), ``--command``
+(default ``bash benchmarks/NAME.sh`` where that script exists, else ``python benchmarks/NAME.py``)
+and ``--note`` as the run needs; the code is this checkout's commit.
 """
 
 from __future__ import annotations
@@ -61,16 +75,28 @@ def code() -> dict:
     }
 
 
-def append_run(name: str, figures, machine_info: dict | None = None, argv: list[str] | None = None) -> Path:
+def append_run(
+    name: str,
+    figures,
+    machine_info: dict | None = None,
+    argv: list[str] | None = None,
+    *,
+    command: str | None = None,
+    date: str | None = None,
+    extra: dict | None = None,
+) -> Path:
     """Append a run of benchmark ``name`` with ``figures`` (JSON-able) to its results file;
-    ``machine_info``: :func:`machine` as the run began (its load then), now by default."""
+    ``machine_info``: :func:`machine` as the run began (its load then), now by default;
+    ``command``: the command line (default: this process's, as ``python benchmarks/NAME.py ARGS``);
+    ``date``: ISO date or date-time (default: now, UTC); ``extra``: further keys (``note``…)."""
     record = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": date or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "benchmark": name,
         "code": code(),
         "machine": machine_info or machine(),
-        "command": " ".join(["python", f"benchmarks/{name}.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command or " ".join(["python", f"benchmarks/{name}.py", *(sys.argv[1:] if argv is None else argv)]),
         "figures": figures,
+        **(extra or {}),
     }
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.jsonl"
@@ -90,9 +116,56 @@ def finish(name: str, args, figures, machine_info: dict) -> None:
         print(f"recorded in {append_run(name, figures, machine_info)}", file=sys.stderr)
 
 
+def append_file(args) -> Path:
+    """``record.py append NAME FILE.json``: the report in FILE as a run of NAME (module docstring)."""
+    figures = json.loads(Path(args.file).read_text())
+    info = {} if args.elsewhere else {k: v for k, v in machine().items() if k != "load_1min"}
+    if isinstance(figures, dict) and str(figures.get("device", "")).startswith("cuda") and figures.get("device_name"):
+        info["gpu"] = figures["device_name"]
+        if figures.get("torch"):
+            info["torch"] = figures["torch"]
+    for pair in args.machine:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--machine {pair!r}: KEY=VALUE")
+        try:
+            info[key] = json.loads(value)
+        except json.JSONDecodeError:
+            info[key] = value
+    script = ROOT / "benchmarks" / f"{args.name}.sh"
+    command = args.command or (
+        f"bash benchmarks/{args.name}.sh" if script.is_file() else f"python benchmarks/{args.name}.py"
+    )
+    if args.date:
+        datetime.date.fromisoformat(args.date[:10])  # a readable date, or ValueError
+    extra = {"note": args.note} if args.note else None
+    return append_run(args.name, figures, info, command=command, date=args.date, extra=extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Append a benchmark report written elsewhere as a recorded run.")
+    sub = ap.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("append", help="append FILE (the report's JSON) as a run of benchmark NAME")
+    add.add_argument("name", help="the benchmark (its results file: benchmarks/results/NAME.jsonl)")
+    add.add_argument("file", help="the report, JSON")
+    add.add_argument("--machine", nargs="*", default=[], metavar="KEY=VALUE", help="what describes the machine")
+    add.add_argument("--elsewhere", action="store_true", help="the report ran on another machine: not this one's info")
+    add.add_argument("--date", default=None, help="when it ran (ISO; default now)")
+    add.add_argument("--command", default=None, help="the command that wrote the report")
+    add.add_argument("--note", default=None)
+    args = ap.parse_args(argv)
+    print(f"recorded in {append_file(args)}", file=sys.stderr)
+
+
 def _cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
     except OSError:
         return None
+
+
+if __name__ == "__main__":
+    main()
