@@ -14,7 +14,9 @@ each, a ``kvscope view`` server is started (its own process) and one page opened
   streaming pass over the trace) and after the interactions: what the interactions add is
   bounded by the chunks in view (one block of steps × one layer × all positions per chunk).
 
-    python benchmarks/explorer.py [--positions 1024,4096,16384] [--repeat 5]
+    python benchmarks/explorer.py [--positions 1024,4096,16384] [--repeat 5] [--no-record]
+
+Each run is appended to ``benchmarks/results/explorer.jsonl`` (``--no-record``: not).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # benchmarks/record.py: runs as data
 
 from kvscope.synthetic import write_synthetic_store
 
@@ -134,7 +139,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--positions", default="1024,4096,16384")
     ap.add_argument("--repeat", type=int, default=5)
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -149,6 +156,8 @@ def main() -> None:
             rows.append(measure(browser, store, n_pos, args.repeat))
             print(rows[-1], flush=True)
         browser.close()
+    figures = {"steps": STEPS, "layers": LAYERS, "kv_heads": KV, "repeat": args.repeat, "rows": rows}
+    record.finish("explorer", args, figures, machine_info)
     print(
         f"\n{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {STEPS} steps, {LAYERS} layers × {KV} KV heads\n"
     )

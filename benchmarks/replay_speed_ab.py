@@ -12,7 +12,10 @@ q/k/v) at ``--trace`` unless it exists; each replay runs in a fresh process (``R
 
 and the medians, with replay / one decode for each and after / before.
 
-    python benchmarks/replay_speed_ab.py --before /path/to/old/checkout [--after .] [--rounds 3]
+    python benchmarks/replay_speed_ab.py --before /path/to/old/checkout [--after .] [--rounds 3] [--no-record]
+
+Each run is appended to ``benchmarks/results/replay_speed_ab.jsonl`` with both checkouts' commits
+(``--no-record``: not).
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import record  # benchmarks/record.py: runs as data
+
+
+def commit(checkout: str) -> str:
+    """The short commit of a checkout (``+`` where its tracked files differ from it), or ``""``."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + (
+            "+" if git("status", "--porcelain", "--untracked-files=no") else ""
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,7 +56,9 @@ def main() -> None:
     ap.add_argument("--trace", default="/tmp/kvscope-replay-ab/trace.zarr")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budgets", default="0.2,0.35,0.5")
+    record.add_argument(ap)
     args = ap.parse_args()
+    machine_info = record.machine()  # the load as the run begins
 
     import replay_speed as rs
     from trace_overhead import prose_prompt, untraced_decode
@@ -73,14 +94,21 @@ def main() -> None:
     rounds = []
     for _ in range(args.rounds):
         rounds.append({"decode_s": decode(), "before": replay(args.before), "after": replay(args.after)})
-        print(json.dumps({**rounds[-1], "load": os.getloadavg()[0]}), flush=True)
+        rounds[-1]["load"] = round(os.getloadavg()[0], 2)  # the load average at the end of the round
+        print(json.dumps(rounds[-1]), flush=True)
     one = statistics.median(r["decode_s"] for r in rounds)
     before = statistics.median(r["before"][0] for r in rounds)
     after = statistics.median(r["after"][0] for r in rounds)
-    print(json.dumps({
+    medians = {
         "decode_median": one, "before_median": before, "after_median": after, "before_over_decode": before / one,
         "after_over_decode": after / one, "after_over_before": after / before,
-    }))  # fmt: skip
+    }  # fmt: skip
+    print(json.dumps(medians))
+    figures = {
+        "before": args.before, "before_commit": commit(args.before), "after": args.after,
+        "after_commit": commit(args.after), "budgets": args.budgets, "rounds": rounds, **medians,
+    }  # fmt: skip
+    record.finish("replay_speed_ab", args, figures, machine_info)
 
 
 if __name__ == "__main__":
