@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # benchmarks/record.py: runs as data
 
-SHAPE = dict(n_layers=16, n_kv=4, prompt_len=3584, n_steps=512)  # 268 MB of fp16 rows per sample
+SHAPE = {"n_layers": 16, "n_kv": 4, "prompt_len": 3584, "n_steps": 512}  # 268 MB of fp16 rows per sample
 
 
 def bytes_per_sample() -> int:
