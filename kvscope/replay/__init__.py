@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import multiprocessing
 import os
 import sys
@@ -55,7 +54,8 @@ from . import result as _result
 from .check import open_result
 from .output_error import effective_kv
 from .reader import rule_of
-from .store import result_folder, write_variables, written_in_place
+from .result import _attrs, _press_settings, save_result, tiers_for
+from .store import result_folder, write_variables
 
 OBSERVE_MODES = ("renorm", "exact")
 
@@ -470,58 +470,3 @@ def _torch_one_thread(uses_torch: bool):
         yield functools.partial(torch.set_num_threads, 1)
     finally:
         torch.set_num_threads(before)
-
-
-def _attrs(setup: ReplaySetup, trace, seconds: float) -> dict:
-    ds = setup.ds
-    return {
-        "kind": "kvscope replay",
-        "observe": setup.observe,
-        "horizon": setup.fmm.horizon,
-        "every": setup.every,
-        "n_sink": setup.n_sink,
-        "w": setup.w,
-        "lir_m": setup.lir.m,
-        "lir_h": "none" if setup.lir.h_lir is None else setup.lir.h_lir,
-        "delta": setup.lir.delta,
-        "resample": setup.fmm.resample,
-        "ci": _result.ci_attr(setup),
-        "trace": str(trace) if isinstance(trace, (str, os.PathLike)) else ds.encoding.get("source", ""),
-        "model": ds.attrs.get("model", {}).get("name", ""),
-        "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in setup.policies}),
-        "allocations": json.dumps({a.label(): {"name": a.name, **a.params()} for a in setup.allocations}),
-        "kv_itemsize": setup.kv_itemsize,
-        "protocol": "question-agnostic" if ds.kvscope.question_agnostic else "question-aware",
-        "replay_seconds": round(seconds, 3),
-    }
-
-
-def _press_settings(setup: ReplaySetup, settings: dict) -> str:
-    """JSON ``{policy label: {β: {setting: [value per sample]}}}``: what each press was set to
-    so that it holds the budget's bytes (kvscope.policies.press)."""
-    out: dict = {}
-    for (pi, _ai, bi, s), setting in sorted(settings.items()):
-        per_budget = out.setdefault(setup.policies[pi].label(), {}).setdefault(f"{setup.budgets[bi]:g}", {})
-        for key, value in setting.items():
-            per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
-    return json.dumps(out)
-
-
-def tiers_for(result: xr.Dataset, policy: str, budget: float, allocation: str = "uniform") -> xr.DataArray:
-    """The replayed tiers of one (policy, allocation, budget) as the analyses take them:
-    ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
-    tiers = result["tiers"]
-    if "allocation" in tiers.dims:
-        tiers = tiers.sel(allocation=allocation)
-    tiers = tiers.sel(policy=policy, budget=budget).drop_vars(
-        ["policy", "allocation", "budget", "policy_name", "policy_kind"], errors="ignore"
-    )
-    tiers.attrs = {"policy": f"{policy}@{budget}" if allocation == "uniform" else f"{policy}/{allocation}@{budget}"}
-    return tiers
-
-
-def save_result(result: xr.Dataset, path) -> None:
-    """Write a replay result as a Zarr v3 store (checksummed chunks), under a temporary name
-    renamed into place when complete; an existing path is refused, never overwritten."""
-    with written_in_place(path) as partial:
-        write_variables(result, partial, mode="w-")
