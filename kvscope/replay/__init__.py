@@ -33,233 +33,41 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import os
-import sys
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import xarray as xr
 
 from .. import defaults
-from ..analysis.fmm import FMM
-from ..analysis.lir import LIR
 from ..errors import KvscopeError
-from ..policies import Allocation, CacheSpec, Policy, check_budget, check_geometry, parse
-from ..policies import allocation as allocation_module
-from ..policies.allocation import check_allocatable
 from . import pieces
 from . import result as _result
 from .check import open_result
 from .output_error import effective_kv
-from .reader import rule_of
+from .plan import (
+    OBSERVE_MODES,
+    ReplaySetup,
+    _block,
+    _processes,
+    resolve_allocations,
+    resolve_budgets,
+    resolve_policies,
+)
 from .result import _attrs, _press_settings, save_result, tiers_for
 from .store import result_folder, write_variables
 
-OBSERVE_MODES = ("renorm", "exact")
-
-__all__ = ["OBSERVE_MODES", "effective_kv", "open_result", "replay", "resolve_policies", "save_result", "tiers_for"]
-
-
-def _resolved(items, cls, parse_one, what: str) -> list:
-    """Names, ``name:key=value`` strings or ``cls`` objects → objects with distinct labels."""
-    if isinstance(items, (str, cls)):
-        items = [items]
-    out = [x if isinstance(x, cls) else parse_one(x) for x in items]
-    if not out:
-        raise KvscopeError(f"no {what} given")
-    labels = [x.label() for x in out]
-    if len(set(labels)) != len(labels):
-        raise KvscopeError(f"{'an' if what[0] in 'aeiou' else 'a'} {what} is listed twice: {', '.join(labels)}")
-    return out
-
-
-def resolve_policies(policies) -> list[Policy]:
-    """Names, ``name:key=value`` strings or policy objects → policy objects (unique labels)."""
-    return _resolved(policies, Policy, parse, "policy")
-
-
-def resolve_allocations(allocations) -> list[Allocation]:
-    """The same for allocations (default: uniform alone)."""
-    return _resolved(
-        ["uniform"] if allocations is None else allocations, Allocation, allocation_module.parse, "allocation"
-    )
-
-
-def resolve_budgets(budgets) -> list[float]:
-    if isinstance(budgets, (int, float, str)):
-        budgets = [budgets]
-    out = [check_budget(b) for b in budgets]
-    if not out:
-        raise KvscopeError("no budget given")
-    if len(set(out)) != len(out):
-        raise KvscopeError("a budget is listed twice")
-    return out
-
-
-@dataclass
-class ReplaySetup:
-    """Everything a replay needs besides the runs themselves."""
-
-    ds: xr.Dataset
-    policies: list[Policy]
-    allocations: list[Allocation]
-    budgets: list[float]
-    observe: str
-    fmm: FMM  # horizon, curve horizons, bootstrap: the analysis layer's definitions and checks
-    lir: LIR  # m, H_lir, δ
-    steps: np.ndarray  # [event] steps of the events
-    group: int  # stored rows per KV head (1: kv-group rows)
-    with_errors: bool
-    validate: bool
-    kv_itemsize: int
-    source: str | None = None  # the trace's path (a dask worker opens it there)
-
-    @classmethod
-    def of(
-        cls,
-        ds,
-        policies,
-        allocations,
-        budgets,
-        *,
-        observe,
-        every,
-        errors,
-        validate,
-        kv_itemsize,
-        question_agnostic,
-        source=None,
-        **metric,
-    ) -> ReplaySetup:
-        acc = ds.kvscope
-        if question_agnostic and not acc.question_agnostic:
-            raise KvscopeError(
-                "question-agnostic replay needs a trace recorded with kvscope trace --question-agnostic "
-                "(this one prefilled the question with the context, so every policy saw it)"
-            )
-        if observe not in OBSERVE_MODES:
-            raise KvscopeError(f"observe must be renorm or exact (got {observe!r})")
-        stats = {k: metric.pop(k) for k in ("n_boot", "seed", "resample")}
-        fmm = FMM(horizon=metric.pop("horizon"), horizons=metric.pop("horizons"), **stats)
-        lir = LIR(**metric, **stats)
-        if every is not None and every < 1:
-            raise KvscopeError(f"every must be ≥ 1 (got {every})")
-        if acc.resolution != "token" and not acc.has_qkv:
-            raise KvscopeError(
-                "replay needs token-resolution rows, or q/k to recompute them from; this store holds window sums only"
-            )
-        acc.require_steps()
-        if observe == "exact" and not acc.has_qkv:
-            raise KvscopeError("observe=exact needs recorded q/k/v (trace with --record qkv)")
-        steps = np.arange(0, ds.sizes["step"], every or acc.w)
-        policies = resolve_policies(policies)
-        check_geometry(policies, acc.model)
-        needs_qkv = [p.label() for p in policies if p.reads_queries]
-        if needs_qkv and not acc.has_qkv:
-            raise KvscopeError(f"{needs_qkv[0]} needs recorded q/k/v (trace with --record qkv)")
-        allocations = resolve_allocations(allocations)
-        check_allocatable(policies, allocations)
-        needs_qkv = [a.label() for a in allocations if a.needs_qkv]
-        if needs_qkv and not acc.has_qkv:
-            raise KvscopeError(f"the {needs_qkv[0]} allocation needs recorded q/k/v (trace with --record qkv)")
-        return cls(
-            ds, policies, allocations, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
-            with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize, source=source,
-        )  # fmt: skip
-
-    @property
-    def horizons(self) -> list[int]:
-        """Horizons of the FMM(H) curve."""
-        return self.fmm.curve_horizons()
-
-    @property
-    def grid(self) -> list[tuple[Policy, Allocation, float]]:
-        """Every run of a sample, in the order of the result's (policy, allocation, budget)."""
-        return [(p, a, b) for p in self.policies for a in self.allocations for b in self.budgets]
-
-    @property
-    def has_qkv(self) -> bool:
-        return self.ds.kvscope.has_qkv
-
-    @property
-    def uses_torch(self) -> bool:
-        """Some step computes with torch: errors, exact observation or a kvpress press (q/k/v
-        recorded) — or, torch being loaded already, every float16 conversion (``dtypes.cast``).
-        Forked workers must then set torch to one thread before its first op: a child of a
-        process whose OpenMP team ran once hangs in its first parallel region (libgomp is not
-        fork-safe)."""
-        needs = self.with_errors or self.observe == "exact" or any(p.reads_queries for p in self.policies)
-        return (self.has_qkv and needs) or "torch" in sys.modules
-
-    @property
-    def every(self) -> int:
-        return int(self.steps[1] - self.steps[0]) if len(self.steps) > 1 else self.ds.kvscope.w
-
-    @property
-    def n_layers(self) -> int:
-        return self.ds.sizes["layer"]
-
-    @property
-    def n_kv(self) -> int:
-        """KV heads replayed (a task may hold some): the stored heads, ``group`` per KV head."""
-        return self.ds.sizes[self.ds.kvscope.hdim] // self.group
-
-    @property
-    def head_dim(self) -> int:
-        return self.ds.kvscope.model.head_dim
-
-    @property
-    def n_sink(self) -> int:
-        return self.ds.kvscope.n_sink
-
-    @property
-    def w(self) -> int:
-        return self.ds.kvscope.w
-
-    @property
-    def n_pos(self) -> int:
-        return self.ds.sizes["pos"]
-
-    @property
-    def n_samples(self) -> int:
-        return self.ds.sizes["sample"]
-
-    @property
-    def n_step_total(self) -> int:
-        return self.ds.sizes["step"]
-
-    def spec(self, s: int, budget: float) -> CacheSpec:
-        """Sample ``s``'s cache at ``budget`` over the layers and KV heads replayed here."""
-        acc = self.ds.kvscope
-        prompt_len = int(acc.prompt_len[s])
-        model, final = acc.model, prompt_len + int(acc.n_steps[s])
-        return CacheSpec(
-            self.n_layers, self.n_kv, self.head_dim, prompt_len, final, budget, self.n_sink,
-            self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=model.n_layers,
-            model_kv=model.n_kv_heads, token_values=model.token_values,
-            layer_windows=tuple(model.window(int(layer)) for layer in self.layers) if not model.global_only else (),
-            model_held=0.0 if model.global_only else model.full_tokens(final) / (model.n_layers * model.n_kv_heads),
-        )  # fmt: skip
-
-    @property
-    def layers(self) -> np.ndarray:
-        """``[layer]`` the stored indices of the layers replayed (a task may hold some; a hybrid
-        model's ``layer`` coordinate holds the model's indices of its attention layers)."""
-        model = self.ds.kvscope.model
-        return np.asarray([model.stored_layer(int(x)) for x in self.ds["layer"].values], dtype=np.int64)
-
-    @property
-    def rules(self):
-        """The attention rules of the layers replayed."""
-        from ..attention import LayerRules
-
-        return LayerRules(tuple(rule_of(self.ds, int(layer)) for layer in self.layers))
-
-    @property
-    def rope(self):
-        return self.ds.kvscope.rope
+__all__ = [
+    "OBSERVE_MODES",
+    "ReplaySetup",
+    "effective_kv",
+    "open_result",
+    "replay",
+    "resolve_allocations",
+    "resolve_budgets",
+    "resolve_policies",
+    "save_result",
+    "tiers_for",
+]
 
 
 def replay(
@@ -357,62 +165,6 @@ def replay(
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result
-
-
-def _processes(setup: ReplaySetup, processes: int | None, client, path: str | None) -> int:
-    """Worker processes to fork (0: none): ``processes`` checked, or the default (``replay``'s docstring)."""
-    forkable = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
-    daemon = multiprocessing.current_process().daemon  # a dask worker, say: may not have children
-    if processes is None:
-        cells = len(setup.grid) * int(setup.ds.kvscope.n_steps.sum()) * setup.n_layers * setup.n_kv * setup.n_pos
-        wanted = cells >= defaults.REPLAY_FORK_CELLS and setup.n_layers > 1 and len(setup.grid) > 1
-        n = min(2, os.cpu_count() or 1) if wanted and forkable and not daemon and client is None and path else 0
-        return n if n > 1 else 0
-    if isinstance(processes, bool) or not isinstance(processes, (int, np.integer)) or processes < 0:
-        raise KvscopeError(f"processes must be an integer ≥ 0 (got {processes!r})")
-    if processes <= 1:
-        return 0
-    if client is not None:
-        raise KvscopeError(
-            "a replay runs on a dask cluster or in forked processes, not both (processes=0 with a client)"
-        )
-    if path is None:
-        raise KvscopeError("a replay in forked processes takes the trace as a store path (each process opens it)")
-    if daemon:
-        raise KvscopeError(
-            "this is a daemonic process (a dask worker?), which may not fork worker processes: processes=0"
-        )
-    if not forkable:
-        raise KvscopeError(
-            f"forked worker processes need Linux (this is {sys.platform}): use a dask cluster (--dask local:N)"
-        )
-    return int(processes)
-
-
-def _block(
-    setup: ReplaySetup, layers: int | None, kv_heads: int | None, workers: int, per_worker: int
-) -> tuple[int, int]:
-    """(layers, KV heads) per task, checked, or chosen for ``workers`` to keep busy
-    (:func:`kvscope.replay.pieces.layers_per_task`, :func:`~kvscope.replay.pieces.kv_heads_per_task`)."""
-    if layers is None:
-        layers = pieces.layers_per_task(setup, workers, tasks_per_worker=per_worker)
-    layers = _count(layers, setup.n_layers, "layers per task")
-    if kv_heads is None:
-        return layers, pieces.kv_heads_per_task(setup, layers)
-    kv_heads = _count(kv_heads, setup.n_kv, "KV heads per task")
-    if kv_heads < setup.n_kv and not pieces.per_head(setup):
-        across = next(a.label() for a in setup.allocations if a.across_heads)
-        raise KvscopeError(
-            f"the {across} allocation splits each layer's budget across its KV heads: "
-            f"a task holds all {setup.n_kv} of them (got {kv_heads} KV heads per task)"
-        )
-    return layers, kv_heads
-
-
-def _count(value, most: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
-        raise KvscopeError(f"{what} must be an integer in 1..{most} (got {value!r})")
-    return int(value)
 
 
 def _run(

@@ -1,24 +1,6 @@
-"""Replay as independent tasks: each sample's runs split by layers and KV heads (SPEC §5,
-docs/replay.md).
+"""Replay as independent tasks, cut by :mod:`kvscope.replay.plan` (:class:`~kvscope.replay.plan.Piece`).
 
-A task (:class:`Piece`) replays one sample, a block of the model's layers × KV heads and some
-policies; its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy
-decides each (layer, kv_head) from that unit's rows and capacity alone, and every allocation
-but one splits per unit (uniform; pyramid, the whole model's schedule at the task's layers;
-adakv, each layer's room by its own heads' scores — so its tasks hold every KV head of their
-layers), so a task of some units gives exactly the numbers of the whole replay there. Two
-things cross units, and are handled so:
-
-    a policy that splits its budget itself   kvpress's presses (one compression ratio solved over
-    (Policy.splits_itself)                   every layer): its runs take all units in one task
-    the oracle allocation                    a knapsack over every unit of the sample: the tasks
-                                             first measure their units' losses at the candidate
-                                             capacities (probes), the split is chosen here over all
-                                             of them, then the tasks replay with their part of it
-                                             (whole layers: the candidates include adakv's split)
-
-Tasks hold some of a layer's KV heads only where one layer does not fit the task's memory
-(:func:`kv_heads_per_task`). :func:`run_pieces` runs the tasks in this process (runs of a step
+:func:`run_pieces` runs the tasks in this process (runs of a step
 advanced by a thread pool), in worker processes forked from it (:class:`ForkedWorkers`), or on a
 ``dask.distributed`` client: each worker opens the trace by
 its path and writes its snapshots into the result store's chunks of its own units (chunked by
@@ -29,114 +11,17 @@ puts in place.
 from __future__ import annotations
 
 import functools
-import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Self
 
 import numpy as np
 
-from .. import defaults
 from ..errors import KvscopeError
+from .plan import Piece, plan
 from .result import Outputs
 from .sample import SampleReplay
 from .store import TierStore
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One task: ``sample``, the model's layers ``start..stop−1`` and KV heads
-    ``kv_start..kv_stop−1``, and the ``policies`` (indices into the replay's) it runs under
-    every allocation and budget."""
-
-    sample: int
-    start: int
-    stop: int
-    kv_start: int
-    kv_stop: int
-    policies: tuple[int, ...]
-
-    @property
-    def layers(self) -> slice:
-        return slice(self.start, self.stop)
-
-    @property
-    def units(self) -> tuple[slice, slice]:
-        """The task's ``[layer, kv_head]`` in the model's."""
-        return self.layers, slice(self.kv_start, self.kv_stop)
-
-
-def layer_bytes(setup) -> int:
-    """What a task holds per layer, estimated: two blocks of float32 rows, K/V as recorded
-    (and their float32 copies where kvpress presses run) and each quantizing run's dequantized copy,
-    the float32 V of a step's full-KV reference (errors), every run's state and pending snapshots,
-    the future-mass stream — each ``[kv_head, pos]`` wide (``/ n_kv`` per KV head). Quantizing
-    the prompt adds temporaries of at most :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups
-    per thread, left out."""
-    acc = setup.ds.kvscope
-    per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
-    if setup.has_qkv:
-        quantizing = sum(1 for policy, _, _ in setup.grid if policy.quantizes)
-        float32 = 4 if any(policy.reads_queries for policy, _, _ in setup.grid) else 0
-        model = acc.model  # K and V of each key head (MLA: every query head's, all in one unit)
-        keys = model.n_key_heads // model.n_kv_heads
-        per_position += (
-            (model.head_dim + model.v_dim) * keys * (setup.ds["k"].dtype.itemsize + float32 + 4 * quantizing)
-        )
-        per_position += 4 * model.v_dim * keys if setup.with_errors else 0
-    per_position += len(setup.grid) * 40 + len(setup.horizons) * 16
-    return int(setup.n_kv * setup.n_pos * per_position)
-
-
-def layers_per_task(
-    setup, workers: int = 0, memory: int = defaults.REPLAY_TASK_BYTES, tasks_per_worker: int = 2
-) -> int:
-    """Layers per task: as many as ``memory`` holds (all of them for a small trace) — and,
-    with ``workers`` to keep busy, few enough that the samples give ``tasks_per_worker``·workers
-    tasks in all (2 on a cluster, whose workers may differ; 1 for :class:`ForkedWorkers`: each
-    task pays the per-step work that does not shrink with its layers)."""
-    fit = max(1, min(setup.n_layers, memory // max(layer_bytes(setup), 1)))
-    if workers:
-        samples = max(1, int((setup.ds.kvscope.n_steps > 0).sum()))
-        fit = min(fit, max(1, math.ceil(setup.n_layers / math.ceil(tasks_per_worker * workers / samples))))
-    return fit
-
-
-def per_head(setup) -> bool:
-    """Tasks may hold some of a layer's KV heads: no allocation's split of a layer reads all
-    its heads (:attr:`~kvscope.policies.allocation.Allocation.across_heads`: adakv, and the
-    oracle, whose candidates include adakv's split)."""
-    return not any(a.across_heads for a in setup.allocations)
-
-
-def kv_heads_per_task(setup, layers: int, memory: int = defaults.REPLAY_TASK_BYTES) -> int:
-    """KV heads per task: all of them, unless a task of one layer does not fit ``memory`` and
-    the allocations allow it (:func:`per_head`) — then blocks of even size that fit, at least one head."""
-    if layers > 1 or not per_head(setup):
-        return setup.n_kv
-    fit = max(1, memory * setup.n_kv // max(layer_bytes(setup), 1))
-    return setup.n_kv if fit >= setup.n_kv else math.ceil(setup.n_kv / math.ceil(setup.n_kv / fit))
-
-
-def plan(setup, layers: int, kv_heads: int | None = None) -> list[Piece]:
-    """The tasks of a replay: per sample with steps, blocks of ``layers`` layers × ``kv_heads``
-    KV heads (default all) for the policies that decide per unit, every unit at once for those
-    that split their budget."""
-    local = tuple(i for i, p in enumerate(setup.policies) if not p.splits_itself)
-    whole = tuple(i for i, p in enumerate(setup.policies) if p.splits_itself)
-    n_layers, n_kv = setup.n_layers, setup.n_kv
-    heads = kv_heads or n_kv
-    pieces = []
-    for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0):
-        if local:
-            pieces += [
-                Piece(int(s), a, min(a + layers, n_layers), h, min(h + heads, n_kv), local)
-                for a in range(0, n_layers, layers)
-                for h in range(0, n_kv, heads)
-            ]
-        if whole:
-            pieces.append(Piece(int(s), 0, n_layers, 0, n_kv, whole))
-    return pieces
 
 
 def restricted(setup, piece: Piece):
