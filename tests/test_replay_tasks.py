@@ -330,8 +330,9 @@ def test_pyramid_split_of_some_layers_is_the_whole_split_there():
 def test_a_failed_tier_write_is_raised_when_the_task_completes(tmp_path):
     """A task's snapshots are written by its writer thread; a write that fails (here: a file
     where the chunks' folder goes) is raised by complete(), and nothing is marked taken."""
-    from kvscope.replay.pieces import Piece, TierWindow
+    from kvscope.replay.plan import Piece
     from kvscope.replay.store import TierStore
+    from kvscope.replay.tasks import TierWindow
 
     store = TierStore(tmp_path / "result", (1, 1, 1, 1, 2, 2, 1, 5))
     (tmp_path / "result" / "tiers" / "c").write_text("not a folder")
