@@ -1,4 +1,4 @@
-"""Replay as tasks of one sample and some layers (kvscope.replay.pieces): the same numbers
+"""Replay as tasks of one sample and some layers (kvscope.replay.plan, run and tasks): the same numbers
 whatever the blocks, in this process, on a LocalCluster and on a scheduler the CLI did not start."""
 
 from __future__ import annotations

@@ -304,8 +304,8 @@ def layers_per_task(
 ) -> int:
     """Layers per task: as many as ``memory`` holds (all of them for a small trace) — and,
     with ``workers`` to keep busy, few enough that the samples give ``tasks_per_worker``·workers
-    tasks in all (2 on a cluster, whose workers may differ; 1 for :class:`ForkedWorkers`: each
-    task pays the per-step work that does not shrink with its layers)."""
+    tasks in all (2 on a cluster, whose workers may differ; 1 for :class:`~kvscope.replay.run.ForkedWorkers`:
+    each task pays the per-step work that does not shrink with its layers)."""
     fit = max(1, min(setup.n_layers, memory // max(layer_bytes(setup), 1)))
     if workers:
         samples = max(1, int((setup.ds.kvscope.n_steps > 0).sum()))
