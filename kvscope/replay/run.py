@@ -130,9 +130,9 @@ def replay(
 def _run(
     setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: int | None, processes: int, progress
 ) -> str:
-    """Every task (:mod:`kvscope.replay.plan`, :mod:`kvscope.replay.tasks`): on the ``client``, in ``processes`` forked
-    workers, or in this process with the runs of a step advanced by ``threads`` (default: up to
-    2; numpy releases the GIL inside its loops). Returns where they ran (the result's
+    """Every task (:mod:`kvscope.replay.plan`, :mod:`kvscope.replay.tasks`): on the ``client``, in
+    ``processes`` forked workers, or in this process with the runs of a step advanced by ``threads``
+    (default: up to 2; numpy releases the GIL inside its loops). Returns where they ran (the result's
     ``replay_workers``): ``dask:N`` (N worker threads), ``forked:N`` or ``threads:N``."""
     pieces_of = plan(setup, *block)
     done, total = [0], sum(int(setup.ds.kvscope.n_steps[p.sample]) for p in pieces_of)
