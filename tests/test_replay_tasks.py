@@ -1,4 +1,4 @@
-"""Replay as tasks of one sample and some layers (kvscope.replay.pieces): the same numbers
+"""Replay as tasks of one sample and some layers (kvscope.replay.plan, run and tasks): the same numbers
 whatever the blocks, in this process, on a LocalCluster and on a scheduler the CLI did not start."""
 
 from __future__ import annotations
@@ -330,8 +330,9 @@ def test_pyramid_split_of_some_layers_is_the_whole_split_there():
 def test_a_failed_tier_write_is_raised_when_the_task_completes(tmp_path):
     """A task's snapshots are written by its writer thread; a write that fails (here: a file
     where the chunks' folder goes) is raised by complete(), and nothing is marked taken."""
-    from kvscope.replay.pieces import Piece, TierWindow
+    from kvscope.replay.plan import Piece
     from kvscope.replay.store import TierStore
+    from kvscope.replay.tasks import TierWindow
 
     store = TierStore(tmp_path / "result", (1, 1, 1, 1, 2, 2, 1, 5))
     (tmp_path / "result" / "tiers" / "c").write_text("not a folder")

@@ -1,5 +1,7 @@
 """The replay result: every run's record assembled into one Dataset, with the metrics of
-the analysis layer (streaming churn and LIR, the bootstrap) over the replayed tiers.
+the analysis layer (streaming churn and LIR, the bootstrap) over the replayed tiers, and its
+attributes; one run's tiers as the analyses take them (:func:`tiers_for`) and a result written
+as a store (:func:`save_result`).
 
 Dims: ``policy, allocation, budget, sample, event | event_pair | step, layer, kv_head, pos,
 horizon, tier``; a run is one (policy, allocation, budget) — ``RUN`` below.
@@ -9,6 +11,8 @@ the result store as it is taken (:class:`kvscope.replay.store.TierStore`).
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -19,7 +23,7 @@ import xarray as xr
 from ..analysis.churn import ChurnStream, valid_events
 from ..analysis.common import selection_codes
 from ..analysis.lir import LIR, LirStream
-from .store import RUN, TIER_DIMS, TierStore
+from .store import RUN, TIER_DIMS, TierStore, write_variables, written_in_place
 
 TIERS = ("FP", "Q", "EVICTED")
 
@@ -275,3 +279,58 @@ def _coords(setup, o: Outputs) -> dict:
 
 def ci_attr(setup) -> str:
     return setup.fmm.ci_note(setup.n_samples, setup.n_samples * setup.n_layers * setup.n_kv)
+
+
+def _attrs(setup, trace, seconds: float) -> dict:
+    ds = setup.ds
+    return {
+        "kind": "kvscope replay",
+        "observe": setup.observe,
+        "horizon": setup.fmm.horizon,
+        "every": setup.every,
+        "n_sink": setup.n_sink,
+        "w": setup.w,
+        "lir_m": setup.lir.m,
+        "lir_h": "none" if setup.lir.h_lir is None else setup.lir.h_lir,
+        "delta": setup.lir.delta,
+        "resample": setup.fmm.resample,
+        "ci": ci_attr(setup),
+        "trace": str(trace) if isinstance(trace, (str, os.PathLike)) else ds.encoding.get("source", ""),
+        "model": ds.attrs.get("model", {}).get("name", ""),
+        "policies": json.dumps({p.label(): {"name": p.name, "kind": p.kind, **p.params()} for p in setup.policies}),
+        "allocations": json.dumps({a.label(): {"name": a.name, **a.params()} for a in setup.allocations}),
+        "kv_itemsize": setup.kv_itemsize,
+        "protocol": "question-agnostic" if ds.kvscope.question_agnostic else "question-aware",
+        "replay_seconds": round(seconds, 3),
+    }
+
+
+def _press_settings(setup, settings: dict) -> str:
+    """JSON ``{policy label: {β: {setting: [value per sample]}}}``: what each press was set to
+    so that it holds the budget's bytes (kvscope.policies.press)."""
+    out: dict = {}
+    for (pi, _ai, bi, s), setting in sorted(settings.items()):
+        per_budget = out.setdefault(setup.policies[pi].label(), {}).setdefault(f"{setup.budgets[bi]:g}", {})
+        for key, value in setting.items():
+            per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
+    return json.dumps(out)
+
+
+def tiers_for(result: xr.Dataset, policy: str, budget: float, allocation: str = "uniform") -> xr.DataArray:
+    """The replayed tiers of one (policy, allocation, budget) as the analyses take them:
+    ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
+    tiers = result["tiers"]
+    if "allocation" in tiers.dims:
+        tiers = tiers.sel(allocation=allocation)
+    tiers = tiers.sel(policy=policy, budget=budget).drop_vars(
+        ["policy", "allocation", "budget", "policy_name", "policy_kind"], errors="ignore"
+    )
+    tiers.attrs = {"policy": f"{policy}@{budget}" if allocation == "uniform" else f"{policy}/{allocation}@{budget}"}
+    return tiers
+
+
+def save_result(result: xr.Dataset, path) -> None:
+    """Write a replay result as a Zarr v3 store (checksummed chunks), under a temporary name
+    renamed into place when complete; an existing path is refused, never overwritten."""
+    with written_in_place(path) as partial:
+        write_variables(result, partial, mode="w-")

@@ -127,7 +127,7 @@ class SampleReplay:
         pi, rest = divmod(gi, len(st.allocations) * len(st.budgets))
         ai, bi = divmod(rest, len(st.budgets))
         record = self.outputs.record(pi, ai, bi, self.s, state.tiers.shape)
-        if allocation.clairvoyant:  # the oracle's split, decided over every unit of the sample (replay.pieces)
+        if allocation.clairvoyant:  # the oracle's split, decided over every unit of the sample (replay.tasks)
             allocation = Given.of(self.splits[pi, ai, bi])  # a task of some layers: checked per unit (driver)
         driver = PolicyDriver(state, allocation=allocation, where=f" of sample {self.s}")
         return Run(driver, record, st.horizons[-1])
