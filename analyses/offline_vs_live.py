@@ -68,7 +68,7 @@ def _load(model: str, device: str) -> None:
     import torch
 
     from kvscope.live import prepare
-    from kvscope.models import load, resolve
+    from kvscope.model.loading import load, resolve
 
     torch.set_num_threads(1)
     model_obj, tokenizer = load(resolve(model, allow_hub=False), device)
@@ -103,8 +103,8 @@ def live_prompt(task: dict) -> list[dict]:
 
 def live_grid(args, prompts: dict) -> tuple[list[dict], float]:
     """Every prompt of every workload on ``args.workers`` processes → (records, wall seconds)."""
-    from kvscope.models import load_tokenizer, resolve
-    from kvscope.prompts import encode
+    from kvscope.model.loading import load_tokenizer, resolve
+    from kvscope.model.prompts import encode
 
     tokenizer = load_tokenizer(resolve(args.model, allow_hub=False))
     tasks = []

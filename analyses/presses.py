@@ -43,7 +43,7 @@ def one_decode(path: Path) -> float:
     from trace_overhead import untraced_decode
 
     import kvscope
-    from kvscope.models import load, resolve
+    from kvscope.model.loading import load, resolve
 
     ds = kvscope.open_trace(path)
     p, n = int(ds["prompt_len"].values[0]), int(ds["n_steps"].values[0])

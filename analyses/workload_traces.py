@@ -67,7 +67,7 @@ def task_scores(path: Path) -> list[float | None]:
     """The workload scorer's grade of each sample's full-KV generation."""
     import kvscope
     from kvscope import workloads
-    from kvscope.models import load_tokenizer, resolve
+    from kvscope.model.loading import load_tokenizer, resolve
 
     ds = kvscope.open_trace(path)
     prompts = ds.attrs["prompts"]

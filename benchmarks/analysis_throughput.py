@@ -138,7 +138,7 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.repeats, args.what, args.chunks)))
         return
 
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     machine_info = record.machine()
     Path(args.dir).mkdir(parents=True, exist_ok=True)

@@ -34,8 +34,8 @@ import record  # benchmarks/record.py: runs as data
 
 import kvscope
 from kvscope import analysis as A
-from kvscope.compact import compact
-from kvscope.rowformat import FORMATS
+from kvscope.storage.compact import compact
+from kvscope.storage.rowformat import FORMATS
 
 POLICIES = ["full", "streaming", "h2o", "snapkv", "kivi", "logquant", "qevict", "oracle"]
 HEADLINE = {  # metric column → (summary, keys) whose numbers it covers

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # benchmarks/record.py: runs as data
 
-from kvscope.synthetic import write_synthetic_store
+from kvscope.storage.synthetic import write_synthetic_store
 
 STEPS, LAYERS, KV = 128, 30, 3
 CHANGED = """([name, before]) => { const m = Bokeh.documents[0].get_model_by_name(name);

@@ -68,7 +68,7 @@ def build_model(tokenizer, layers: int, device: str, dtype, small: bool):
 
 
 def source_of(label: str):
-    from kvscope.models import ModelSource
+    from kvscope.model.loading import ModelSource
 
     return ModelSource(spec=label, kind="folder", load_path="", origin=f"{label} (random weights, seed 0)")
 
@@ -81,7 +81,7 @@ def check_capture(tokenizer, args, workdir: Path) -> dict:
     from trace_overhead import prose_prompt
 
     import kvscope
-    from kvscope.prompts import Prompt
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, trace_loaded
 
     model = build_model(tokenizer, min(args.layers, 2), args.device, torch.float32, args.small)
@@ -117,7 +117,7 @@ def same_output(model, tokenizer, args, prompt_tokens: int) -> dict:
     from trace_overhead import prose_prompt
     from transformers import DynamicCache
 
-    from kvscope.model_spec import cache_keyword, returned_cache
+    from kvscope.model.spec import cache_keyword, returned_cache
     from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
 
     register()
@@ -191,7 +191,7 @@ def replay_check(model, tokenizer, args, workdir: Path, decode_s: float) -> dict
     from trace_overhead import prose_prompt
 
     import kvscope
-    from kvscope.prompts import Prompt
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, trace_loaded
 
     store = workdir / "replay.zarr"
@@ -268,7 +268,7 @@ def _finite(x):
 
 
 def _default_tokenizer() -> str:
-    from kvscope.models import resolve
+    from kvscope.model.loading import resolve
 
     return resolve("smollm2-135m").load_path
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a GPU run: what benchmarks/gpu_check.sh needs on a CUDA machine that has torch
 # but no package index (an air-gapped node, say): zarr, dask, xarray and the transformers kvscope
-# is tested on (kvscope.model_spec.TRANSFORMERS_TESTED; an older one is refused), with its needs.
+# is tested on (kvscope.model.spec.TRANSFORMERS_TESTED; an older one is refused), with its needs.
 #   .gpu/whl/        wheels for CPython 3.12 on x86-64
 #   .gpu/tokenizer/  the default model's tokenizer (the check builds random-weight models)
 # .gpu/ is git-ignored; name it in the device call's `carry`. About 17 MB.
@@ -17,6 +17,6 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/tokenizer
     transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3 kernels==0.19.1 httpx2==2.16.2 httpcore2==2.16.2 \
     truststore==0.10.5 tomlkit==0.15.3 hf-xet==1.8.0 click==8.5.1 idna==3.20 anyio==4.16.0 h11==0.16.0 \
     regex==2026.5.9 safetensors==0.8.0
-folder=$("$PY" -c "from kvscope.models import resolve; print(resolve('smollm2-135m').load_path)")
+folder=$("$PY" -c "from kvscope.model.loading import resolve; print(resolve('smollm2-135m').load_path)")
 cp "$folder"/tokenizer.json "$folder"/tokenizer_config.json "$folder"/chat_template.jinja .gpu/tokenizer/
 du -sh .gpu

@@ -63,8 +63,8 @@ def main() -> None:
     from kvscope import workloads
     from kvscope.live import PolicyCache, prepare
     from kvscope.live.run import decode
-    from kvscope.models import load, resolve
-    from kvscope.prompts import encode
+    from kvscope.model.loading import load, resolve
+    from kvscope.model.prompts import encode
 
     source = resolve(args.model)
     model, tokenizer = load(source)

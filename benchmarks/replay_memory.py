@@ -1,7 +1,7 @@
 """Replay memory: peak RSS of a replay at S and at 8·S decode steps, one (policy, budget)
 state and the 8 policies × 3 budgets grid.
 
-Two synthetic stores with the real schema (:func:`kvscope.synthetic.write_synthetic_store`:
+Two synthetic stores with the real schema (:func:`kvscope.storage.synthetic.write_synthetic_store`:
 random rows, no q/k/v) share a long prompt ``P`` (default 2,048 tokens) and differ only in
 the decode steps (``S`` = 128 and ``8·S`` = 1,024). Each configuration is replayed in a fresh
 process, which first replays a tiny store (imports, compiled kernels), then records
@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     machine_info = record.machine()  # the load as the run begins
 
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     P, S = args.prompt_tokens, args.steps
     shape = {"n_samples": 1, "n_layers": args.layers, "n_kv": args.kv_heads}

@@ -64,8 +64,8 @@ def main() -> None:
     from trace_overhead import prose_prompt, untraced_decode
 
     from kvscope.cli import quiet_libraries
-    from kvscope.models import load, resolve
-    from kvscope.prompts import Prompt
+    from kvscope.model.loading import load, resolve
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, trace_loaded
 
     quiet_libraries().__enter__()

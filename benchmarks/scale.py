@@ -2,7 +2,7 @@
 prompts of 4K–32K tokens, 256 decode steps, window resolution (w = 16) with q/k/v recorded.
 
 For each context length a synthetic store with the real schema is written
-(:func:`kvscope.synthetic.write_geometry_store`) and measured:
+(:func:`kvscope.storage.synthetic.write_geometry_store`) and measured:
 
     disk        bytes on disk, and raw (every array at its dtype, uncompressed)
     analysis    FMM over the window rows, time vs a plain read of the same rows (ratio)
@@ -117,7 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     machine_info = record.machine()  # the load as the run begins
 
-    from kvscope.synthetic import write_geometry_store
+    from kvscope.storage.synthetic import write_geometry_store
 
     folder = Path(args.folder or tempfile.mkdtemp(prefix="kvscope-scale-"))
     folder.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ def untraced_decode(model, input_ids, new_tokens: int, sync) -> tuple[float, flo
     import torch
     from transformers import DynamicCache
 
-    from kvscope.model_spec import cache_keyword, last_logits_only, returned_cache
+    from kvscope.model.spec import cache_keyword, last_logits_only, returned_cache
 
     cache = DynamicCache(config=model.config)
     tokens = []
@@ -95,7 +95,7 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
     capture, to the first step's callback; decode = the remaining steps; total adds the final
     flush and consolidation) and the traced tokens."""
     import kvscope
-    from kvscope.prompts import Prompt
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import trace_loaded
 
     stamps = []
@@ -140,7 +140,7 @@ def run_repeats(model, tokenizer, source, prompt, input_ids, settings, outputs, 
     """``(measured, info)``: ``repeats`` measured repeats of :func:`one_repeat` after one warm-up
     repeat (dropped), and the ``store_info`` of the last repeat's store under ``outputs[0]``
     (every repeat writes the same bytes); each repeat's stores are removed once measured."""
-    from kvscope.store import store_info
+    from kvscope.storage.store import store_info
 
     info = {}
 
@@ -238,7 +238,7 @@ def main() -> None:
     import torch
 
     from kvscope.cli import quiet_libraries
-    from kvscope.models import load, resolve
+    from kvscope.model.loading import load, resolve
     from kvscope.tracing.runner import TraceSettings
 
     quiet_libraries().__enter__()  # for the whole benchmark process

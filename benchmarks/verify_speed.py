@@ -39,7 +39,7 @@ def measure(path: str, repeats: int, what: str) -> dict:
     """In a fresh process: median seconds of ``what`` (``read`` or ``verify``)."""
     import zarr
 
-    from kvscope.verify import verify
+    from kvscope.storage.verify import verify
 
     def plain_read():
         group = zarr.open_group(path, mode="r")
@@ -90,7 +90,7 @@ def main() -> None:
 
 
 def synthetic(folder: Path, size_gb: float) -> Path:
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     T = SHAPE["prompt_len"] + SHAPE["n_steps"]
     per_sample = SHAPE["n_steps"] * SHAPE["n_layers"] * SHAPE["n_kv"] * T * 2

@@ -14,8 +14,8 @@ import types
 # open_trace, open_result, replay and the subpackages load on first use (PEP 562): ``import
 # kvscope`` — and with it every CLI command, ``kvscope --help`` and an option refused before any
 # model or store is touched — costs no torch, transformers, xarray or dask import (~2 s). The
-# ``ds.kvscope`` accessor is registered with kvscope.dataset (open_trace imports it).
-_LAZY = {"open_trace": "store", "open_result": "replay", "replay": "replay"}
+# ``ds.kvscope`` accessor is registered with kvscope.storage.dataset (open_trace imports it).
+_LAZY = {"open_trace": "storage.store", "open_result": "replay", "replay": "replay"}
 
 
 def __getattr__(name: str):

@@ -249,7 +249,7 @@ def tune(
     """Search ``policy``'s (and ``allocation``'s) parameters against ``trace`` at ``budget``
     (module docstring); ``replay_options`` go to every :func:`kvscope.replay`."""
     from .replay import replay
-    from .store import open_trace
+    from .storage.store import open_trace
 
     budget = check_budget(budget)
     if objective not in OBJECTIVES:
@@ -307,7 +307,7 @@ def held_out_prompts(ds, source: str, model_spec: str) -> list:
     from pathlib import Path
 
     from . import workloads
-    from .prompts import load_prompts_file
+    from .model.prompts import load_prompts_file
 
     seen = ds.attrs.get("prompts", [])
     if not source or not str(source).strip():
@@ -349,7 +349,7 @@ def held_out(trace, source: str, allocation, model: str | None = None):
     can run live, the prompts exist and are new to the trace."""
     from .live.inputs import live_allocation
     from .live.validate import _model_source, recorded_model_dtype
-    from .store import open_trace
+    from .storage.store import open_trace
 
     if not source or not str(source).strip():
         raise KvscopeError("--check needs held-out prompts: a prompts file or a workload NAME[:seed=S]")
@@ -367,9 +367,9 @@ def check_live(result: TuneResult, trace, source: str, *, model: str | None = No
     from .live.cache import prepare
     from .live.run import run_loaded
     from .live.validate import recorded_model_dtype
-    from .models import load
-    from .prompts import encode_prompts
-    from .store import open_trace
+    from .model.loading import load
+    from .model.prompts import encode_prompts
+    from .storage.store import open_trace
 
     ds = open_trace(trace) if not hasattr(trace, "kvscope") else trace
     configs = {"default": result.default, "best": result.best}

@@ -113,7 +113,7 @@ def _refused(verdict: Verdict, ran, store: Path) -> Verdict:
 def _compare(verdict: Verdict, folder: Path, store: Path, kv_store: Path) -> None:
     """The checks of an exact trace (module docstring), each failure one problem."""
     import kvscope
-    from kvscope.verify import verify
+    from kvscope.storage.verify import verify
 
     ds, kv = kvscope.open_trace(store), kvscope.open_trace(kv_store)
     config = ds.attrs["model"]["config"]
@@ -313,7 +313,7 @@ def table(verdicts: list[Verdict]) -> str:
 
 def tokenizer_dir() -> Path:
     """SmolLM2's folder: its tokenizer is every tiny model's."""
-    from kvscope.models import resolve
+    from kvscope.model.loading import resolve
 
     return Path(resolve("smollm2-135m").load_path)
 

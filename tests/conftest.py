@@ -115,7 +115,7 @@ def _environment_kept():
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from kvscope.models import resolve
+    from kvscope.model.loading import resolve
 
     return Path(resolve("smollm2-135m").load_path)
 

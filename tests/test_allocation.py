@@ -201,7 +201,7 @@ def test_cli_replay_shows_the_allocations(qkv_trace):
 
 
 def test_bad_input_is_one_line(qkv_trace, tmp_path):
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     replay = ("replay", qkv_trace, "--policies", "h2o", "--budgets", "0.3", "--allocation")
@@ -243,4 +243,6 @@ def test_cli_lists_policies_and_allocations_with_their_ranges():
     assert beta["name"] == "beta" and beta["default"] == 20.0 and beta["allowed"] == "be ≥ 1" and beta["tune"] == "1.0–40.0"
     h2o = {p["name"]: p for p in doc["policies"]["h2o"]["parameters"]}
     assert h2o["recent_frac"]["allowed"] == "lie in [0, 1]"
+    kinds = {name: entry["kind"] for name, entry in doc["policies"].items()}
+    assert kinds["h2o"] == "eviction" and kinds["kivi"] == kinds["logquant"] == "quantization"
     assert "pyramid" in run_main("policies").stdout

@@ -18,7 +18,7 @@ from kvscope.analysis.fmm import fmm_kernel, tier_fractions
 from kvscope.analysis.lir import LirStream, lir_kernel, transition_counts
 from kvscope.analysis.peaks import fit
 from kvscope.errors import KvscopeError
-from kvscope.synthetic import dataset_from_rows
+from kvscope.storage.synthetic import dataset_from_rows
 
 # -- FMM ----------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ def test_churn_hand_values():
 
 def test_churn_of_a_single_event_is_nan_not_an_error():
     """Fewer steps than w give one event, no pair of events: churn is undefined (NaN)."""
-    from kvscope.synthetic import dataset_from_rows
+    from kvscope.storage.synthetic import dataset_from_rows
 
     a = np.full((1, 5, 1, 1, 40), np.nan, dtype=np.float32)
     for t in range(5):
@@ -316,8 +316,8 @@ def test_peaks_end_to_end_on_a_dataset_with_planted_peaks():
 
 
 def test_dask_chunked_equals_in_memory(tmp_path):
-    from kvscope.store import open_trace
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.store import open_trace
+    from kvscope.storage.synthetic import write_synthetic_store
 
     path = write_synthetic_store(
         tmp_path / "syn.zarr", n_samples=2, n_steps=40, n_layers=2, n_kv=2, prompt_len=60, block_steps=8
@@ -347,8 +347,8 @@ def test_dask_chunked_equals_in_memory(tmp_path):
 def test_local_cluster_gives_the_same_numbers(tmp_path):
     from distributed import Client, LocalCluster
 
-    from kvscope.store import open_trace
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.store import open_trace
+    from kvscope.storage.synthetic import write_synthetic_store
 
     path = write_synthetic_store(
         tmp_path / "syn.zarr", n_samples=1, n_steps=24, n_layers=2, n_kv=1, prompt_len=40, block_steps=8
@@ -398,8 +398,8 @@ def test_tier_resolved_future_mass_on_a_dataset():
 
 
 def test_study_equals_the_separate_analyses(tmp_path):
-    from kvscope.store import open_trace
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.store import open_trace
+    from kvscope.storage.synthetic import write_synthetic_store
 
     path = write_synthetic_store(
         tmp_path / "syn.zarr", n_samples=2, n_steps=32, n_layers=2, n_kv=2, prompt_len=50, block_steps=8
@@ -471,8 +471,8 @@ def test_rows_from_qk_needs_qk():
 def test_study_splits_heads_of_large_units_with_the_same_numbers(tmp_path, monkeypatch):
     import sys
 
-    from kvscope.store import open_trace
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.store import open_trace
+    from kvscope.storage.synthetic import write_synthetic_store
 
     path = write_synthetic_store(
         tmp_path / "syn.zarr", n_samples=1, n_steps=24, n_layers=2, n_kv=3, prompt_len=40, block_steps=8
@@ -525,8 +525,8 @@ def test_every_analysis_gives_the_same_bits_whatever_the_steps_per_task(tmp_path
     import kvscope
     from kvscope.analysis import study
     from kvscope.analysis.registry import available
-    from kvscope.store import analysis_chunks, check_store
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.store import analysis_chunks, check_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     path = tmp_path / "s.zarr"
     write_synthetic_store(path, n_samples=2, n_steps=100, n_layers=2, n_kv=2, prompt_len=300, seed=3)

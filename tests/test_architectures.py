@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvscope
-from kvscope.verify import verify
+from kvscope.storage.verify import verify
 
 from .architectures import build_tiny_model, decoders
 from .conformance import documented

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvscope
-from kvscope.model_spec import returned_cache, with_cache
+from kvscope.model.spec import returned_cache, with_cache
 from kvscope.tracing.capture import AttentionRecorder, ForwardContext, implementation_name, register
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was late for dinner at home."
@@ -358,7 +358,7 @@ def test_smollm2_probabilities_match_eager(tmp_path, smollm2_dir):
 
 
 def _gemma_installed() -> bool:
-    from kvscope.models import SHORT_NAMES, short_name_gguf
+    from kvscope.model.loading import SHORT_NAMES, short_name_gguf
 
     return short_name_gguf(SHORT_NAMES["gemma3-270m"]) is not None
 
@@ -369,7 +369,7 @@ def test_gemma3_sliding_window_layers_match_eager(tmp_path):
     """A real model whose local layers see 512 keys: a 600-token prompt crosses the window."""
     import pydoc_data.topics as topics
 
-    from kvscope.models import resolve
+    from kvscope.model.loading import resolve
 
     text = topics.topics["assignment"][:3000]
     out = tmp_path / "gemma.zarr"
@@ -498,7 +498,7 @@ def test_forwards_ask_for_the_last_logits_only(tiny_models):
     pass ``logits_to_keep=1`` where the model's forward takes it, nothing where it does not."""
     from transformers import AutoModelForCausalLM
 
-    from kvscope.model_spec import last_logits_only
+    from kvscope.model.spec import last_logits_only
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     assert last_logits_only(model) == {"logits_to_keep": 1}
@@ -542,8 +542,8 @@ def test_a_model_that_ignores_the_cache_it_is_handed_is_refused(tmp_path, tiny_m
     handed ``cache=``) gives rows that attend to the new token alone: refused in one line before
     a store exists."""
     from kvscope.errors import KvscopeError
-    from kvscope.models import load, resolve
-    from kvscope.prompts import Prompt
+    from kvscope.model.loading import load, resolve
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, trace_loaded
 
     source = resolve(str(tiny_models["llama"]))
@@ -568,7 +568,7 @@ def test_transformers_older_than_the_tested_floor_is_refused():
     from pathlib import Path
 
     from kvscope.errors import KvscopeError
-    from kvscope.model_spec import TRANSFORMERS_TESTED, check_transformers
+    from kvscope.model.spec import TRANSFORMERS_TESTED, check_transformers
 
     pyproject = tomllib.loads((Path(kvscope.__file__).parents[1] / "pyproject.toml").read_text())
     floor = ".".join(map(str, TRANSFORMERS_TESTED))

@@ -1,4 +1,4 @@
-"""Lossy row formats (kvscope.rowformat) and ``kvscope compact``: the rounding's bound by hand and
+"""Lossy row formats (kvscope.storage.rowformat) and ``kvscope compact``: the rounding's bound by hand and
 as a property, a compacted real trace against its original (rows, every other array, metrics),
 the format recorded and reported, bad inputs."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvscope.errors import KvscopeError
-from kvscope.rowformat import FORMATS, RowFormat, row_format
+from kvscope.storage.rowformat import FORMATS, RowFormat, row_format
 from tests.conftest import one_line_error, run_cli, run_main, tree_digest
 
 NAN = np.float16(np.nan)
@@ -256,8 +256,8 @@ def test_carried_store_windows_within_one_carry(qkv_trace, tmp_path):
     tolerance): every window of every stored row — the sinks, then every w positions — sums
     within s·max(its largest value, 2^-14) of the original's; a window-resolution store's rows
     of windows are rounded without carry (as round3-peaks)."""
-    from kvscope.compact import compact
-    from kvscope.synthetic import write_geometry_store
+    from kvscope.storage.compact import compact
+    from kvscope.storage.synthetic import write_geometry_store
 
     fmt = row_format("round3-peaks-carry")
     out = tmp_path / "r3pc.zarr"

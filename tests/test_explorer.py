@@ -16,7 +16,7 @@ import pytest
 
 from kvscope.explorer.data import Rect, TierView, TraceView, cells
 from kvscope.explorer.overlays import Replayed
-from kvscope.synthetic import dataset_from_rows
+from kvscope.storage.synthetic import dataset_from_rows
 from kvscope.windows import window_sums
 
 from .conftest import one_line_error, run_cli
@@ -186,7 +186,7 @@ def replayed(small_qkv_trace, tmp_path_factory) -> Path:
 def test_view_refuses_bad_input(small_qkv_trace, replayed, tmp_path):
     one_line_error(run_cli("view", tmp_path), "")
     other = tmp_path / "other.zarr"
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     write_synthetic_store(other, n_samples=1, n_steps=8, n_layers=2, n_kv=3, prompt_len=40, block_steps=8)
     import kvscope

@@ -1,4 +1,4 @@
-"""The cache geometry (kvscope.model_spec, SPEC §5 "Cache geometry"), by hand: learned sinks in
+"""The cache geometry (kvscope.model.spec, SPEC §5 "Cache geometry"), by hand: learned sinks in
 the attention rule, sliding-window layers in the byte model, multi-head latent attention's one
 unit per layer, hybrid models' layer indices — and every policy through the driver on a cache
 whose layers hold different windows."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.attention import AttentionRule, LayerRules, grouped, grouped_sinks, softmax
 from kvscope.errors import KvscopeError
-from kvscope.model_spec import ModelSpec
+from kvscope.model.attention import AttentionRule, LayerRules, grouped, grouped_sinks, softmax
+from kvscope.model.spec import ModelSpec
 from kvscope.policies import CacheSpec, PolicyDriver, check_geometry, parse
 from kvscope.replay.output_error import per_unit, renormalized
 

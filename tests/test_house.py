@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import kvscope
 from kvscope import analysis as A
-from kvscope.attention import AttentionRule
 from kvscope.errors import KvscopeError
-from kvscope.synthetic import dataset_from_rows
+from kvscope.model.attention import AttentionRule
+from kvscope.storage.synthetic import dataset_from_rows
 
 from .conftest import ROOT
 from .test_capture import PROMPT, eager_attentions, stored_tokens
@@ -89,7 +89,7 @@ def test_the_rule_of_every_layer_equals_eager(tmp_path, tiny_models, kind):
 
 
 def test_the_stacked_rules_equal_each_layer_alone():
-    rules = kvscope.model_spec.ModelSpec(
+    rules = kvscope.model.spec.ModelSpec(
         3,
         4,
         2,
@@ -192,7 +192,7 @@ class Toy(A.UnitMetric):
 
 def test_a_registered_metric_shows_up_in_the_cli_and_its_json(tmp_path, capsys):
     from kvscope.cli import main
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     store = write_synthetic_store(tmp_path / "s.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     A.register(Toy)
@@ -244,7 +244,7 @@ matplotlib.use("svg")
 import numpy as np, kvscope
 from kvscope import analysis as A
 from kvscope.plots import plot_compare, plot_tiers
-from kvscope.synthetic import write_synthetic_store
+from kvscope.storage.synthetic import write_synthetic_store
 from matplotlib.figure import Figure
 store = write_synthetic_store({str(tmp_path / "s.zarr")!r}, n_samples=2, n_steps=40, n_layers=2, n_kv=2, prompt_len=30)
 ds = kvscope.open_trace(store)
@@ -325,7 +325,7 @@ def test_every_result_says_which_interval(tmp_path):
     assert p.attrs["ci"].startswith("none") and np.isnan(float(p["alpha_low"]))
     doc = A.Churn(n_boot=50).summary(A.churn(one, n_boot=50))
     assert doc["ci"].startswith("none") and doc["ci95"] == [None, None]
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     store = write_synthetic_store(tmp_path / "s.zarr", n_samples=2, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     replayed = kvscope.replay(store, ["h2o"], [0.5], n_boot=50)

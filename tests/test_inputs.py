@@ -131,7 +131,7 @@ def test_flash_attention_is_traced_only_where_capture_needs_no_mask():
     """flash_attention_2 hands capture no mask tensor: a model with sliding-window layers and a
     batch of prompts of different lengths (left padding) are refused in one line, before any
     store exists; equal lengths and global attention pass."""
-    from kvscope.model_spec import ModelSpec
+    from kvscope.model.spec import ModelSpec
     from kvscope.tracing.runner import TraceSettings, check_kernel
 
     fa2 = TraceSettings(attn="flash_attention_2", batch_size=2)
@@ -255,7 +255,7 @@ def test_gguf_of_random_bytes_and_a_damaged_gguf(tmp_path, smollm2_dir):
     noise.write_bytes(bytes(range(256)) * 16)
     out = tmp_path / "never.zarr"
     one_line_error(run_cli(*trace_args(noise, out, "--prompt", PROMPT), env=cache), "is not a GGUF file")
-    from kvscope.models import SHORT_NAMES, short_name_gguf
+    from kvscope.model.loading import SHORT_NAMES, short_name_gguf
 
     damaged = tmp_path / "damaged.gguf"  # the real file's first 64 KiB: magic and header, cut short
     with open(short_name_gguf(SHORT_NAMES["smollm2-135m"]), "rb") as f:
@@ -295,7 +295,7 @@ def test_model_folder_configs(tmp_path, tiny_models, edit, needle):
 
 
 def test_config_that_is_not_an_object(tmp_path, tiny_models):
-    from kvscope.models import resolve
+    from kvscope.model.loading import resolve
 
     folder = _folder_with_config(tiny_models["llama"], tmp_path / "model", lambda c: "[1, 2]")
     with pytest.raises(KvscopeError, match="config.json is not a JSON object"):

@@ -20,7 +20,7 @@ import kvscope
 from kvscope.errors import KvscopeError
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import agreement, decode
-from kvscope.model_spec import with_cache
+from kvscope.model.spec import with_cache
 from kvscope.policies import CacheState, Ledger, LedgerError, Policy, available, parse
 from kvscope.tiers import TIER_EVICTED as EVICTED
 from kvscope.tiers import TIER_FP as FP
@@ -43,7 +43,7 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_dir):
-    from kvscope.models import load, resolve
+    from kvscope.model.loading import load, resolve
 
     source = resolve("smollm2-135m")
     model, tokenizer = load(source)
@@ -214,7 +214,7 @@ def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):
 def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     source, model, tokenizer = loaded
     from kvscope.live import LivePolicy
-    from kvscope.prompts import Prompt
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, trace_loaded
 
     settings = TraceSettings(max_new_tokens=33, record_qkv=True, dtype="float32", stop_at_eos=False, block_steps=16)
@@ -294,7 +294,7 @@ def test_cli_run_trace_validate(tmp_path, small_qkv_trace):
 
 
 def test_cli_bad_input(tmp_path):
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     cases = [

@@ -348,7 +348,7 @@ def test_rope_helpers_match_transformers_and_invert():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from kvscope.rope import Rope, apply_rope, undo_rope
+    from kvscope.model.rope import Rope, apply_rope, undo_rope
 
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=10000.0)
     rotary = LlamaRotaryEmbedding(config)
@@ -366,7 +366,7 @@ def test_rope_helpers_match_transformers_and_invert():
 
 
 def test_qevict_quantizes_keys_before_rope_when_parameters_are_given():
-    from kvscope.rope import Rope, apply_rope
+    from kvscope.model.rope import Rope, apply_rope
 
     # keys with one large constant channel before RoPE: per-channel quantization is exact on
     # it pre-RoPE, while rotation smears it across a pair of channels

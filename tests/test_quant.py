@@ -94,8 +94,8 @@ def test_ledger_is_write_once_and_counts_group_bytes():
 def test_ledger_quantizes_groups_in_chunks_exactly_as_at_once(monkeypatch):
     """Groups quantized QUANTIZE_ROWS at a time (bounded temporaries) give the values of one pass
     (keys pre-RoPE, groups of two layers and heads interleaved)."""
+    from kvscope.model.rope import Rope
     from kvscope.policies import base
-    from kvscope.rope import Rope
 
     spec = CacheSpec(n_layers=2, n_kv=3, head_dim=8, prompt_len=64, final_len=64, budget=1.0)
     rng = np.random.default_rng(2)
@@ -120,12 +120,12 @@ def test_ledger_quantizes_groups_in_chunks_exactly_as_at_once(monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(arrays(np.float32, st.integers(1, 300), elements=st.floats(width=32, allow_nan=True, allow_infinity=True)))
 def test_torch_conversions_are_numpys_bit_for_bit(x):
-    """kvscope.dtypes.cast (by torch once torch is loaded) gives numpy's astype bits, fp32 →
+    """kvscope.storage.dtypes.cast (by torch once torch is loaded) gives numpy's astype bits, fp32 →
     fp16 → fp32: fp16 subnormals, overflow to ±inf and signed zeros included; NaN stays NaN (its
     payload and sign may differ); an array already of the dtype is copied, or returned with copy=False."""
     import torch  # noqa: F401  (loaded: cast converts by torch whatever the size)
 
-    from kvscope import dtypes
+    from kvscope.storage import dtypes
 
     tiny = np.float32(2.0**-24) * np.arange(-8, 9, dtype=np.float32)  # fp16 subnormals and around them
     x = np.concatenate([x, tiny, np.float32([65504, 65520, -65520, 1e-8, -0.0])])

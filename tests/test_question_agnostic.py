@@ -11,7 +11,7 @@ import pytest
 
 import kvscope
 from kvscope.errors import KvscopeError
-from kvscope.prompts import Prompt, encode, encode_split, load_prompts_file
+from kvscope.model.prompts import Prompt, encode, encode_split, load_prompts_file
 
 from .conftest import run_main
 

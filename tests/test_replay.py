@@ -24,7 +24,7 @@ from kvscope.policies import CacheState, Ledger, make
 from kvscope.replay import effective_kv, open_result, tiers_for
 from kvscope.replay.output_error import against_full, attended, reference
 from kvscope.replay.store import rename_into_place, written_in_place
-from kvscope.synthetic import write_synthetic_store
+from kvscope.storage.synthetic import write_synthetic_store
 
 from .conftest import ROOT, run_cli, run_main
 
@@ -146,7 +146,7 @@ def test_evicted_errors_batched_are_each_runs_own(d):
     SmolLM2's head_dim 64 too, where MKL sums a 3-row product with another kernel than a larger one."""
     import torch
 
-    from kvscope.attention import AttentionRule, LayerRules
+    from kvscope.model.attention import AttentionRule, LayerRules
     from kvscope.replay import output_error
 
     rng = np.random.default_rng(5)
@@ -184,7 +184,7 @@ def test_attention_in_blocks_of_positions_equals_the_naive_rule():
     and all of it is the attention rule computed naively in float64 (one layer with a softcap)."""
     import torch
 
-    from kvscope.attention import AttentionRule, LayerRules
+    from kvscope.model.attention import AttentionRule, LayerRules
 
     rng = np.random.default_rng(3)
     n_l, n_kv, g, n, d = 2, 2, 3, 37, 8
@@ -293,7 +293,7 @@ def test_cli_replay_compare_and_analyze(tmp_path, qkv_trace):
 
 
 def test_cli_bad_input(tmp_path, qkv_trace):
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     out = tmp_path / "exists.zarr"

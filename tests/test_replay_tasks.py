@@ -87,7 +87,7 @@ def test_kv_head_tasks_of_a_window_store(tmp_path):
     import zarr
 
     from kvscope.replay import replay
-    from kvscope.synthetic import write_geometry_store
+    from kvscope.storage.synthetic import write_geometry_store
 
     store = write_geometry_store(
         tmp_path / "w.zarr", prompt_len=192, n_steps=24, n_layers=2, n_heads=4, n_kv=2, head_dim=16, block_steps=8
@@ -297,7 +297,7 @@ def test_bad_task_options(small_qkv_trace, args, needle):
 def test_a_cluster_needs_the_trace_by_path(small_qkv_trace):
     from kvscope.errors import KvscopeError
     from kvscope.replay import replay
-    from kvscope.store import open_trace
+    from kvscope.storage.store import open_trace
 
     with pytest.raises(KvscopeError, match="takes the trace as a store path"):
         replay(open_trace(small_qkv_trace), ["h2o"], [0.3], client=object())

@@ -154,8 +154,8 @@ def test_second_writer_is_refused(tmp_path, smollm2_dir):
 def test_a_failed_creation_is_raised_and_removes_nothing(tmp_path, tiny_models):
     """The writer creates a new store while the prompt prefills: a creation that fails is
     raised on the main thread as the store's error, and whatever is at the path stays."""
-    from kvscope.models import load, resolve
-    from kvscope.prompts import Prompt
+    from kvscope.model.loading import load, resolve
+    from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import TraceSettings, _discard_uncommitted, trace_loaded
     from kvscope.tracing.writer import StoreWriter
 

@@ -124,9 +124,9 @@ def test_a_shard_that_loses_the_creation_race_leaves_the_store_as_it_is(tmp_path
     out = tmp_path / "race.zarr"
     kvscope.trace(PROMPTS[:2], out, model=str(tiny_models["llama"]), shard=Shard(0, 2), **SETTINGS)
     before = tree_digest(out)
-    from kvscope.integrity import check_schema, read_metas
+    from kvscope.storage.integrity import check_schema, read_metas
 
-    checked = kvscope.store.check_store(out)
+    checked = kvscope.storage.store.check_store(out)
     layout, _ = check_schema(out, checked.attrs, read_metas(out))
     encoded = [[1, 2, 3]] * layout.n_samples
     assert _create_store(out, layout, dict(checked.attrs), encoded, None, Shard(1, 2)) is None

@@ -95,7 +95,7 @@ def test_cli_tune_writes_json_and_checks_live(small_qkv_trace, tmp_path):
 
 
 def test_bad_input_is_one_line(small_qkv_trace, tmp_path):
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     plain = write_synthetic_store(tmp_path / "plain.zarr", n_samples=1, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     (tmp_path / "taken.json").write_text("{}")

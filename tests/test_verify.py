@@ -149,7 +149,7 @@ def test_a_refused_read_leaves_nothing_running_at_exit(tmp_path):
     stopped first, else zarr closes the loop under them and each prints ``RuntimeError: Event
     loop is closed`` with its traceback (~1 run in 9 of a replay of a SmolLM2 trace; 9 in 10
     here, with 256 layers' chunks in one read)."""
-    from kvscope.synthetic import write_synthetic_store
+    from kvscope.storage.synthetic import write_synthetic_store
 
     store = write_synthetic_store(
         tmp_path / "deep.zarr", n_samples=1, n_steps=4, n_layers=256, n_kv=1, prompt_len=64, block_steps=4

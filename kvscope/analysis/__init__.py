@@ -17,7 +17,7 @@ are its parameters, kept in a registry like the policies (:mod:`kvscope.analysis
 
 from __future__ import annotations
 
-from .. import dataset  # noqa: F401  (registers ds.kvscope: a Dataset opened without open_trace has it too)
+from ..storage import dataset  # noqa: F401  (registers ds.kvscope: a Dataset opened without open_trace has it too)
 from ..windows import Units
 from .churn import Churn, churn
 from .common import Prepared, bootstrap_ratio, event_steps, selection_from_tiers, top_fraction_selection

@@ -144,7 +144,7 @@ def row_block_stats(
               those are counted in full), and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
               values (``T(n) = 2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a
               bad sum); ``checks[4]`` (read, not written) is the relative error ``ρ`` of a lossy
-              row format (:mod:`kvscope.rowformat`), which widens the tolerance to
+              row format (:mod:`kvscope.storage.rowformat`), which widens the tolerance to
               ``T(n) + ρ·(1 + T(n) + n·m)`` (``m`` the dtype's smallest normal).
     ``totals  [step, H]`` float64 what each row sums to where it is not 1: ``1 − σ`` of a model
               with learned sinks (σ the sink's share, stored beside the row); empty: every row 1
@@ -304,7 +304,7 @@ HALF_TABLE = _half_table()  # 256 KiB: a row's decode is one lookup per position
 
 def new_checks(slack: float = 0.0) -> np.ndarray:
     """The ``checks`` accumulator of :func:`row_block_stats`, empty, for rows stored with the
-    relative error ``slack`` (:attr:`kvscope.rowformat.RowFormat.slack`; 0: exact rows)."""
+    relative error ``slack`` (:attr:`kvscope.storage.rowformat.RowFormat.slack`; 0: exact rows)."""
     return np.array([0.0, np.inf, -np.inf, -np.inf, float(slack)])
 
 

@@ -1,7 +1,7 @@
 """Attention rows recomputed from recorded queries and keys (``--record qkv``).
 
 For step ``t`` with query position ``q = P − 1 + t``, layer ``l`` and query head ``h``, with
-the model's attention rule (:mod:`kvscope.attention`: scaling, softcap, sliding window of
+the model's attention rule (:mod:`kvscope.model.attention`: scaling, softcap, sliding window of
 layer ``l``, from the trace's model config)::
 
     a[t, l, h, p] = softmax_p( softcap(q[q, l, h] · k[l, h // g, p] · scaling_l) ),  p ≤ q
@@ -23,7 +23,7 @@ import xarray as xr
 from ..errors import KvscopeError
 
 if TYPE_CHECKING:  # torch is imported by the recomputation only: reading a trace never needs it
-    from ..attention import AttentionRule
+    from ..model.attention import AttentionRule
 
 STEP_BLOCK = 64  # steps whose logits are computed together: [steps, head, pos] float32 at a time
 
@@ -34,7 +34,7 @@ def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0, pe
     under MLA, where every query head has its own key and the layer's one latent serves them all)."""
     import torch
 
-    from ..attention import grouped
+    from ..model.attention import grouped
 
     n_heads, n_kv, n_pos = q.shape[1], k.shape[0], k.shape[1]
     n_units = n_kv // per_unit

@@ -97,7 +97,7 @@ def _stop_io_at_exit() -> None:
 
 @functools.cache
 def _register_stop_io() -> None:
-    from ..store import stop_background_io
+    from ..storage.store import stop_background_io
 
     atexit.register(stop_background_io)
 

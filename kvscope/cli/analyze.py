@@ -72,9 +72,9 @@ def _params_from_args(cls, args) -> dict:
 
 def cmd_analyze(args) -> int:
     from ..figures import save
-    from ..paths import figure_path
     from ..report import print_rows
-    from ..store import open_trace
+    from ..storage.paths import figure_path
+    from ..storage.store import open_trace
 
     metric = args.metric_class(**_params_from_args(args.metric_class, args))
     if args.plot:

@@ -71,13 +71,18 @@ def _parameter_rows(cls) -> list[dict]:
     ]
 
 
+def _kind(cls) -> str:
+    """A policy class's kind with its defaults: a property where a field decides it (``evict``)."""
+    return cls.kind if isinstance(cls.kind, str) else cls().kind
+
+
 def cmd_policies(args) -> int:
     from ..policies import available
     from ..policies.allocation import REGISTRY as ALLOCATIONS
 
     doc = {
         "policies": {
-            name: {"kind": str(cls.kind), "parameters": _parameter_rows(cls)} for name, cls in available().items()
+            name: {"kind": _kind(cls), "parameters": _parameter_rows(cls)} for name, cls in available().items()
         },
         "allocations": {name: {"parameters": _parameter_rows(cls)} for name, cls in ALLOCATIONS.items()},
     }
@@ -110,7 +115,7 @@ def add_models(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    from ..models import available_models, cache_dir
+    from ..model.loading import available_models, cache_dir
 
     rows = available_models()
     if args.json:

@@ -93,7 +93,7 @@ def add_prompt_sources(p, required: bool = True) -> None:
 
 def read_prompts(args):
     """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
-    from ..prompts import Prompt, load_prompts_file
+    from ..model.prompts import Prompt, load_prompts_file
 
     workload = None
     if args.workload is not None:
@@ -177,7 +177,7 @@ class DaskContext:
 
 def say_lossy_rows(attrs: dict) -> None:
     """One line after a table whose numbers come from a trace with lossy rows (kvscope compact)."""
-    from ..rowformat import RowFormat
+    from ..storage.rowformat import RowFormat
 
     rows = RowFormat.of(attrs)
     if rows.lossy:

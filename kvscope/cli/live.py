@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .. import defaults
-from ..models import DEFAULT_MODEL, check_model_dtype
+from ..model.loading import DEFAULT_MODEL, check_model_dtype
 from ..report import print_table
 from .common import add_allocation, add_prompt_sources, human_bytes, progress_bar, read_prompts
 
@@ -121,7 +121,7 @@ def add_validate(sub) -> None:
 def cmd_validate(args) -> int:
     from rich.table import Table
 
-    from ..store import read_attrs
+    from ..storage.store import read_attrs
 
     policy, budget, allocation = _live_inputs(args, clairvoyant_allocation=True)
     read_attrs(args.store)

@@ -81,11 +81,11 @@ def add_replay(sub) -> None:
 
 
 def cmd_replay(args) -> int:
-    from ..paths import figure_path, output_path
     from ..plots import plot_compare
     from ..policies import parse
     from ..replay import replay
     from ..replay.store import refuse_existing
+    from ..storage.paths import figure_path, output_path
 
     policies = [parse(x) for x in args.policies.split(",") if x.strip()]
     if not policies:
@@ -111,7 +111,7 @@ def cmd_replay(args) -> int:
     protocol = " · question-agnostic" if result.attrs.get("protocol") == "question-agnostic" else ""
     code = _show_comparison(result, args, f"replay · {args.store} · observe={args.observe}{protocol}")
     if not args.json:
-        from ..store import read_attrs
+        from ..storage.store import read_attrs
 
         say_lossy_rows(read_attrs(args.store))
     return code
@@ -145,9 +145,9 @@ def add_compare(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from ..paths import figure_path
     from ..plots import plot_compare
     from ..replay import open_result
+    from ..storage.paths import figure_path
 
     if args.plot:
         figure_path(args.plot)
@@ -186,7 +186,7 @@ def add_tune(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    from ..paths import output_path
+    from ..storage.paths import output_path
     from ..tune import check_live, held_out, tune
 
     if args.out:

@@ -17,9 +17,9 @@ def add_info(sub) -> None:
 
 
 def cmd_info(args) -> int:
-    from ..rowformat import row_format
-    from ..store import store_info
-    from ..verify import refuse_if_damaged, verify
+    from ..storage.rowformat import row_format
+    from ..storage.store import store_info
+    from ..storage.verify import refuse_if_damaged, verify
 
     if not args.quick:
         refuse_if_damaged(verify(args.store))
@@ -66,7 +66,7 @@ def add_verify(sub) -> None:
 
 def cmd_verify(args) -> int:
     from ..replay.check import is_result, verify_result
-    from ..verify import verify
+    from ..storage.verify import verify
 
     report = verify_result(args.store) if is_result(args.store) else verify(args.store, deep=args.deep)
     if args.json:
@@ -102,8 +102,8 @@ def add_compact(sub) -> None:
 
 
 def cmd_compact(args) -> int:
-    from ..compact import compact
-    from ..rowformat import row_format
+    from ..storage.compact import compact
+    from ..storage.rowformat import row_format
 
     summary = compact(args.store, args.out, args.rows, level=args.level)
     if args.json:

@@ -6,7 +6,7 @@ import dataclasses
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..models import DEFAULT_MODEL
+from ..model.loading import DEFAULT_MODEL
 from .common import DaskContext, add_prompt_sources, human_bytes, progress_bar, read_prompts
 
 
@@ -160,7 +160,7 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
 
 def _print_traced(results, seconds: float, label: str, prompts, workload) -> None:
     """What a trace (or its shards) decoded: steps, speed, the store, each sample's text."""
-    from ..store import store_info
+    from ..storage.store import store_info
 
     path = results[0].path
     info = store_info(path)

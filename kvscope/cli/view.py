@@ -20,9 +20,9 @@ def add_view(sub) -> None:
 
 
 def cmd_view(args) -> int:
-    from ..paths import output_path
     from ..replay import open_result
-    from ..store import open_trace
+    from ..storage.paths import output_path
+    from ..storage.store import open_trace
 
     if not 0 <= args.port <= 65535:
         raise KvscopeError(f"--port {args.port} is not a port (0..65535; 0 takes a free one)")

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from .. import dataset  # noqa: F401  (registers the ds.kvscope accessor this module reads)
 from ..errors import KvscopeError
+from ..storage import dataset  # noqa: F401  (registers the ds.kvscope accessor this module reads)
 
 NONE = -1
 

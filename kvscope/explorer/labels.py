@@ -32,7 +32,7 @@ def decoder(model: dict, tokens: str = "model"):
 
 
 def _tokenizer(model: dict):
-    from ..models import load_tokenizer, resolve
+    from ..model.loading import load_tokenizer, resolve
 
     try:
         source = resolve(str(model.get("name", "")), allow_hub=False)

@@ -58,11 +58,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model_spec import ModelSpec
+from ..model.rope import Rope, rotate_half
+from ..model.spec import ModelSpec
 from ..policies import Allocation, CacheSpec, Policy, PolicyDriver, check_budget
 from ..policies.allocation import check_allocatable
 from ..policies.quant import pack
-from ..rope import Rope, rotate_half
 from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
 from .inputs import kv_dtype_name, live_allocation, live_policy

@@ -29,11 +29,11 @@ import numpy as np
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model_spec import ModelSpec, cache_keyword, last_logits_only, returned_cache
-from ..models import DEFAULT_MODEL, check_model_dtype, load, resolve
+from ..model.loading import DEFAULT_MODEL, check_model_dtype, load, resolve
+from ..model.prompts import as_prompts, check_context, encode_prompts, eos_ids
+from ..model.spec import ModelSpec, cache_keyword, last_logits_only, returned_cache
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
-from ..prompts import as_prompts, check_context, encode_prompts, eos_ids
 from .cache import PolicyCache, parse_kv_dtype, prepare
 from .inputs import live_allocation, live_policy
 
@@ -242,7 +242,7 @@ def run(
     allocation: str = "uniform",
     progress=None,
 ) -> list[RunResult]:
-    """Generate every prompt (text or :class:`~kvscope.prompts.Prompt`) under
+    """Generate every prompt (text or :class:`~kvscope.model.prompts.Prompt`) under
     ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
     total)`` is called after every forward (3 decodes × (question + ``max_new_tokens``) per
     prompt)."""

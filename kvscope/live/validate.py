@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KvscopeError
-from ..models import ModelSource, check_model_dtype, load, resolve
-from ..paths import output_path
+from ..model.loading import ModelSource, check_model_dtype, load, resolve
+from ..model.prompts import Prompt
 from ..policies import check_budget
 from ..policies.allocation import Given, check_allocatable
 from ..policies.allocation import parse as parse_allocation
-from ..prompts import Prompt
 from ..replay import replay
-from ..store import open_trace
+from ..storage.paths import output_path
+from ..storage.store import open_trace
 from ..tracing.runner import TraceSettings, check_out, trace_loaded
 from .cache import LivePolicy, kv_storage_dtype
 from .inputs import live_policy

@@ -24,10 +24,10 @@ from typing import ClassVar
 import numpy as np
 
 from .. import defaults
-from ..dtypes import cast
 from ..errors import KvscopeError
+from ..model.rope import Rope, apply_rope, undo_rope
 from ..params import check_params, field_values, spelled
-from ..rope import Rope, apply_rope, undo_rope
+from ..storage.dtypes import cast
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
 
@@ -60,7 +60,7 @@ class CacheSpec:
     """Geometry and budget of one sequence's cache.
 
     ``budget`` β is a share of ``FP_bytes(P + S)``, what the model really caches at full
-    precision for the final length (the cache geometry, :mod:`kvscope.model_spec`):
+    precision for the final length (the cache geometry, :mod:`kvscope.model.spec`):
     ``B = β · FP_bytes(P + S)`` over all layers and cache units, the same for every policy. One
     token costs ``token_values · fp_itemsize`` bytes per unit (K and V of a KV head: ``2·D``
     values; MLA's shared latent: ``kv_lora_rank + qk_rope_head_dim``), and a sliding-window layer
@@ -510,7 +510,7 @@ class Policy:
 
     def check_live(self, model, rope: Rope | None = None) -> None:
         """Refuse in one line, before a live cache of ``model`` (its
-        :class:`~kvscope.model_spec.ModelSpec`) decodes anything, what this policy cannot do
+        :class:`~kvscope.model.spec.ModelSpec`) decodes anything, what this policy cannot do
         there."""
 
     def unit_floor(self, spec: CacheSpec) -> float:
@@ -528,7 +528,7 @@ class Policy:
 
 def check_geometry(policies, model) -> None:
     """Refuse, in one line, a policy the model's cache geometry (``model``: its
-    :class:`~kvscope.model_spec.ModelSpec`) does not let kvscope model exactly: under multi-head
+    :class:`~kvscope.model.spec.ModelSpec`) does not let kvscope model exactly: under multi-head
     latent attention a token's cache is one latent per layer that a trace does not hold — its
     quantized copy, and a kvpress press that scores and prunes each head's keys, are not what
     such a cache would do. Evicting a token (for every head of the layer at once) is."""

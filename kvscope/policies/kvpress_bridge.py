@@ -303,7 +303,7 @@ class PressRunner:
         append(position, keys, values)      [layer, kv_head, D]: the decode position enters
         decode(position, queries)           [layer, head, D]: the press's decode hook
 
-    ``rope`` the model's rotary parameters; ``model`` its :class:`~kvscope.model_spec.ModelSpec`."""
+    ``rope`` the model's rotary parameters; ``model`` its :class:`~kvscope.model.spec.ModelSpec`."""
 
     def __init__(self, press, spec, rope, model):
         import torch
@@ -396,7 +396,7 @@ class PressRunner:
         reads them) from its post-RoPE ``queries [n, H, D]`` at ``positions [n]``."""
         import torch
 
-        from ..rope import undo_rope
+        from ..model.rope import undo_rope
 
         q = np.asarray(queries, dtype=np.float32)  # [n, H, D]
         if self.rope is not None:
@@ -409,7 +409,7 @@ class PressRunner:
         ``queries [P, H, D]`` and ``keys [kv_head, P, D]``."""
         import torch
 
-        from ..attention import grouped
+        from ..model.attention import grouped
 
         h, n_kv = self.model.n_heads, self.model.n_kv_heads
         p = keys.shape[1]

@@ -122,7 +122,7 @@ class Press(Policy):
     def start(self, spec: CacheSpec, k=None, v=None, rope=None, q=None, model=None) -> CacheState:
         """Offline: ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded
         (post-RoPE). Live (no ``k``, ``v``, ``q``): the cache feeds each forward's tensors
-        (:meth:`_PressState.feed`). ``model``: the :class:`~kvscope.model_spec.ModelSpec`."""
+        (:meth:`_PressState.feed`). ``model``: the :class:`~kvscope.model.spec.ModelSpec`."""
         if model is None or (any(x is None for x in (k, v, q)) and any(x is not None for x in (k, v, q))):
             raise KvscopeError(f"{self.label()} needs recorded q/k/v (trace with --record qkv)")
         recorded = None

@@ -13,7 +13,7 @@ On open (:func:`check_result`), each failure one :class:`~kvscope.errors.StoreEr
    one size in every array;
 3. the coordinates, read through the checked store: their rules (:data:`COORDINATES`).
 
-Every read goes through :class:`kvscope.integrity.TraceStore` with every chunk required (a
+Every read goes through :class:`kvscope.storage.integrity.TraceStore` with every chunk required (a
 result is written whole) and CRC32C-checked; every variable's values then pass its rule
 (:data:`VALUE_RULES`) before a number is shown — the tiers, read lazily, chunk by chunk as
 they are computed. ``kvscope verify`` reads every chunk and reports each problem.
@@ -33,7 +33,7 @@ import numpy as np
 import xarray as xr
 
 from ..errors import StoreError, first_line
-from ..integrity import (
+from ..storage.integrity import (
     ChunkRules,
     DamagedStore,
     TraceStore,
@@ -390,9 +390,9 @@ def _checked_codes(block: np.ndarray, path: str, block_info=None) -> np.ndarray:
 
 
 def verify_result(path):
-    """The :class:`kvscope.verify.Report` of a replay result: the checks on open, the
+    """The :class:`kvscope.storage.verify.Report` of a replay result: the checks on open, the
     consolidated metadata, then every chunk of every variable read and its values checked."""
-    from ..verify import Report, check_consolidated, read_block
+    from ..storage.verify import Report, check_consolidated, read_block
 
     started = time.perf_counter()
     report = Report(str(path), "replay result")

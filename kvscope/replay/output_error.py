@@ -1,7 +1,7 @@
 """What a policy's cache does to attention, against full KV (needs ``--record qkv``).
 
 For the first query after each event (and, with ``observe="exact"``, every query a policy
-observes), per layer and query head, with the model's attention rule (:mod:`kvscope.attention`)::
+observes), per layer and query head, with the model's attention rule (:mod:`kvscope.model.attention`)::
 
     reference   a*  = softmax over keys 0..q of the full cache,   o* = a*·V
     policy      a   = softmax over the keys the cache holds (Q keys dequantized, evicted absent),
@@ -23,7 +23,7 @@ from ..tiers import TIER_FP, TIER_Q
 if TYPE_CHECKING:  # torch only where errors are computed (q/k/v recorded): replay itself is numpy
     import torch
 
-    from ..attention import LayerRules
+    from ..model.attention import LayerRules
 
 
 @dataclass
@@ -181,7 +181,7 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     stacked with it (a run alone or with others, the reference)."""
     import torch
 
-    from ..attention import softmax
+    from ..model.attention import softmax
 
     n_l, n_kv, n, d = values.shape
     block = block or max(1, SCRATCH_BYTES // (4 * d))  # the same spans whatever KV heads a task holds

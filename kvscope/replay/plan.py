@@ -238,7 +238,7 @@ class ReplaySetup:
     @property
     def rules(self):
         """The attention rules of the layers replayed."""
-        from ..attention import LayerRules
+        from ..model.attention import LayerRules
 
         return LayerRules(tuple(rule_of(self.ds, int(layer)) for layer in self.layers))
 

@@ -7,7 +7,7 @@ import numpy as np
 import xarray as xr
 
 from ..analysis.kernels import refuse_bad_rows, row_checks, row_totals
-from ..dtypes import cast
+from ..storage.dtypes import cast
 
 
 def unit_span(ds: xr.Dataset) -> tuple[int, int]:

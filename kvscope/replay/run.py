@@ -97,7 +97,7 @@ def replay(
     store, removed once nothing can read it lazily any more (``.load()`` to keep them). A
     failed replay leaves no store behind.
     """
-    from ..store import open_trace
+    from ..storage.store import open_trace
 
     started = time.perf_counter()
     path = os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else None
@@ -210,7 +210,7 @@ def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, 
 
 @functools.lru_cache(maxsize=4)
 def _opened(path: str):
-    from ..store import open_trace
+    from ..storage.store import open_trace
 
     return open_trace(path)
 

@@ -13,7 +13,7 @@ attributes carry their own CRC32C (:func:`attributes_checksum`), since a result 
 Two writers racing for the same path each write their own partial folder; the first rename
 wins, the second fails (Linux refuses to rename onto a non-empty directory) and its partial
 folder is removed, so a result store is always one writer's complete result. Every chunk
-carries a CRC32C checksum after the compressor (:func:`kvscope.store.compressors`), so a
+carries a CRC32C checksum after the compressor (:func:`kvscope.storage.store.compressors`), so a
 damaged chunk is refused when read.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
-from ..store import compressors
+from ..storage.store import compressors
 
 RUN = ("policy", "allocation", "budget")  # one run of a replay result: the leading dims of its arrays
 TIER_DIMS = (*RUN, "sample", "event", "layer", "kv_head", "pos")

@@ -3,7 +3,7 @@
 Before anything is written, one probe forward (:func:`kvscope.tracing.capture.probe`) shows
 which attention modules call kvscope's attention function and with what tensors. The model is
 traced when every such module fits one cache geometry that the model spec describes
-(:mod:`kvscope.model_spec`) and hands the function nothing the attention rule does not model;
+(:mod:`kvscope.model.spec`) and hands the function nothing the attention rule does not model;
 otherwise it is refused in one line that says why::
 
     spec = inspect(model, settings)       # the ModelSpec of what the probe saw, or KvscopeError
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import KvscopeError, first_line
-from ..model_spec import ModelSpec, check_transformers
+from ..model.spec import ModelSpec, check_transformers
 from .capture import PROBE_TOKENS, Probe, probe, weights_probe
 
 # keyword tensors an attention function may receive that do not change what it computes from

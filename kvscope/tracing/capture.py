@@ -5,7 +5,7 @@ kvscope registers one attention function per fast kernel (``kvscope_fused`` for 
 ``AttentionMaskInterface`` entry. The function computes the layer output with the
 kernel the user chose and, when a :class:`AttentionRecorder` is active, recomputes the
 probabilities of the *new query rows only* in fp32 with the attention rule of
-:mod:`kvscope.attention` (the layer's scaling and softcap as the model passes them; the
+:mod:`kvscope.model.attention` (the layer's scaling and softcap as the model passes them; the
 sliding window and padding through transformers' mask)::
 
     a = softmax(mask(softcap(q · kᵀ · scaling)))          # [batch, head, q, kv]
@@ -36,8 +36,8 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
 
-from .. import attention
-from ..model_spec import returned_cache, with_cache
+from ..model import attention
+from ..model.spec import returned_cache, with_cache
 from .settings import KERNELS
 
 _BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
@@ -81,7 +81,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
     """transformers' ``mask`` (bool: True = attend; float: additive) for the rows
-    ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for :func:`kvscope.attention.softmax`.
+    ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for :func:`kvscope.model.attention.softmax`.
     ``None`` with more than one query row means sdpa's upper-left causal alignment (SPEC appendix)."""
     if mask is None:
         if full_q_len == 1:
@@ -103,7 +103,7 @@ def attention_probs(
     sink: torch.Tensor | None = None,  # [head] learned sink logits
 ) -> torch.Tensor:
     """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key`` (the rule of
-    :mod:`kvscope.attention`; the heads of a GQA group stacked as rows, keys never copied).
+    :mod:`kvscope.model.attention`; the heads of a GQA group stacked as rows, keys never copied).
     Rows whose every key is masked (left-padding query rows) come out as zeros, not NaN."""
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]

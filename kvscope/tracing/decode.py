@@ -21,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from ..dtypes import stored
 from ..errors import StoreError
-from ..model_spec import cache_keyword, last_logits_only, returned_cache
-from ..schema import Layout
+from ..model.spec import cache_keyword, last_logits_only, returned_cache
+from ..storage.dtypes import stored
+from ..storage.schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
 from .writer import Block

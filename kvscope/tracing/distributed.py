@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import KvscopeError
-from ..models import resolve
-from ..paths import output_path
-from ..prompts import Prompt, as_prompts
+from ..model.loading import resolve
+from ..model.prompts import Prompt, as_prompts
+from ..storage.paths import output_path
 from .runner import TraceResult, TraceSettings, _prepare_out, _settings_doc, check_cache, finalize, remove_store, trace
 from .shard import Shard
 

@@ -34,14 +34,14 @@ import numpy as np
 
 from .. import __version__
 from ..errors import KvscopeError, StoreError, first_line
-from ..integrity import is_int
-from ..model_spec import ModelSpec
-from ..models import ModelSource, load, resolve
-from ..paths import output_path
-from ..prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
-from ..rope import Rope
-from ..schema import SCHEMA_VERSION, Layout
-from ..store import check_store, consolidate, create, read_attrs
+from ..model.loading import ModelSource, load, resolve
+from ..model.prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
+from ..model.rope import Rope
+from ..model.spec import ModelSpec
+from ..storage.integrity import is_int
+from ..storage.paths import output_path
+from ..storage.schema import SCHEMA_VERSION, Layout
+from ..storage.store import check_store, consolidate, create, read_attrs
 from .architecture import inspect
 from .capture import implementation_name, register
 from .decode import decode_all

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..models import DEFAULT_MODEL, check_model_dtype
+from ..model.loading import DEFAULT_MODEL, check_model_dtype
 from ..params import ParamSpec, check_value
 
 KERNELS = ("sdpa", "eager", "flash_attention_2")

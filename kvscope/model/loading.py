@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KvscopeError, first_line
+from ..errors import KvscopeError, first_line
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file

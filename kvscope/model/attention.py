@@ -12,7 +12,7 @@ the sink's share::
 
     a[p] = e^{logit[p]} / (e^{s_h} + Σ_visible e^{logit})
 
-``scaling``, ``softcap`` and ``sinks`` are the layer's (:class:`kvscope.model_spec.ModelSpec.rule`).
+``scaling``, ``softcap`` and ``sinks`` are the layer's (:class:`kvscope.model.spec.ModelSpec.rule`).
 Grouped-query attention needs no copies of the keys: the query heads that share a KV head
 are stacked as extra rows (:func:`grouped`), ``[.., kv_head, group·rows, D] @ [.., kv_head, D, keys]``.
 

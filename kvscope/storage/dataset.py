@@ -18,10 +18,10 @@ import functools
 import numpy as np
 import xarray as xr
 
-from . import defaults
-from .errors import KvscopeError
-from .model_spec import ModelSpec
-from .rope import Rope
+from .. import defaults
+from ..errors import KvscopeError
+from ..model.rope import Rope
+from ..model.spec import ModelSpec
 from .rowformat import RowFormat
 
 
@@ -58,7 +58,7 @@ class TraceAccessor:
 
     @functools.cached_property
     def rows(self) -> RowFormat:
-        """How the probability rows are stored (:mod:`kvscope.rowformat`; exact unless compacted)."""
+        """How the probability rows are stored (:mod:`kvscope.storage.rowformat`; exact unless compacted)."""
         return RowFormat.of(self.attrs)
 
     @property

@@ -1,14 +1,14 @@
 """``kvscope compact IN OUT --rows FORMAT``: a copy of a complete trace whose probability rows
-are stored in a lossy row format (:mod:`kvscope.rowformat`: rounded once here, then written
+are stored in a lossy row format (:mod:`kvscope.storage.rowformat`: rounded once here, then written
 through the store's usual lossless codecs), everything else as it was, bit for bit.
 
     summary = compact("traces/demo.zarr", "traces/demo-round4.zarr", "round4")
 
-The input is read through the checks of :func:`kvscope.store.check_store` (every chunk's
+The input is read through the checks of :func:`kvscope.storage.store.check_store` (every chunk's
 CRC32C, chunks missing inside the committed steps refused); only a complete trace stored
 exactly is converted (rounding a rounded store would add a second error). The copy is written
 chunk by chunk (memory: one chunk) under a temporary name beside ``OUT``, checked with
-:func:`kvscope.verify.verify` (the rows against the format's widened tolerance) and only then
+:func:`kvscope.storage.verify.verify` (the rows against the format's widened tolerance) and only then
 renamed to ``OUT``; on any failure nothing is left. ``OUT`` must not exist.
 """
 
@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import KvscopeError
+from ..errors import KvscopeError
 from .paths import output_path
 from .rowformat import ATTR, ROW_ARRAYS, RowFormat, row_format
 from .store import check_store, consolidate, create, walking_members

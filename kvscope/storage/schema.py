@@ -1,6 +1,6 @@
 """The trace store's schema (SPEC §3, docs/trace-format.md): every array a store holds, with its
 dims, dtype, shape, chunks and fill value, from the sizes of one store (:class:`Layout`).
-:func:`kvscope.store.create` makes exactly these arrays; :mod:`kvscope.integrity` checks a
+:func:`kvscope.storage.store.create` makes exactly these arrays; :mod:`kvscope.storage.integrity` checks a
 store against them before anything is read."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Layout:
     dtype: str  # float16 | float32
     rope_freqs: int = 0
     policy_events: int = 0  # > 0: traced under a live policy cache (tier snapshots)
-    # the cache geometry (kvscope.model_spec): defaults are a GQA model whose every layer attends
+    # the cache geometry (kvscope.model.spec): defaults are a GQA model whose every layer attends
     key_heads: int = 0  # heads of the recorded k/v (0: n_kv_heads; MLA: every query head)
     v_dim: int = 0  # values per value head (0: head_dim)
     learned_sinks: bool = False  # the sink's share of every row is stored beside it
@@ -96,7 +96,7 @@ class ArraySpec:
     dtype: str
     chunks: tuple[int, ...]
     fill: float | int
-    written: str  # which chunks exist once steps are committed (kvscope.integrity.ChunkRules)
+    written: str  # which chunks exist once steps are committed (kvscope.storage.integrity.ChunkRules)
 
     @property
     def transpose(self) -> tuple[int, ...] | None:

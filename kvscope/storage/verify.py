@@ -1,6 +1,6 @@
 """``kvscope verify``: every committed chunk of a trace read, checked, and its values tested.
 
-    1. the checks on open (:mod:`kvscope.integrity`): attributes, schema, the small arrays —
+    1. the checks on open (:mod:`kvscope.storage.integrity`): attributes, schema, the small arrays —
        a store that fails them is reported with that one problem (nothing else can be trusted);
     2. every chunk the committed steps need: present, its CRC32C matching, decodable;
     3. its values (:data:`CHECKS`):
@@ -14,14 +14,14 @@
          rope parameters     finite; inverse frequencies ≥ 0, scalings > 0
          policy arrays       tier codes −1/0/1/2, bytes ≥ 0
     4. ``deep``: rows of a sample of steps recomputed from the recorded q/k with the model's
-       attention rule (:mod:`kvscope.attention`) and compared with the stored rows.
+       attention rule (:mod:`kvscope.model.attention`) and compared with the stored rows.
 
 Each problem is one line naming the array and the chunk (its block index along every dim).
 A replay result (``kvscope replay --out``) is checked by :func:`kvscope.replay.check.verify_result`.
 
 Row-sum tolerance of ``n`` stored values: ``T(n) = 2^-10 + n·2^-24`` for fp16 (each value rounded
 to 11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32; rows of a lossy row
-format (:mod:`kvscope.rowformat`, relative error ``ρ``) add ``ρ·(1 + T(n) + n·m)``, ``m`` the
+format (:mod:`kvscope.storage.rowformat`, relative error ``ρ``) add ``ρ·(1 + T(n) + n·m)``, ``m`` the
 dtype's smallest normal.
 """
 
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import KvscopeError, StoreError
+from ..errors import KvscopeError, StoreError
+from ..tiers import valid_codes
 from .integrity import DamagedStore
 from .rowformat import RowFormat
 from .schema import schema
-from .tiers import valid_codes
 
 MAX_PROBLEMS = 200  # lines reported; the count says how many more
 
@@ -90,7 +90,7 @@ def _index(index) -> str:
 class Context:
     """What the value checks of a trace need besides the chunk."""
 
-    checked: object  # kvscope.store.CheckedStore
+    checked: object  # kvscope.storage.store.CheckedStore
     n_sink: int
     w: int
 
@@ -100,7 +100,7 @@ class Context:
 
     @property
     def slack(self) -> float:
-        """The relative error of the rows' format (:mod:`kvscope.rowformat`; 0: exact)."""
+        """The relative error of the rows' format (:mod:`kvscope.storage.rowformat`; 0: exact)."""
         return RowFormat.of(self.checked.attrs).slack
 
 
@@ -108,7 +108,7 @@ def _rows(report: Report, ctx: Context, array: str, index, rows: np.ndarray, qpo
     """Probability rows ``rows [a, b, pos]`` whose queries sit at ``qpos [a]`` (−1: no row),
     checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`),
     with the tolerance of the store's row format; ``shares [a, b]``: their learned sink's."""
-    from .analysis.kernels import row_checks, row_totals, rows_problem
+    from ..analysis.kernels import row_checks, row_totals, rows_problem
 
     problem = rows_problem(row_checks(rows, qpos, ctx.slack, row_totals(shares)))
     if problem is not None:
@@ -128,7 +128,7 @@ def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray,
     """Window sums ``[1, step, 1, Hs, window]`` and sinks ``[…, sink]`` of one block of steps:
     together they are the row (:func:`kvscope.windows.window_rows`), checked over units with the
     last existing unit standing in for the query position."""
-    from .windows import window_rows
+    from ..windows import window_rows
 
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
@@ -417,7 +417,7 @@ def _shares(arrays: dict, name: str, index):
 def _deep(report: Report, checked, n_rows: int) -> None:
     """Rows of up to ``n_rows`` steps per sample recomputed from q/k (every layer) and compared
     with the stored ones (token resolution): max |Δ| within what the stored dtype allows."""
-    from .analysis.recompute import layer_rows
+    from ..analysis.recompute import layer_rows
     from .store import open_trace
 
     if not checked.attrs["record_qkv"]:

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import defaults
-from .errors import KvscopeError
+from .. import defaults
+from ..errors import KvscopeError
 
 ROW_ARRAYS = ("attn", "attn_sink", "prefill_tail")  # the probability rows a format applies to
 ATTR = "row_format"  # the group attribute that records a store's format

@@ -32,7 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import KvscopeError
+from ..errors import KvscopeError
 
 if TYPE_CHECKING:  # the rule needs torch; opening a trace does not
     from .attention import AttentionRule, LayerRules

@@ -4,7 +4,7 @@
     prompts("niah", tokenizer, context=2048, seed=0, samples=3, chat=True)  → [Prompt]
     score("niah", output_text, expected)         → task score in [0, 1]
 
-Every workload reads its recipe (context, samples, templates) from ``kvscope/recipes/NAME.toml``
+Every workload reads its recipe (context, samples, templates) from ``kvscope/workloads/recipes/NAME.toml``
 (package data, read with ``importlib.resources``);
 the text comes from what ships with Python — the reference-manual topics of ``pydoc_data``
 (prose, haystacks) and standard-library source files (code) — so nothing is downloaded and a
@@ -38,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KvscopeError
-from .prompts import Prompt, encode
+from ..errors import KvscopeError
+from ..model.prompts import Prompt, encode
 
-RECIPES = importlib.resources.files("kvscope") / "recipes"
+RECIPES = importlib.resources.files("kvscope.workloads") / "recipes"
 TOLERANCE = 0.02
 QUESTION_AT = "question_at"  # a builder's meta key: where the question starts (niah, vt: split prompts)
 
@@ -394,7 +394,7 @@ def prompts_for_model(
     context that, with ``max_new_tokens``, does not fit the model before building anything."""
     import json
 
-    from .models import load_tokenizer, resolve
+    from ..model.loading import load_tokenizer, resolve
 
     workload = get(name)
     context = int(context or workload.recipe["context"])

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import KvscopeError
+from ..errors import KvscopeError
 
 
 def output_path(path, flag: str, inputs=(), file: bool = False) -> Path:

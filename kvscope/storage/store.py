@@ -45,12 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import (
-    dataset,  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
-    defaults,
-)
-from .errors import StoreError, first_line
-from .model_spec import ModelSpec
+from .. import defaults
+from ..errors import StoreError, first_line
+from ..model.spec import ModelSpec
+from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .rowformat import ROW_ARRAYS, RowFormat
 from .schema import SCHEMA_VERSION, Layout, schema
 
@@ -115,7 +113,7 @@ def compressors(clevel: int = 1):
 def create(path: Path, layout: Layout, attrs: dict, row_clevel: int = 1) -> None:
     """Create the group and preallocate every array of :func:`schema` at full size (chunks
     are written later); coordinates hold the index of their dim; ``row_clevel``: zstd's level
-    for the probability rows (:data:`kvscope.rowformat.ROW_ARRAYS`)."""
+    for the probability rows (:data:`kvscope.storage.rowformat.ROW_ARRAYS`)."""
     import zarr
 
     root = zarr.open_group(str(path), mode="w", zarr_format=3, attributes=attrs)
@@ -159,19 +157,19 @@ def read_attrs(path: str | os.PathLike) -> dict:
 
 @dataclass
 class CheckedStore:
-    """A trace store that passed every check of :mod:`kvscope.integrity` on open."""
+    """A trace store that passed every check of :mod:`kvscope.storage.integrity` on open."""
 
     path: Path
     attrs: dict
     layout: Layout
-    store: object  # kvscope.integrity.TraceStore: every read checked
+    store: object  # kvscope.storage.integrity.TraceStore: every read checked
     committed: np.ndarray  # [sample] committed steps
     prompt_len: np.ndarray  # [sample]
     small: dict  # the small arrays read and checked on open (query_pos, token_id, tokens, …)
 
 
 def check_store(path: str | os.PathLike) -> CheckedStore:
-    """Attributes, schema and the small arrays of a trace (:mod:`kvscope.integrity`), one line
+    """Attributes, schema and the small arrays of a trace (:mod:`kvscope.storage.integrity`), one line
     naming what and where for the first problem."""
     from .integrity import check_attrs, check_schema, check_small_arrays, read_metas
 

@@ -7,7 +7,7 @@ line naming what and where:
 1. the group's attributes: types and ranges (status, committed steps per sample, heads,
    resolution, dtype, ``w``, sinks, observation window, block of steps, the model's sizes,
    the number of shards of a store written by shards);
-2. every array of the schema that the attributes imply (:func:`kvscope.store.schema`): present,
+2. every array of the schema that the attributes imply (:func:`kvscope.storage.store.schema`): present,
    with its dims, dtype, shape, chunks, fill value, and a CRC32C checksum on every data array;
 3. the small arrays that say which rows exist: coordinates are their indices, prompt lengths
    fit the store, ``n_steps`` equals the committed steps of a complete store, ``query_pos`` is
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from .errors import KvscopeError, StoreError, first_line
+from ..errors import KvscopeError, StoreError, first_line
 from .rowformat import RowFormat
 from .schema import Layout, schema
 
@@ -202,7 +202,7 @@ def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
     return shape
 
 
-CODECS = ["bytes", "blosc", "crc32c"]  # kvscope.store.compressors() after the bytes serializer
+CODECS = ["bytes", "blosc", "crc32c"]  # kvscope.storage.store.compressors() after the bytes serializer
 
 
 def check_encoding(path, name: str, meta: dict, transpose, crc: bool, attributes: frozenset = frozenset()) -> None:
@@ -256,7 +256,7 @@ def _zarr_parses(path, name: str, meta: dict) -> None:
 
 
 def _check_geometry(config: dict, need) -> None:
-    """The cache-geometry keys of a model config (:class:`kvscope.model_spec.ModelSpec`), where given."""
+    """The cache-geometry keys of a model config (:class:`kvscope.model.spec.ModelSpec`), where given."""
     n_layers, n_heads = config["n_layers"], config["n_heads"]
     layers = config.get("attention_layers") or []
     ok = isinstance(layers, list) and all(is_int(x) for x in layers) and layers == sorted(set(layers))
@@ -288,7 +288,7 @@ def _finite(x) -> bool:
 
 
 def expected_layout(path, attrs: dict, metas: dict):
-    """The :class:`~kvscope.store.Layout` the attributes describe (positions from ``tokens``,
+    """The :class:`~kvscope.storage.store.Layout` the attributes describe (positions from ``tokens``,
     steps from ``attn``: the schema then checks that every array agrees)."""
     for name in ("attn", "tokens"):
         if name not in metas:
@@ -405,7 +405,7 @@ def _check_positions(path, small: dict, committed, prompt_len, layout, attrs) ->
 class ChunkRules:
     """Which chunks of which arrays the committed steps need, and which carry a CRC32C.
 
-    ``written`` per array (:attr:`kvscope.store.ArraySpec.written`): ``static`` (always),
+    ``written`` per array (:attr:`kvscope.storage.store.ArraySpec.written`): ``static`` (always),
     ``sample`` (samples with a committed step), ``any`` (once any step is committed), ``steps``
     (blocks of committed steps), ``events`` (events at committed steps), ``positions`` (blocks
     of positions that have q/k/v: ``< P + committed − 1``)."""

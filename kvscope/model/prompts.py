@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import KvscopeError
+from ..errors import KvscopeError
 
 
 @dataclass
