@@ -155,14 +155,19 @@ def _gpu_check(f: dict, keys: dict) -> dict:
     return out
 
 
-@extractor("analysis_throughput")
-def _analysis_throughput(f, keys: dict) -> dict:
+def _per_row(f, keys: dict, size: str, label) -> dict:
+    """Each headline ``key`` of every row of ``f`` that has a number under ``size``, labelled ``label(size)``."""
     out: dict = {}
     for key in keys:
         for row in _rows(f):
-            if _number(row.get("logical_gb")) is not None:
-                _put(out, key, f"{row['logical_gb']:.2f} GB", row.get(key))
+            if _number(row.get(size)) is not None:
+                _put(out, key, label(row[size]), row.get(key))
     return out
+
+
+@extractor("analysis_throughput")
+def _analysis_throughput(f, keys: dict) -> dict:
+    return _per_row(f, keys, "logical_gb", lambda gb: f"{gb:.2f} GB")
 
 
 @extractor("verify_speed")
@@ -226,12 +231,7 @@ def _scale(f: dict, keys: dict) -> dict:
 
 @extractor("explorer")
 def _explorer(f, keys: dict) -> dict:
-    out: dict = {}
-    for key in keys:
-        for row in _rows(f):
-            if _number(row.get("positions")) is not None:
-                _put(out, key, f"{row['positions']:,} positions", row.get(key))
-    return out
+    return _per_row(f, keys, "positions", lambda n: f"{n:,} positions")
 
 
 @extractor("cli_startup")
