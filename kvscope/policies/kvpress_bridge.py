@@ -32,10 +32,13 @@ kvpress pins ``transformers<5.3`` and patches transformers' attention functions 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import typing
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -82,6 +85,19 @@ def press_classes() -> dict[str, type]:
         for name in kvpress.__all__
         if isinstance(cls := getattr(kvpress, name), type) and issubclass(cls, kvpress.BasePress)
     }
+
+
+def press_names() -> list[str]:
+    """The names kvpress exports that name a press (``…Press``), read from its package's
+    ``__all__`` without importing it (torch and transformers cost seconds): for help texts.
+    Empty where kvpress is not installed."""
+    spec = importlib.util.find_spec("kvpress")
+    if spec is None or spec.origin is None:
+        return []
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return [name for name in ast.literal_eval(node.value) if name.endswith("Press")]
+    return []
 
 
 def press_class(name: str) -> type:
