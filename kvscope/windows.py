@@ -1,4 +1,4 @@
-"""Units and window sums (SPEC §1): what a policy keeps or drops, and how much mass it holds.
+"""Units and window sums (docs/concepts.md#windows): what a policy keeps or drops, and how much mass it holds.
 
 A *unit* is a window of ``w`` positions after the sinks (window granularity) or a single
 position (token granularity)::

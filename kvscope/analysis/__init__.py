@@ -1,4 +1,4 @@
-"""Analyses over traces (SPEC §4): one module per metric, each a ``@dataclass`` whose fields
+"""Analyses over traces ([Concepts → Analyses](concepts.md#analyses)): one module per metric, each a ``@dataclass`` whose fields
 are its parameters, kept in a registry like the policies (:mod:`kvscope.analysis.metric`).
 
     available()                   {name: class} of every registered metric

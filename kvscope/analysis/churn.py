@@ -1,4 +1,4 @@
-"""Selection churn (SPEC §4.2).
+"""Selection churn (docs/concepts.md#churn).
 
 Jaccard distance between consecutive selections of candidate units (sinks and the
 protected local tail are not candidates)::

@@ -249,7 +249,7 @@ class UnitData:
         return last[None, :] <= self.query_pos[steps][:, None]
 
     def scores(self, steps) -> np.ndarray:
-        """Cumulative scores at ``steps`` ``[..., event, unit]`` (SPEC §1)::
+        """Cumulative scores at ``steps`` ``[..., event, unit]`` ([Concepts → Windows](concepts.md#windows)):
 
             c[t] = prefill + Σ_{1 ≤ t' ≤ t} m[t']       with the prompt's column mass
             c[t] = Σ_{0 ≤ t' ≤ t} m[t']                  without it

@@ -1,4 +1,4 @@
-"""Concentration of attention over windows (SPEC §4.5).
+"""Concentration of attention over windows (docs/concepts.md#concentration).
 
 At each event step ``t``, over the windows that exist, with masses sorted descending
 ``m_(1) ≥ m_(2) ≥ …`` and ``n`` existing windows::

@@ -1,4 +1,4 @@
-"""Drift views (SPEC §4.6): window-mass heatmaps, rank trajectories of windows that
+"""Drift views (docs/concepts.md#drift): window-mass heatmaps, rank trajectories of windows that
 leave and re-enter the top set, and churn over time.
 
 ``mass [sample, step, layer, H, window]`` per-step window mass;

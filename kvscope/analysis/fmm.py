@@ -1,4 +1,4 @@
-"""Future Missed Mass (SPEC §4.1).
+"""Future Missed Mass (docs/concepts.md#fmm).
 
 For a selection decided at event ``e`` at step ``t`` with horizon ``H``::
 

@@ -1,4 +1,4 @@
-"""Global LIR — latent importance reactivation (SPEC §4.3).
+"""Global LIR — latent importance reactivation (docs/concepts.md#lir).
 
 Selection matrix ``sel [..., event, unit]`` in {−1, 0, 1}. Each maximal run of 0s that
 directly follows a 1 is one *inactive episode*. It becomes *eligible* once it reaches ``m``

@@ -1,4 +1,4 @@
-"""Unit masses and cumulative scores of a trace (SPEC §1; units: :mod:`kvscope.windows`)::
+"""Unit masses and cumulative scores of a trace (docs/concepts.md#windows; units: :mod:`kvscope.windows`)::
 
     m[t, j] = Σ_{p∈j} a[t, p]                                       per-step mass (not cumulative)
     c[t, j] = Σ_{p∈j} prefill_colsum[p] + Σ_{1≤t'≤t} m[t', j]       with the prompt's column mass

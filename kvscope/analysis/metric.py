@@ -238,7 +238,7 @@ class UnitMetric(Metric):
 
 @dataclass(kw_only=True)
 class HistoryOracle(UnitMetric):
-    """Unit metrics whose default selection is the oracle-by-history (SPEC §4.3): the top-ρ
+    """Unit metrics whose default selection is the oracle-by-history (docs/concepts.md#history-oracle): the top-ρ
     candidate units by cumulative score at each event, the newest ``local`` tokens protected."""
 
     top_frac: float = param(

@@ -1,4 +1,4 @@
-"""Log-distributed attention peaks — LogQuant's observation (SPEC §4.4).
+"""Log-distributed attention peaks — LogQuant's observation (docs/concepts.md#peaks).
 
 For each row (step ``t``, trace unit) the *peaks* are the top-``k`` keys by probability,
 excluding the sinks and the query's own position (equal probabilities: the nearer key);
@@ -16,7 +16,7 @@ Fit ``density ∝ d^(−α)`` by maximum likelihood of a discrete power law trun
 over prompts (``resample="units"``: over trace units), compared by AIC with a truncated exponential ``∝ e^(−λd)`` and the
 uniform ``1/D``. LogQuant's claim corresponds to ``α ≈ 1`` (equal mass per log2 bin).
 
-Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (§5.1, window
+Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (docs/concepts.md#logquant, window
 ``W``) holds, against a recency window of the same number of non-sink positions.
 """
 

@@ -1,4 +1,4 @@
-"""``kvscope`` command line: a thin layer over the Python API (SPEC §7).
+"""``kvscope`` command line: a thin layer over the Python API (docs/concepts.md#bad-input).
 
 Bad input ends with one line ``kvscope: error: …`` on stderr and exit code 2.
 

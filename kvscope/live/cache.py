@@ -1,4 +1,4 @@
-"""A transformers cache that runs a kvscope policy during real decoding (SPEC §5 contract).
+"""A transformers cache that runs a kvscope policy during real decoding (the policy contract: docs/concepts.md#observe).
 
 The same policy objects that :func:`kvscope.replay` drives offline run here inside
 ``model(..., cache=PolicyCache(...))`` or ``model.generate(cache=...)``. The cache drives the
@@ -39,7 +39,7 @@ dequantized from every code — set-wise by position, bit for bit (checked at ev
 ``DynamicCache`` would. The buffer is a CPU-speed trade (no fused unpack + matmul kernel
 here): it is reported apart, ``bytes_serving``, not in ``bytes_actual``.
 
-Bytes per step: ``bytes_model`` (SPEC §5 accounting, what replay reports) and
+Bytes per step: ``bytes_model`` (the byte model of docs/concepts.md#budget, what replay reports) and
 ``bytes_actual`` (``nbytes`` of every pool data tensor; index tensors apart in
 ``bytes_index``, the served buffer in ``bytes_serving``); both must stay within
 ``β · FP_bytes(P + S)`` at ``kv_dtype``.
@@ -221,7 +221,7 @@ class PolicyCache(DynamicCache):
     """A transformers ``Cache`` that compresses with ``policy`` at budget ``β`` while decoding.
 
     ``max_new_tokens`` = S fixes the final length ``P + S`` and with it the byte budget
-    ``β · FP_bytes(P + S)`` (SPEC §5; ``generate(max_new_tokens=S)`` runs S forwards).
+    ``β · FP_bytes(P + S)`` ([Concepts → Budget](concepts.md#budget); ``generate(max_new_tokens=S)`` runs S forwards).
     ``kv_dtype``: storage of FP entries (default: the model's dtype; the byte model counts
     ``2·D·itemsize`` per FP token). ``every``: tier snapshots kept every that many steps
     (``tier_events``; default the policy window ``w``). ``check``: verify every policy
@@ -274,7 +274,7 @@ class PolicyCache(DynamicCache):
         self.step = -1  # last step whose decision was applied
         self._pending: str | None = None
         self._views: list[SlotView] = []
-        self.bytes_model: list[float] = []  # [step] SPEC accounting, all layers and heads
+        self.bytes_model: list[float] = []  # [step] byte model, all layers and heads
         self.bytes_actual: list[int] = []  # [step] nbytes of the data tensors
         self.bytes_index: list[int] = []  # [step] nbytes of the index tensors
         self.bytes_serving: list[int] = []  # [step] nbytes of the served buffers (and slot maps)

@@ -16,7 +16,7 @@ Forward ``t`` of the forced decode sees the same tokens as forward ``t`` of the 
 decode, so ``kl`` isolates what the cache changed. ``question_agnostic``: the prompt's context
 is prefilled alone (the policy compresses it there), the question's tokens are then fed one
 forward each, and the ``S`` steps above are those after the question. Bytes are the policy cache's own (free
-decode): the peak of ``bytes_actual`` and of the SPEC accounting, against the budget.
+decode): the peak of ``bytes_actual`` and of the byte model (docs/concepts.md#budget), against the budget.
 """
 
 from __future__ import annotations

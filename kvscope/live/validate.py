@@ -12,7 +12,7 @@ Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget::
                    error e_live[layer]
 
 Errors are the attention-output relative L2 errors of the first query after each event
-(SPEC §5), averaged over events, KV heads and samples. ``predicted/live`` near 1 means the
+(docs/concepts.md#output-error), averaged over events, KV heads and samples. ``predicted/live`` near 1 means the
 open-loop number can be trusted for that layer; the token agreement of the two decodes says
 how far the trajectories themselves parted.
 """

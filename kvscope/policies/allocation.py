@@ -1,5 +1,5 @@
 """Allocations: how a budget's bytes ``B = β · FP_bytes(P + S)`` are split across layers and
-KV heads, a choice apart from the policy (SPEC §5 "Allocation").
+KV heads, a choice apart from the policy (docs/concepts.md#allocation).
 
     parse("pyramid:beta=10")              an allocation; its fields are its parameters
     allocation.split(spec, floor, …)       → capacities [layer, kv_head] bytes, Σ ≤ B

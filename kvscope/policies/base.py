@@ -118,7 +118,7 @@ class CacheSpec:
 
     @property
     def layers(self) -> slice:
-        """The model's layers this cache holds (a replay task may hold some: SPEC §5)."""
+        """The model's layers this cache holds (a replay task may hold some: see [Cache geometry](concepts.md#geometry))."""
         return slice(self.first_layer, self.first_layer + self.n_layers)
 
     @property

@@ -7,7 +7,7 @@
                                       observe), the clairvoyant oracle its future, then compresses
 
 After the prefill and after every decision the bytes the policy holds by the byte model
-(SPEC §5) are checked against its budget, ``B = β · FP_bytes(P + S)`` split per (layer,
+(docs/concepts.md#budget) are checked against its budget, ``B = β · FP_bytes(P + S)`` split per (layer,
 kv_head) by the allocation (evenly by default, :class:`~kvscope.policies.base.CacheSpec`):
 a policy that claims to fit and holds more — per unit, or in all when it pools its budget —
 raises :class:`~kvscope.policies.base.BudgetExceeded`. Replay

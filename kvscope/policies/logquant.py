@@ -1,4 +1,4 @@
-"""LogQuant's log-sparse full-precision selection (SPEC §5.1), as index lists.
+"""LogQuant's log-sparse full-precision selection (docs/concepts.md#logquant), as index lists.
 
 One parameter ``W``. ``local`` holds the newest tokens (between ``W+1`` and ``2W`` once
 warm), ``reserve`` at most ``W`` log-sparse tokens; the FP set is ``reserve ∪ local``.

@@ -1,4 +1,4 @@
-"""``qevict``: window-level, three tiers (FP, Q, EVICTED), byte-bounded (SPEC §5.2).
+"""``qevict``: window-level, three tiers (FP, Q, EVICTED), byte-bounded (docs/concepts.md#qevict).
 
 Windows ``j = [n_sink + j·w, n_sink + (j+1)·w)``; the sinks and the newest ``local`` tokens
 (rounded up to whole windows, plus the window being filled) always stay FP. Whenever a window

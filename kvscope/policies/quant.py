@@ -1,4 +1,4 @@
-"""The shared low-bit quantizer and the byte accounting of SPEC §5.
+"""The shared low-bit quantizer (docs/concepts.md#quantizer) and the byte accounting (docs/concepts.md#budget).
 
 Asymmetric affine quantization of one group (the values along ``axis``) to ``b`` bits::
 

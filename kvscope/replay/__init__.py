@@ -1,4 +1,4 @@
-"""Offline policy replay (SPEC §5): every policy × budget driven step by step by one trace.
+"""Offline policy replay ([Concepts → Policies](concepts.md#policies)): every policy × budget driven step by step by one trace.
 
 For each sample the trace's rows are read once, block by block, and every (policy, budget)
 cache state is driven through the same steps by the policy driver
@@ -15,7 +15,7 @@ recomputed from the recorded query with the cache the policy keeps — Q keys de
 evicted keys absent — exactly what a live cache would compute.
 
 Tiers are snapshot at the events ``0, every, 2·every, …`` *after* the policy acted, so the
-metrics score the decision against the future (the analysis layer's definitions, SPEC §4):
+metrics score the decision against the future (the analysis layer's definitions, [Concepts → Analyses](concepts.md#analyses)):
 
     tier_mass[e, FP|Q|EVICTED]   share of the full-KV mass of steps t+1..t+H on existing positions
     fmm                          the EVICTED share (the loss no promotion can undo), FMM(H) curve

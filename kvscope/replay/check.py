@@ -155,7 +155,7 @@ def _one_of(*values):
 
 
 _TEXT = (lambda v: isinstance(v, str), "a string")
-PROTOCOLS = ("question-aware", "question-agnostic")  # where the policy first compressed (SPEC, docs/replay.md)
+PROTOCOLS = ("question-aware", "question-agnostic")  # where the policy first compressed (docs/replay.md)
 ATTRIBUTES = {
     "observe": _one_of("renorm", "exact"),
     "horizon": _int(1),

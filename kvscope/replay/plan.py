@@ -1,6 +1,6 @@
 """Planning a replay: the policies, allocations and budgets given resolved and checked against the
 trace (:class:`ReplaySetup`), and the work cut into independent tasks — each sample's runs split
-by layers and KV heads (SPEC §5, docs/replay.md) — with the worker processes to fork and the
+by layers and KV heads (docs/replay.md) — with the worker processes to fork and the
 block of a task chosen. How the tasks run: :mod:`kvscope.replay.run`.
 
 A task (:class:`Piece`) replays one sample, a block of the model's layers × KV heads and some

@@ -104,7 +104,7 @@ def result_folder(out):
 
 def tier_chunks(shape: tuple[int, ...], block: tuple[int, int] | None = None) -> tuple[int, ...]:
     """One chunk per snapshot and ``block`` of (layers, KV heads) (default all): ``[1, 1, 1, 1, 1,
-    layers, kv_heads, pos]`` — a replay task of some units writes chunks of its own (SPEC §5)."""
+    layers, kv_heads, pos]`` — a replay task of some units writes chunks of its own (docs/replay.md)."""
     chunks = (1,) * SNAPSHOT_INDEX + tuple(shape[SNAPSHOT_INDEX:])
     return chunks if block is None else chunks[:SNAPSHOT_INDEX] + tuple(block) + chunks[-1:]
 

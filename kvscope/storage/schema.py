@@ -1,4 +1,4 @@
-"""The trace store's schema (SPEC §3, docs/trace-format.md): every array a store holds, with its
+"""The trace store's schema (docs/trace-format.md#arrays): every array a store holds, with its
 dims, dtype, shape, chunks and fill value, from the sizes of one store (:class:`Layout`).
 :func:`kvscope.storage.store.create` makes exactly these arrays; :mod:`kvscope.storage.integrity` checks a
 store against them before anything is read."""
@@ -115,7 +115,7 @@ def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float
 
 
 def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
-    """``(coordinates, arrays)`` of a store with layout ``L`` (SPEC §3; the module docstring).
+    """``(coordinates, arrays)`` of a store with layout ``L`` (docs/trace-format.md#arrays; the module docstring).
     Rows and prefill arrays are chunked per sample, block of steps and layer; q/k/v per
     sample, layer and block of positions."""
     hs, f = L.head_dim_name, L.dtype

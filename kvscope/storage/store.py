@@ -1,4 +1,4 @@
-"""Trace store: schema, creation, opening and validation (SPEC §3, docs/trace-format.md).
+"""Trace store: schema, creation, opening and validation (docs/trace-format.md#arrays).
 
 One Zarr v3 group per trace. Every array carries ``dimension_names`` so that
 ``xarray.open_zarr`` gives named dims; 1-D coordinate arrays carry the index of each dim.
@@ -29,7 +29,7 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
     policy_tiers    [sample, event, layer, kv_head, pos]    i8       optional (trace --policy): tiers of the
                                                                      live cache after deciding at steps
                                                                      0, w, 2w, … (−1 none, 0 EVICTED, 1 Q, 2 FP)
-    policy_bytes    [sample, step]                          f64      its bytes by the SPEC §5 accounting
+    policy_bytes    [sample, step]                          f64      its bytes by the byte model (docs/concepts.md#budget)
     policy_cache_bytes [sample, step]                       i64      nbytes of its tensors
 """
 
@@ -64,7 +64,7 @@ def walking_members():
 
 
 def consolidate(path) -> None:
-    """Consolidate a store's metadata (only once it is complete: SPEC §2). zarr's note that
+    """Consolidate a store's metadata (only once it is complete: docs/trace-format.md#capture). zarr's note that
     consolidated metadata is not part of the v3 specification is kvscope's to know, not the
     user's (a shard of ``trace --dask`` consolidates inside a worker, whose stderr is the CLI's)."""
     import zarr

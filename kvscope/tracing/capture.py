@@ -1,4 +1,4 @@
-"""Attention capture through transformers' ``AttentionInterface`` (SPEC §2).
+"""Attention capture through transformers' ``AttentionInterface`` (docs/trace-format.md#capture).
 
 kvscope registers one attention function per fast kernel (``kvscope_fused`` for sdpa,
 ``kvscope_eager``, ``kvscope_fa2`` for flash_attention_2) together with the matching
@@ -82,7 +82,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
     """transformers' ``mask`` (bool: True = attend; float: additive) for the rows
     ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for :func:`kvscope.model.attention.softmax`.
-    ``None`` with more than one query row means sdpa's upper-left causal alignment (SPEC appendix)."""
+    ``None`` with more than one query row means sdpa's upper-left causal alignment (docs/trace-format.md#capture)."""
     if mask is None:
         if full_q_len == 1:
             return None, None

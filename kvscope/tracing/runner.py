@@ -414,7 +414,7 @@ def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None
 
 
 def _complete(out: Path) -> bool:
-    """Mark the store complete and consolidate its metadata (only now: SPEC §2)."""
+    """Mark the store complete and consolidate its metadata (only now: docs/trace-format.md#capture)."""
     import zarr
 
     group = zarr.open_group(str(out), mode="r+")
@@ -437,7 +437,7 @@ def _texts(out: Path, tokenizer, n_question: list[int], samples: list[int]) -> t
 
 
 def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, prompts, settings_doc, cache) -> dict:
-    """Group attributes of a new store (SPEC §3)."""
+    """Group attributes of a new store (docs/trace-format.md#arrays)."""
     import torch
     import transformers
 

@@ -1,4 +1,4 @@
-"""Background writer for a trace store (SPEC §2 "Writing").
+"""Background writer for a trace store (docs/trace-format.md#capture).
 
 The decode loop hands finished blocks of steps to :class:`StoreWriter`, which writes them
 on a background thread and bumps ``steps_committed`` in the group attributes only after
