@@ -79,7 +79,7 @@ def progress_bar(label: str, quiet: bool, what: str = "", fields: dict | None = 
 
 
 def add_prompt_sources(p, required: bool = True) -> None:
-    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`read_prompts`;
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by ``read_prompts``;
     ``required=False``: the command checks that one is given, where it needs one)."""
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="one prompt text")

@@ -1,6 +1,6 @@
 """``kvscope validate``: does offline replay predict the live cache?
 
-Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget::
+Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget:
 
     1. open loop   replay(STORE, observe=exact)                  output error e_open[layer]
     2. live        re-decode STORE's prompts under a PolicyCache,  → LIVE.zarr (q/k/v in fp32,

@@ -2,7 +2,7 @@
 
 For each sample the trace's rows are read once, block by block, and every (policy, budget)
 cache state is driven through the same steps by the policy driver
-(:class:`kvscope.policies.driver.PolicyDriver`, the one a live cache uses too)::
+([`kvscope.policies.PolicyDriver`][kvscope.policies.PolicyDriver], the one a live cache uses too):
 
     step 0      driver.prefill(colsum, tail)        prompt 0..P−1, compressed to the budget
     step t ≥ 1  driver.append(P − 1 + t)            the new key, at full precision
@@ -28,9 +28,9 @@ metrics score the decision against the future (the analysis layer's definitions,
                                  relative L2 error of the attention output (per query head,
                                  averaged over the heads of a KV group)
 
-The package reads in one direction: :mod:`~kvscope.replay.plan` (the setup, the tasks it is cut
-into), :mod:`~kvscope.replay.run` (:func:`replay`; the tasks in this process, in forked ones or on
-dask) with :mod:`~kvscope.replay.tasks` (what one task does), :mod:`~kvscope.replay.result` (the
+The package reads in one direction: ``plan`` (the setup, the tasks it is cut
+into), ``run`` ([`replay`][kvscope.replay.replay]; the tasks in this process, in forked ones or on
+dask) with ``tasks`` (what one task does), ``result`` (the
 Dataset, its attributes, a result saved).
 """
 

@@ -180,7 +180,7 @@ def decode_all(
     model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
 ) -> None:
     """Every unfinished batch of ``batches`` (lists of consecutive sample indices of ``encoded``:
-    :func:`kvscope.tracing.shard.batches`), in turn; ``progress(steps_done, steps_total, tokens,
+    ``kvscope.tracing.shard.batches``), in turn; ``progress(steps_done, steps_total, tokens,
     seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
