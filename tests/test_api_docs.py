@@ -4,10 +4,11 @@ Walking the public API (the ``__all__`` of kvscope and of its public packages, a
 the API page names): each function, class, method and property has a docstring; each parameter
 of a documented function has a type annotation and an entry in its docstring's ``Args``
 (classes: their fields under ``Attributes``, or the ``help`` of their ``param`` spec; a method
-without a docstring of its own is documented by the one it overrides). The API page itself is built (mkdocs,
-strictly: a griffe warning or a cross-reference that does not resolve fails it) and read: no
-raw Sphinx role (``:class:`…```) is left in it, every public name has its entry, and every
-parameter field of every registered policy, allocation and metric is listed in its class's.
+without a docstring of its own is documented by the one it overrides). The API page itself is
+built (mkdocs, strictly: a griffe warning or a cross-reference that does not resolve fails it)
+and read: no raw Sphinx role (``:class:`…```) is left in it, every public name has its entry,
+and every parameter field of every registered policy, allocation and metric is listed in its
+class's table. (The page alone: the full site executes the notebooks, minutes; ``make docs``.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import html
 import importlib
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -66,7 +68,7 @@ def _resolve(path: str):
 
 def page_paths() -> list[str]:
     """The dotted paths the API page renders (``::: path``)."""
-    return re.findall(r"^::: ([\w.]+)", API_PAGE.read_text(), flags=re.M)
+    return re.findall(r"^::: ([\w.]+)", API_PAGE.read_text(), flags=re.MULTILINE)
 
 
 def public_objects() -> dict[str, object]:
@@ -218,7 +220,7 @@ def api_site(tmp_path_factory) -> Path:
     only links to the site's other pages are not checked here (the full ``make docs`` does)."""
     loader = type("Loader", (yaml.SafeLoader,), {})
     loader.add_multi_constructor("tag:yaml.org,2002:python/", _python_tags)
-    project = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=loader)  # noqa: S506 - python tags dropped
+    project = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=loader)  # the python tags dropped
     plugin = next(p["mkdocstrings"] for p in project["plugins"] if isinstance(p, dict) and "mkdocstrings" in p)
     python = plugin["handlers"]["python"]
     python["paths"] = [str(ROOT)]
@@ -241,7 +243,7 @@ def api_site(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(folder / "site")],
         cwd=folder, capture_output=True, text=True, timeout=600, check=False,
-        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"},
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return folder / "site"
@@ -249,7 +251,7 @@ def api_site(tmp_path_factory) -> Path:
 
 def _text(page: str) -> str:
     """The page's prose: tags, code spans and code blocks removed."""
-    article = re.sub(r"<pre.*?</pre>|<code.*?</code>", " ", page, flags=re.S)
+    article = re.sub(r"<pre.*?</pre>|<code.*?</code>", " ", page, flags=re.DOTALL)
     return html.unescape(re.sub(r"<[^>]+>", " ", article))
 
 
