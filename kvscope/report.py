@@ -14,9 +14,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import rich.table
     import xarray as xr
 
 TIERS = ("FP", "Q", "EVICTED")
+
+__all__ = [
+    "allocation_lines",
+    "comparison",
+    "comparison_doc",
+    "layer_shares",
+    "press_settings",
+    "print_comparison",
+    "print_rows",
+    "print_table",
+    "runs",
+    "unit_shares",
+]
 
 
 def _num(x) -> float | None:
@@ -24,8 +40,12 @@ def _num(x) -> float | None:
     return None if np.isnan(x) else round(x, 6)
 
 
-def runs(result: xr.Dataset):
-    """``(policy, allocation, budget)`` labels of every run of a replay result, in order."""
+def runs(result: xr.Dataset) -> Iterator[tuple[str, str, float]]:
+    """``(policy, allocation, budget)`` labels of every run of a replay result, in order.
+
+    Args:
+        result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
+    """
     for policy in result["policy"].values:
         for allocation in result["allocation"].values:
             for budget in result["budget"].values:
@@ -34,19 +54,45 @@ def runs(result: xr.Dataset):
 
 def unit_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> xr.DataArray:
     """``[layer, kv_head]`` the bytes a run gave each unit as a multiple of the uniform split,
-    mean over samples: 1 everywhere under ``uniform``."""
+    mean over samples: 1 everywhere under ``uniform``.
+
+    Args:
+        result: A replay result.
+        policy: The run's policy label.
+        allocation: The run's allocation label.
+        budget: The run's β.
+    """
     allocated = result["allocated"].sel(policy=policy, allocation=allocation, budget=budget)  # [sample, layer, kv_head]
     even = result["budget_bytes"].sel(budget=budget) / (result.sizes["layer"] * result.sizes["kv_head"])  # [sample]
     return (allocated / even).mean("sample")
 
 
 def layer_shares(result: xr.Dataset, policy: str, allocation: str, budget: float) -> list[float]:
-    """``[layer]`` :func:`unit_shares` averaged over KV heads, rounded."""
+    """``[layer]`` [`unit_shares`][kvscope.report.unit_shares] averaged over KV heads, rounded.
+
+    Args:
+        result: A replay result.
+        policy: The run's policy label.
+        allocation: The run's allocation label.
+        budget: The run's β.
+    """
     return [round(float(x), 4) for x in unit_shares(result, policy, allocation, budget).mean("kv_head").values]
 
 
 def comparison(result: xr.Dataset) -> list[dict]:
-    """The policy × allocation × budget table of a replay result, one dict per run."""
+    """The policy × allocation × budget table of a replay result, one dict per run.
+
+    A row holds ``policy``, ``kind``, ``allocation``, ``budget``; ``layer_bytes`` (each layer's
+    bytes as a multiple of the uniform split); ``byte_ratio`` (the peak bytes used as a share
+    of the full cache) and ``budget_reached``; ``fmm`` with ``fmm_ci95`` and ``fmm_fp``
+    ([FMM](concepts.md#fmm)); ``evicted_mass`` and ``q_mass`` (the
+    [tier-resolved future mass](concepts.md#tier-resolved-mass)); ``attn_l1`` and
+    ``output_rel_l2`` ([output error](concepts.md#output-error), None without q/k/v);
+    ``churn`` and ``lir``. A number that is NaN is None.
+
+    Args:
+        result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
+    """
     rows = []
     has_err = "attn_l1_mean" in result
     for policy, allocation, budget in runs(result):
@@ -76,20 +122,36 @@ def comparison(result: xr.Dataset) -> list[dict]:
 
 
 def comparison_doc(result: xr.Dataset) -> dict:
-    """JSON document of :func:`comparison` with the replay's settings."""
+    """JSON document of [`comparison`][kvscope.report.comparison] with the replay's settings.
+
+    Args:
+        result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
+    """
     parsed = {k: json.loads(result.attrs.get(k, "{}")) for k in ("policies", "allocations")}
     attrs = {k: v for k, v in result.attrs.items() if k not in parsed}
     return {**attrs, **parsed, "rows": comparison(result)}
 
 
-def print_table(table, min_width: int = 100) -> None:
-    """Print a rich table at least ``min_width`` columns wide (wider terminals keep their width)."""
+def print_table(table: rich.table.Table, min_width: int = 100) -> None:
+    """Print a rich table at least ``min_width`` columns wide (wider terminals keep their width).
+
+    Args:
+        table: The table.
+        min_width: Columns at least.
+    """
     from rich.console import Console
 
     Console(width=max(min_width, Console().width)).print(table)
 
 
 def print_comparison(result: xr.Dataset, title: str) -> None:
+    """Print [`comparison`][kvscope.report.comparison] as a table (``kvscope replay``), then
+    what the columns mean and one line per press setting and allocation.
+
+    Args:
+        result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
+        title: The table's title.
+    """
     from rich.table import Table
 
     def fmt(x, digits=3):
@@ -123,7 +185,11 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
 
 def allocation_lines(rows: list[dict]) -> list[str]:
     """One line per run under an allocation other than uniform: the bytes it gave each layer
-    as a multiple of the uniform split (first layer first)."""
+    as a multiple of the uniform split (first layer first).
+
+    Args:
+        rows: Rows of [`comparison`][kvscope.report.comparison].
+    """
     return [
         f"{row['policy']} under {row['allocation']} at β = {row['budget']:g}: bytes per layer × uniform "
         + " ".join(f"{x:.2f}" for x in row["layer_bytes"])
@@ -134,7 +200,11 @@ def allocation_lines(rows: list[dict]) -> list[str]:
 
 def press_settings(result: xr.Dataset) -> list[str]:
     """One line per kvpress press and budget: the setting that makes it hold β's bytes
-    (mean over samples, and the range where samples differ)."""
+    (mean over samples, and the range where samples differ).
+
+    Args:
+        result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
+    """
     lines = []
     for label, budgets in json.loads(result.attrs.get("press_settings", "{}")).items():
         for budget, settings in budgets.items():
@@ -149,6 +219,12 @@ def press_settings(result: xr.Dataset) -> list[str]:
 
 
 def print_rows(rows: list[tuple[str, str]], title: str) -> None:
+    """Print ``(quantity, value)`` rows of an analysis as a table (``kvscope analyze``).
+
+    Args:
+        rows: The rows.
+        title: The table's title.
+    """
     from rich.table import Table
 
     table = Table("quantity", "value", title=title)

@@ -1,4 +1,4 @@
-"""Tier codes shared by policies, replay and analyses (SPEC §1): one int8 per position."""
+"""Tier codes shared by policies, replay and analyses (docs/concepts.md#tiers): one int8 per position."""
 
 import numpy as np
 

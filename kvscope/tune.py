@@ -247,7 +247,7 @@ def tune(
     replay_options: dict | None = None,
 ) -> TuneResult:
     """Search ``policy``'s (and ``allocation``'s) parameters against ``trace`` at ``budget``
-    (module docstring); ``replay_options`` go to every :func:`kvscope.replay`."""
+    (module docstring); ``replay_options`` go to every [`kvscope.replay`][kvscope.replay.replay]."""
     from .replay import replay
     from .storage.store import open_trace
 
@@ -361,7 +361,7 @@ def held_out(trace, source: str, allocation, model: str | None = None):
 
 
 def check_live(result: TuneResult, trace, source: str, *, model: str | None = None, progress=None, held=None) -> dict:
-    """Decode the held-out prompts (``held``: what :func:`held_out` returned, else found
+    """Decode the held-out prompts (``held``: what ``held_out`` returned, else found
     here) under the default and the best configuration (module docstring); returns both
     summaries and whether the offline ranking held."""
     from .live.cache import prepare

@@ -1,7 +1,7 @@
-"""Units and window sums (SPEC §1): what a policy keeps or drops, and how much mass it holds.
+"""Units and window sums (docs/concepts.md#windows): what a policy keeps or drops, and how much mass it holds.
 
 A *unit* is a window of ``w`` positions after the sinks (window granularity) or a single
-position (token granularity)::
+position (token granularity):
 
     window j = positions [n_sink + j·w, n_sink + (j+1)·w)          exists at t iff its last position ≤ query_pos[t]
     token  p = position p                                          exists at t iff p ≤ query_pos[t]
@@ -10,7 +10,7 @@ position (token granularity)::
 
 Tracing stores window sums of rows (``--resolution window``), QEvict ranks windows by the
 window sums of its scores, and the analyses sum rows into window masses with the compiled
-form of the same definition (:func:`kvscope.analysis.kernels.row_block_stats`, tested equal).
+form of the same definition (``kvscope.analysis.kernels.row_block_stats``, tested equal).
 """
 
 from __future__ import annotations
@@ -48,9 +48,15 @@ def window_rows(windows: np.ndarray, sinks: np.ndarray, qpos: np.ndarray, n_sink
 
 @dataclass(frozen=True)
 class Units:
-    """Geometry of the units of an analysis or a policy."""
+    """Geometry of the units of an analysis or a policy.
 
-    kind: str  # "window" | "token"
+    Attributes:
+        kind: ``window`` or ``token``.
+        w: The window size (positions per window).
+        n_sink: Sinks: the first positions, before window 0.
+    """
+
+    kind: str
     w: int
     n_sink: int
 
@@ -64,10 +70,12 @@ class Units:
 
     @property
     def dim(self) -> str:
+        """The name of the unit dim: ``window`` or ``pos``."""
         return "window" if self.kind == "window" else "pos"
 
     @property
     def size(self) -> int:
+        """Positions per unit."""
         return self.w if self.kind == "window" else 1
 
     @property
@@ -76,24 +84,42 @@ class Units:
         return self.n_sink if self.kind == "window" else 0
 
     def count(self, n_pos: int) -> int:
-        """Complete units among ``n_pos`` positions."""
+        """Complete units among ``n_pos`` positions.
+
+        Args:
+            n_pos: Positions.
+        """
         if self.kind == "token":
             return n_pos
         return max(0, (n_pos - self.n_sink) // self.w)
 
     def last_position(self, n_units: int) -> np.ndarray:
-        """[unit] last position of each unit."""
+        """``[unit]`` last position of each unit.
+
+        Args:
+            n_units: Units.
+        """
         return self.offset + (np.arange(n_units) + 1) * self.size - 1
 
     def n_existing(self, query_pos: np.ndarray) -> np.ndarray:
-        """Number of units that exist when the query sits at ``query_pos`` (any shape)."""
+        """Number of units that exist when the query sits at ``query_pos``.
+
+        Args:
+            query_pos: Query positions (any shape).
+        """
         q = np.asarray(query_pos)
         n = (q - self.offset + 1) // self.size
         return np.where(q >= 0, np.maximum(n, 0), 0)
 
     def protected(self, n_existing: np.ndarray, n_units: int, local_tokens: int) -> np.ndarray:
-        """[..., unit] True for units a policy always keeps: the newest ``local_tokens``
-        (rounded up to whole units) and, at token granularity, the sinks."""
+        """``[..., unit]`` True for units a policy always keeps: the newest ``local_tokens``
+        (rounded up to whole units) and, at token granularity, the sinks.
+
+        Args:
+            n_existing: ``[...]`` units that exist.
+            n_units: Units along the unit dim.
+            local_tokens: Newest tokens always kept.
+        """
         n_local = -(-local_tokens // self.size) if local_tokens > 0 else 0
         j = np.arange(n_units)
         newest = j >= (np.asarray(n_existing)[..., None] - n_local)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architectures.md"
 PROMPT = "The quick brown fox jumps over the lazy dog because it was late for dinner."
 STEPS = 4
-ROWS_TOL = 1e-5  # SPEC §2: float32 rows within 1e-5 of eager output_attentions
+ROWS_TOL = 1e-5  # docs/trace-format.md#capture: float32 rows within 1e-5 of eager output_attentions
 BEGIN, END = "<!-- conformance table: python -m tests.conformance --write -->", "<!-- end of conformance table -->"
 
 

@@ -1,4 +1,4 @@
-"""Allocations (SPEC §5 "Allocation"): how β's bytes are split across layers and KV heads.
+"""Allocations (docs/concepts.md#allocation): how β's bytes are split across layers and KV heads.
 
 By hand for uniform, pyramid and adakv; every allocator's split within the total budget for
 any input (hypothesis); the oracle's knapsack against brute force; on a real SmolLM2 trace: a

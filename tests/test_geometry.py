@@ -1,4 +1,4 @@
-"""The cache geometry (kvscope.model.spec, SPEC §5 "Cache geometry"), by hand: learned sinks in
+"""The cache geometry (kvscope.model.spec, docs/concepts.md#geometry), by hand: learned sinks in
 the attention rule, sliding-window layers in the byte model, multi-head latent attention's one
 unit per layer, hybrid models' layer indices — and every policy through the driver on a cache
 whose layers hold different windows."""

@@ -51,7 +51,7 @@ def reference_row_stats(row, q, fp, n_sink, k, n_bins):
 
 
 def reference_lir(seq: list[int], n_valid: int, m: int, h_lir: int | None) -> tuple[int, int]:
-    """SPEC §4.3 on one unit's selection sequence, episode by episode."""
+    """Global LIR (docs/concepts.md#lir) on one unit's selection sequence, episode by episode."""
     seq = list(seq[:n_valid])
     eligible = reactivated = 0
     e = 1

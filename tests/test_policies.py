@@ -1,5 +1,5 @@
 """Every policy through the same invariants (kvpress style), driven by observations only —
-no trace involved — plus the hand-made cases of LogQuant (§5.1) and QEvict (§5.2)."""
+no trace involved — plus the hand-made cases of LogQuant (docs/concepts.md#logquant) and QEvict (docs/concepts.md#qevict)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_kivi_residual_and_groups():
 
 
 def test_logquant_index_hand_cases():
-    # SPEC §5.1 worked example: W = 8, prefill 20, positions up to 139 appended
+    # LogQuant's worked example (docs/concepts.md#logquant): W = 8, prefill 20, positions up to 139 appended
     index = LogQuantIndex.after_prefill(20, 8)
     for p in range(20, 140):
         index.append(p)

@@ -258,3 +258,11 @@ def test_a_press_state_takes_recorded_numpy_arrays_as_replay_s_tensors(trace):
         state.prefill(np.zeros((model.n_layers, model.n_kv_heads, p)), None)
     np.testing.assert_array_equal(states[0].tiers, states[1].tiers)
     assert 0.5 < (states[0].tiers[..., :p] == TIER_EVICTED).mean() < 1
+
+
+def test_the_help_texts_name_exactly_kvpress_s_presses():
+    """The press names help texts list are read from kvpress without importing it: they are the
+    presses the bridge finds once it is imported."""
+    from kvscope.policies.kvpress_bridge import press_classes, press_names
+
+    assert sorted(press_names()) == sorted(press_classes())

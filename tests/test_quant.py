@@ -1,4 +1,4 @@
-"""The shared quantizer and byte accounting (SPEC §5), with the expected numbers by hand."""
+"""The shared quantizer and byte accounting (docs/concepts.md#quantizer, docs/concepts.md#budget), with the expected numbers by hand."""
 
 from __future__ import annotations
 

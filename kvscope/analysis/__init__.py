@@ -1,10 +1,10 @@
-"""Analyses over traces (SPEC §4): one module per metric, each a ``@dataclass`` whose fields
-are its parameters, kept in a registry like the policies (:mod:`kvscope.analysis.metric`).
+"""Analyses over traces ([Concepts → Analyses](concepts.md#analyses)): one module per metric, each a ``@dataclass`` whose fields
+are its parameters, kept in a registry like the policies (``kvscope.analysis.metric``).
 
     available()                   {name: class} of every registered metric
     make("fmm", horizon=16)       a metric object (parameters checked on construction)
     FMM(horizon=16)(ds)           → xarray.Dataset with named dims; fmm(ds, horizon=16) alike
-    register(MyMetric)            add a metric: ``kvscope analyze`` and its JSON pick it up
+    register(MyMetric)            add a metric: kvscope analyze and its JSON pick it up
     study(ds)                     FMM + churn + LIR + peaks over one read of the trace
 
     fmm            Future Missed Mass (+ FMM(H) curve, tier-resolved mass)

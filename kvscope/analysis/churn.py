@@ -1,25 +1,25 @@
-"""Selection churn (SPEC §4.2).
+"""Selection churn (docs/concepts.md#churn).
 
 Jaccard distance between consecutive selections of candidate units (sinks and the
-protected local tail are not candidates)::
+protected local tail are not candidates):
 
     churn(e) = 1 − |A_e ∩ A_{e+1}| / |A_e ∪ A_{e+1}|,   0 when both are empty
 
 with ``A_e = {j : sel[e, j] = 1}``. ``earlier_only`` restricts both sets to the units that
 were candidates at the earlier event (replay's churn of FP sets: a position that appears
 between two events is new, not churn). Shapes: ``sel [..., event, unit]`` → ``[..., event−1]``.
-:class:`ChurnStream` is the same while events arrive one at a time (replay), tested equal.
+``ChurnStream`` is the same while events arrive one at a time (replay), tested equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import xarray as xr
 
-from .common import SELECTED, UnitData
+from .common import SELECTED, Prepared, UnitData
 from .metric import Pass, SelectionMetric, ci_text, fmt, layer_means, num, nums
 
 
@@ -40,7 +40,7 @@ def churn_kernel(sel: np.ndarray, n_valid_events: np.ndarray | None = None, earl
 
 
 class ChurnStream:
-    """:func:`churn_kernel` while a selection arrives one event at a time (replay), tested
+    """``churn_kernel`` while a selection arrives one event at a time (replay), tested
     equal to it: ``push(sel_e)`` with ``sel_e [..., unit]`` of event e = 0, 1, … returns the
     churn ``[...]`` of the pair (e − 1, e), NaN once ``e ≥ n_valid [...]`` (None at e = 0).
     Keeps the previous event's codes only."""
@@ -126,6 +126,16 @@ class Churn(SelectionMetric):
         return fig
 
 
-def churn(ds: xr.Dataset, *, selection=None, prep=None, **params) -> xr.Dataset:
-    """``Churn(**params)(ds, selection=…)`` — see :class:`Churn`."""
+def churn(
+    ds: xr.Dataset, *, selection: xr.DataArray | None = None, prep: Prepared | None = None, **params: Any
+) -> xr.Dataset:
+    """``Churn(**params)(ds, selection=…)`` — see [`Churn`][kvscope.analysis.Churn].
+
+    Args:
+        ds: The trace.
+        selection: ``[sample, event, layer, H, unit]`` a given selection (codes −1/0/1, with
+            ``event_step``); default the history oracle.
+        prep: The trace already read for a pass (``study`` shares one).
+        **params: Fields of [`Churn`][kvscope.analysis.Churn] by name.
+    """
     return Churn(**params)(ds, selection=selection, prep=prep)

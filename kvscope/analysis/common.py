@@ -1,7 +1,7 @@
 """Shared pieces of the analyses: events, the history-oracle selection, bootstrap CIs.
 
 Selections are one well-defined input everywhere: an int8 array over ``[..., event, unit]``
-per trace unit with values ::
+per trace unit with values:
 
     -1  not a candidate (the unit does not exist yet, or is protected: sinks, local tail)
      0  candidate, not selected
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import xarray as xr
@@ -52,8 +53,13 @@ _SELECTION_OF_TIER = {True: _selection_table(True), False: _selection_table(Fals
 
 
 def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True, n_sink: int = 0) -> xr.DataArray:
-    """Binary selection from tiers (``pos`` last): selected = FP or Q (``accessible``) or FP
-    only; the first ``n_sink`` positions are not candidates when ``n_sink`` is given."""
+    """A selection (codes −1 not a candidate, 0 not selected, 1 selected) from tiers.
+
+    Args:
+        tiers: Tier codes with ``pos`` last ([`tiers_for`][kvscope.replay.tiers_for]).
+        accessible: Selected = FP or Q (False: FP only).
+        n_sink: The first positions, which are not candidates.
+    """
     if not valid_codes(tiers.values):
         raise KvscopeError(TIER_CODES_RULE)
     sel = tiers.copy(data=selection_codes(tiers.values, accessible, n_sink))
@@ -62,16 +68,21 @@ def selection_from_tiers(tiers: xr.DataArray, accessible: bool = True, n_sink: i
 
 
 def event_steps(n_steps: int, every: int) -> np.ndarray:
-    """Steps at which a policy re-decides: ``0, every, 2·every, … < n_steps``."""
+    """Steps at which a policy re-decides: ``0, every, 2·every, … < n_steps``.
+
+    Args:
+        n_steps: The steps.
+        every: Steps between events (≥ 1).
+    """
     if every < 1:
         raise KvscopeError(f"event interval must be ≥ 1 (got {every})")
     return np.arange(0, n_steps, every)
 
 
 def top_fraction_selection(
-    scores: np.ndarray,  # [..., event, unit] float
-    exists: np.ndarray,  # [..., event, unit] bool (broadcastable)
-    protected: np.ndarray,  # [..., event, unit] bool (broadcastable)
+    scores: np.ndarray,
+    exists: np.ndarray,
+    protected: np.ndarray,
     top_frac: float,
 ) -> np.ndarray:
     """Top-``ρ`` candidates by score at each event: int8 ``[..., event, unit]``.
@@ -79,6 +90,12 @@ def top_fraction_selection(
     Candidates exist and are not protected; ``k = ceil(ρ · n_candidates)`` of them are
     selected: every candidate above the k-th largest score, then those equal to it from the
     oldest unit on (ties broken toward the older unit).
+
+    Args:
+        scores: ``[..., event, unit]`` float.
+        exists: ``[..., event, unit]`` bool (broadcastable).
+        protected: ``[..., event, unit]`` bool (broadcastable): always kept, not candidates.
+        top_frac: ρ in (0, 1).
     """
     scores = np.asarray(scores, dtype=np.float64)
     shape3 = (-1,) + scores.shape[-2:]  # leading dims flattened
@@ -95,11 +112,26 @@ class Prepared:
                  trace unit × all steps (``S × U`` values: the memory bound of every metric)
     ``prefill``  ``[sample, layer, H, unit]``  prefill column mass (zeros without ``include_prefill``)
 
-    :meth:`map_units` runs a function on every trace unit inside dask tasks (threads, or a
-    ``dask.distributed`` cluster when a client is active) and gathers only its small output.
+    [`map_units`][kvscope.analysis.Prepared.map_units] runs a function on every trace unit inside
+    dask tasks (threads, or a ``dask.distributed`` cluster when a client is active) and gathers
+    only its small output.
+
+    Args:
+        ds: The trace.
+        units: The units (windows or tokens).
+        layers: The layers by the model's index (default all).
+        heads: Indices of the stored head dim (default all).
+        include_prefill: Scores hold the prompt's column mass.
     """
 
-    def __init__(self, ds: xr.Dataset, units: Units, layers=None, heads=None, include_prefill: bool = True):
+    def __init__(
+        self,
+        ds: xr.Dataset,
+        units: Units,
+        layers: tuple[int, ...] | None = None,
+        heads: tuple[int, ...] | None = None,
+        include_prefill: bool = True,
+    ):
         import dask.array as dsa
 
         self.ds = ds
@@ -123,6 +155,7 @@ class Prepared:
 
     @property
     def n_samples(self) -> int:
+        """Samples analysed."""
         return self.m.sizes["sample"]
 
     @property
@@ -131,12 +164,30 @@ class Prepared:
         return self.m.sizes["sample"] * self.m.sizes["layer"] * self.m.sizes[self.hdim]
 
     def events(self, every: int) -> np.ndarray:
+        """``[event]`` every ``every`` steps of the trace.
+
+        Args:
+            every: Steps between events.
+        """
         return event_steps(self.n_step_total, every)
 
-    def map_units(self, func, width: int, selection: xr.DataArray | None = None, compute: bool = True):
-        """``func(u)`` for the trace units of every task (a :class:`UnitData` holding all heads
-        of one (sample, layer)) → ``[H, width]`` floats; returns ``[sample, layer, H, width]``
-        (numpy, or dask with ``compute=False``)."""
+    def map_units(
+        self,
+        func: Callable[[UnitData], np.ndarray],
+        width: int,
+        selection: xr.DataArray | None = None,
+        compute: bool = True,
+    ) -> np.ndarray:
+        """``func(u)`` for the trace units of every task; returns ``[sample, layer, H, width]``.
+
+        Args:
+            func: ``func(u) → [H, width]`` floats, ``u`` a ``UnitData`` holding all heads of
+                one (sample, layer).
+            width: The numbers ``func`` gives each trace unit.
+            selection: ``[sample, event, layer, H, unit]`` a given selection handed to every
+                task (``u.selection``).
+            compute: Return numpy (False: a dask array).
+        """
         import dask.array as dsa
 
         m = self.m.data
@@ -176,7 +227,11 @@ class Prepared:
         return out.compute() if compute else out
 
     def event_coords(self, steps: np.ndarray) -> dict:
-        """Coordinates of a result over ``[sample, event, layer, H]`` (events at ``steps``)."""
+        """Coordinates of a result over ``[sample, event, layer, H]``.
+
+        Args:
+            steps: ``[event]`` the events' steps.
+        """
         return {
             "sample": self.m["sample"].values,
             "event": np.arange(len(steps)),
@@ -186,11 +241,23 @@ class Prepared:
         }
 
     def selection_array(self, sel: np.ndarray, steps: np.ndarray) -> xr.DataArray:
+        """A selection as a DataArray with the result's coordinates.
+
+        Args:
+            sel: ``[sample, event, layer, H, unit]`` codes.
+            steps: ``[event]`` the events' steps.
+        """
         dims = ("sample", "event", "layer", self.hdim, self.units.dim)
         return xr.DataArray(sel, dims=dims, coords=self.event_coords(steps), name="selection")
 
     def history_selection(self, every: int, top_frac: float, local: int) -> xr.DataArray:
-        """The oracle-by-history for every trace unit: int8 ``[sample, event, layer, H, unit]``."""
+        """The oracle-by-history for every trace unit: int8 ``[sample, event, layer, H, unit]``.
+
+        Args:
+            every: Steps between events.
+            top_frac: ρ, the share of candidates selected.
+            local: Newest tokens always kept (not candidates).
+        """
         steps = self.events(every)
         n_units = self.n_units
         flat = self.map_units(lambda u: u.flatten(u.history_selection(steps, top_frac, local)), len(steps) * n_units)
@@ -249,7 +316,7 @@ class UnitData:
         return last[None, :] <= self.query_pos[steps][:, None]
 
     def scores(self, steps) -> np.ndarray:
-        """Cumulative scores at ``steps`` ``[..., event, unit]`` (SPEC §1)::
+        """Cumulative scores at ``steps`` ``[..., event, unit]`` (docs/concepts.md#windows):
 
             c[t] = prefill + Σ_{1 ≤ t' ≤ t} m[t']       with the prompt's column mass
             c[t] = Σ_{0 ≤ t' ≤ t} m[t']                  without it
@@ -283,14 +350,22 @@ def bootstrap_ratio(
     seed: int = 0,
     level: float = 0.95,
     resample: str = "samples",
-):
+) -> tuple[float, float, float]:
     """Ratio of sums ``Σ num / Σ den`` with a percentile bootstrap CI: ``(estimate, low, high)``.
 
-    ``num``, ``den``: one value per trace unit, ``[sample, …]``. ``resample="samples"``
-    (default) is a cluster bootstrap: whole samples are drawn with replacement, each with every
-    layer and head, because the units of one prompt are correlated and a claim is about prompts;
-    with fewer than two samples there is no between-prompt interval (low = high = NaN).
-    ``resample="units"`` draws trace units independently (a within-prompt interval). Seeded.
+    ``resample="samples"`` (default) is a cluster bootstrap: whole samples are drawn with
+    replacement, each with every layer and head, because the units of one prompt are correlated
+    and a claim is about prompts; with fewer than two samples there is no between-prompt
+    interval (low = high = NaN). ``resample="units"`` draws trace units independently (a
+    within-prompt interval). Seeded.
+
+    Args:
+        num: One value per trace unit, ``[sample, …]``.
+        den: Likewise (units with ``den = 0`` are left out).
+        n_boot: Bootstrap resamples.
+        seed: The generator's seed.
+        level: The interval's confidence level.
+        resample: ``samples`` or ``units``.
     """
     if resample not in RESAMPLE:
         raise KvscopeError(f"resample must be samples or units (got {resample!r})")

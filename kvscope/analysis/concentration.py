@@ -1,7 +1,7 @@
-"""Concentration of attention over windows (SPEC §4.5).
+"""Concentration of attention over windows (docs/concepts.md#concentration).
 
 At each event step ``t``, over the windows that exist, with masses sorted descending
-``m_(1) ≥ m_(2) ≥ …`` and ``n`` existing windows::
+``m_(1) ≥ m_(2) ≥ …`` and ``n`` existing windows:
 
     top_share(p)   = Σ_{i ≤ ⌈p·n⌉} m_(i) / Σ_i m_(i)               p ∈ {5, 10, 20, 40}%
     needed(q)      = min{r : Σ_{i ≤ r} m_(i) ≥ q·Σ_i m_(i)} / n      q ∈ {50, 80, 90}%
@@ -12,7 +12,7 @@ Shapes: ``m [..., event, unit]``, ``exists`` alike → ``[..., event, p]`` and `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import xarray as xr
@@ -114,6 +114,11 @@ class Concentration(UnitMetric):
         return fig
 
 
-def concentration(ds: xr.Dataset, **params) -> xr.Dataset:
-    """``Concentration(**params)(ds)`` — see :class:`Concentration`."""
+def concentration(ds: xr.Dataset, **params: Any) -> xr.Dataset:
+    """``Concentration(**params)(ds)`` — see [`Concentration`][kvscope.analysis.Concentration].
+
+    Args:
+        ds: The trace.
+        **params: Fields of [`Concentration`][kvscope.analysis.Concentration] by name.
+    """
     return Concentration(**params)(ds)

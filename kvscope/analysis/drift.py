@@ -1,4 +1,4 @@
-"""Drift views (SPEC §4.6): window-mass heatmaps, rank trajectories of windows that
+"""Drift views (docs/concepts.md#drift): window-mass heatmaps, rank trajectories of windows that
 leave and re-enter the top set, and churn over time.
 
 ``mass [sample, step, layer, H, window]`` per-step window mass;
@@ -10,7 +10,7 @@ that were selected, dropped out and were selected again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xarray as xr
@@ -18,6 +18,10 @@ import xarray as xr
 from .churn import churn_kernel, valid_events
 from .common import SELECTED, UnitData
 from .metric import HistoryOracle, Pass, nums
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def returning_windows(sel: np.ndarray) -> np.ndarray:
@@ -90,8 +94,18 @@ class Drift(HistoryOracle):
             ("windows", str(s["windows"])),
         ]
 
-    def plot(self, result: xr.Dataset, ax=None, sample: int = 0, layer: int | None = None, head: int = 0):
-        """Window-mass heatmap (step × window) of one unit with the selection overlaid."""
+    def plot(
+        self, result: xr.Dataset, ax: Axes | None = None, sample: int = 0, layer: int | None = None, head: int = 0
+    ) -> Figure:
+        """Window-mass heatmap (step × window) of one unit with the selection overlaid.
+
+        Args:
+            result: What the metric returned.
+            ax: Draw into this axes (default: a new figure).
+            sample: The sample.
+            layer: The layer (default: the middle one).
+            head: The head (of the stored head dim).
+        """
         from ..figures import axes
 
         hdim = "kv_head" if "kv_head" in result["mass"].dims else "head"
@@ -109,10 +123,27 @@ class Drift(HistoryOracle):
         ax.legend(loc="upper left", fontsize=8)
         return fig
 
-    def plot_ranks(self, result: xr.Dataset, ax=None, sample=None, layer=None, head=None, n: int = 12):
+    def plot_ranks(
+        self,
+        result: xr.Dataset,
+        ax: Axes | None = None,
+        sample: int | None = None,
+        layer: int | None = None,
+        head: int | None = None,
+        n: int = 12,
+    ) -> Figure:
         """Rank trajectories (rank 0 = the heaviest window by cumulative score) of the windows that
         left the top set and came back — of the (sample, layer, head) with the most such windows
-        unless given; the current top 8 where none came back."""
+        unless given; the current top 8 where none came back.
+
+        Args:
+            result: What the metric returned.
+            ax: Draw into this axes (default: a new figure).
+            sample: The sample (default: see above).
+            layer: The layer.
+            head: The head.
+            n: Windows drawn at most.
+        """
         from ..figures import axes
 
         hdim = "kv_head" if "kv_head" in result["rank"].dims else "head"
@@ -137,6 +168,11 @@ class Drift(HistoryOracle):
         return fig
 
 
-def drift(ds: xr.Dataset, **params) -> xr.Dataset:
-    """``Drift(**params)(ds)`` — see :class:`Drift`."""
+def drift(ds: xr.Dataset, **params: Any) -> xr.Dataset:
+    """``Drift(**params)(ds)`` — see [`Drift`][kvscope.analysis.Drift].
+
+    Args:
+        ds: The trace.
+        **params: Fields of [`Drift`][kvscope.analysis.Drift] by name.
+    """
     return Drift(**params)(ds)

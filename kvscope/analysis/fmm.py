@@ -1,6 +1,6 @@
-"""Future Missed Mass (SPEC §4.1).
+"""Future Missed Mass (docs/concepts.md#fmm).
 
-For a selection decided at event ``e`` at step ``t`` with horizon ``H``::
+For a selection decided at event ``e`` at step ``t`` with horizon ``H``:
 
     FMM(e) = Σ_{t'=t+1}^{t+H} Σ_j m[t', j]·[j existed at t ∧ j not selected at e]
              ─────────────────────────────────────────────────────────────────────
@@ -12,8 +12,8 @@ the future mass of a unit is ``S[t+H] − S[t]``. For a tiered selection (codes 
 0 EVICTED, 1 Q, 2 FP) "not selected" is EVICTED, and the *tier-resolved future mass* splits
 the denominator into its FP, Q and EVICTED shares.
 
-Two forms of the same definition: :class:`FMM` over a whole trace (per trace unit, streamed
-over dask tasks), and :class:`FutureMassStream` while rows arrive one step at a time (replay),
+Two forms of the same definition: [`FMM`][kvscope.analysis.FMM] over a whole trace (per trace unit, streamed
+over dask tasks), and ``FutureMassStream`` while rows arrive one step at a time (replay),
 tested equal.
 
 Shapes: ``future``, ``exists``, ``missed`` ``[..., event, unit]``; results ``[..., event]``.
@@ -22,7 +22,7 @@ Shapes: ``future``, ``exists``, ``missed`` ``[..., event, unit]``; results ``[..
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xarray as xr
@@ -30,9 +30,13 @@ import xarray as xr
 from .. import defaults
 from ..params import param
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
-from .common import NOT_SELECTED, UnitData
+from .common import NOT_SELECTED, Prepared, UnitData
 from .kernels import fmm_curve
 from .metric import Pass, SelectionMetric, ci_text, fmt, layer_means, num, nums
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def fmm_kernel(future: np.ndarray, exists: np.ndarray, missed: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -58,7 +62,7 @@ def tier_fractions(future: np.ndarray, exists: np.ndarray, tiers: np.ndarray, va
 
 
 def tier_shares(future: np.ndarray, den: np.ndarray, tiers: np.ndarray, exists: int, present: tuple, fp: bool = True):
-    """:func:`tier_fractions` of one event: shares of ``future [..., pos]`` (total ``den [...]``
+    """``tier_fractions`` of one event: shares of ``future [..., pos]`` (total ``den [...]``
     over the existing positions ``< exists``) on FP, Q and EVICTED → 3 × ``[...]``;
     ``present`` (any FP, any Q, any EVICTED) says which tiers occur: absent ones are exactly 0
     and an all-FP cache exactly 1. ``fp=False``: the FP share is not computed (None)."""
@@ -97,12 +101,12 @@ class Resolved:
 
 
 class FutureMassStream:
-    """FMM's future mass while rows arrive one step at a time::
+    """FMM's future mass while rows arrive one step at a time:
 
         stream.add(t, row)          → the events whose horizon h ∈ horizons ends at step t
         stream.decided(e, t, n)     event e was decided at step t with n positions existing
 
-    ``future = S[t] − S[t_e]`` with ``S[t] = Σ_{t'≤t} row[t']`` (float64), as :class:`FMM` has it."""
+    ``future = S[t] − S[t_e]`` with ``S[t] = Σ_{t'≤t} row[t']`` (float64), as ``FMM`` has it."""
 
     def __init__(self, horizons: list[int], shape: tuple[int, ...]):
         self.horizons = list(horizons)
@@ -146,6 +150,7 @@ class FMM(SelectionMetric):
     horizons: tuple[int, ...] | None = param(None, cli=False, help="curve horizons (default 1, 2, 4, … H)")
 
     def curve_horizons(self) -> list[int]:
+        """The horizons of the FMM(H) curve: ``horizons`` (default 1, 2, 4, … ``H``) and ``H``."""
         return sorted(set(self.horizons or default_horizons(self.horizon)) | {self.horizon})
 
     def width(self, run: Pass) -> int:
@@ -237,8 +242,13 @@ class FMM(SelectionMetric):
         ]
         return rows + [(f"FMM(H={h})", fmt(v)) for h, v in s["curve"].items()]
 
-    def plot(self, result: xr.Dataset, ax=None):
-        """FMM(H) with its bootstrap CI band."""
+    def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
+        """FMM(H) with its bootstrap CI band.
+
+        Args:
+            result: What the metric returned.
+            ax: Draw into this axes (default: a new figure).
+        """
         from ..figures import axes
 
         fig, ax = axes(ax)
@@ -254,6 +264,22 @@ class FMM(SelectionMetric):
         return fig
 
 
-def fmm(ds: xr.Dataset, *, selection=None, tiers=None, prep=None, **params) -> xr.Dataset:
-    """``FMM(**params)(ds, selection=…, tiers=…)`` — see :class:`FMM`."""
+def fmm(
+    ds: xr.Dataset,
+    *,
+    selection: xr.DataArray | None = None,
+    tiers: xr.DataArray | None = None,
+    prep: Prepared | None = None,
+    **params: Any,
+) -> xr.Dataset:
+    """``FMM(**params)(ds, selection=…, tiers=…)`` — see [`FMM`][kvscope.analysis.FMM].
+
+    Args:
+        ds: The trace.
+        selection: ``[sample, event, layer, H, unit]`` a given selection (codes −1/0/1, with
+            ``event_step``); default the history oracle.
+        tiers: A replayed run's tiers ([`tiers_for`][kvscope.replay.tiers_for]).
+        prep: The trace already read for a pass (``study`` shares one).
+        **params: Fields of [`FMM`][kvscope.analysis.FMM] by name.
+    """
     return FMM(**params)(ds, selection=selection, tiers=tiers, prep=prep)

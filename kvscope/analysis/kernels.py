@@ -5,16 +5,16 @@ needs the GIL: numpy's many small operations kept interrupting it. Each kernel i
 compiled form of a definition written elsewhere, and ``tests/test_kernels.py`` checks it
 against a plain-Python reference.
 
-- :func:`row_block_stats` — the rows are the bulk of a trace; this reads each stored row
+- ``row_block_stats`` — the rows are the bulk of a trace; this reads each stored row
   once and returns window masses ``m[t, h, j] = Σ_{p ∈ window j} a[t, h, p]`` (float32 sums in
   position order, NaN — nothing stored — as 0) and, per head summed over the block's rows,
-  the top-``k`` peak statistics and LogQuant coverage sums of :mod:`kvscope.analysis.peaks`.
+  the top-``k`` peak statistics and LogQuant coverage sums of ``kvscope.analysis.peaks``.
   Peaks are the ``k`` largest ``a[t, h, p]`` over ``n_sink ≤ p < q_t``; equal probabilities go
   to the nearer key (larger ``p``), so a row has one peak set whatever the chunking.
-- :func:`cumulative` — ``S[t] = Σ_{t' ≤ t} m[t']`` (:mod:`kvscope.analysis.mass`).
-- :func:`top_fraction_codes` — the top-``ρ`` selection (:func:`kvscope.analysis.common.top_fraction_selection`).
-- :func:`fmm_curve` — FMM at several horizons from ``S`` (:func:`kvscope.analysis.fmm.fmm_kernel`).
-- :func:`lir_episodes` — LIR's episode walk (:func:`kvscope.analysis.lir.lir_kernel`).
+- ``cumulative`` — ``S[t] = Σ_{t' ≤ t} m[t']`` (``kvscope.analysis.mass``).
+- ``top_fraction_codes`` — the top-``ρ`` selection (``kvscope.analysis.top_fraction_selection``).
+- ``fmm_curve`` — FMM at several horizons from ``S`` (``kvscope.analysis.fmm.fmm_kernel``).
+- ``lir_episodes`` — LIR's episode walk (``kvscope.analysis.lir.lir_kernel``).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def row_block_stats(
     half, full, table, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals
 ):  # pragma: no cover
     """One pass over a block of rows ``[step, H, pos]``, given as fp16 bit patterns ``half``
-    (uint16, decoded through ``table``: :data:`HALF_TABLE`) or as float32 ``full`` (the other one empty). NaN
+    (uint16, decoded through ``table``: ``HALF_TABLE``) or as float32 ``full`` (the other one empty). NaN
     (nothing stored: beyond the query) counts as 0. Each row is decoded once into a buffer
     that stays in cache for every statistic, and checked on the way:
 
@@ -144,7 +144,7 @@ def row_block_stats(
               those are counted in full), and the largest excess of ``|Σ row − 1|`` over the tolerance of ``n`` stored
               values (``T(n) = 2^-10 + n·2^-24`` for fp16, ``10^-5 + n·2^-23`` for fp32; > 0 = a
               bad sum); ``checks[4]`` (read, not written) is the relative error ``ρ`` of a lossy
-              row format (:mod:`kvscope.storage.rowformat`), which widens the tolerance to
+              row format (``kvscope.storage.rowformat``), which widens the tolerance to
               ``T(n) + ρ·(1 + T(n) + n·m)`` (``m`` the dtype's smallest normal).
     ``totals  [step, H]`` float64 what each row sums to where it is not 1: ``1 − σ`` of a model
               with learned sinks (σ the sink's share, stored beside the row); empty: every row 1
@@ -267,7 +267,7 @@ def _row_sum(buf, n):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
 def _half_row_sum(buf, n):  # pragma: no cover - compiled
-    """:func:`_row_sum` of values decoded from fp16, in any order: each is a multiple of 2^-24,
+    """``_row_sum`` of values decoded from fp16, in any order: each is a multiple of 2^-24,
     so float64 partial sums below 2^29 are exact and the order cannot change them — the compiler
     may add in vector lanes. (A row whose sum reaches 2^29 holds values no probability row has
     and fails its check by far, whatever the last bits.)"""
@@ -281,7 +281,7 @@ def _half_row_sum(buf, n):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def _decode_half_row(bits, table, out):  # pragma: no cover - compiled
-    """``out[p] = table[bits[p]]`` (fp16 → float32 with NaN as 0: :data:`HALF_TABLE`); returns
+    """``out[p] = table[bits[p]]`` (fp16 → float32 with NaN as 0: ``HALF_TABLE``); returns
     how many of ``bits`` are NaN (exponent all ones, mantissa not 0)."""
     nans = 0
     for p in range(bits.shape[0]):
@@ -292,7 +292,7 @@ def _decode_half_row(bits, table, out):  # pragma: no cover - compiled
 
 
 def _half_table() -> np.ndarray:
-    """float32 of every fp16 bit pattern (:func:`half_to_single`), NaN patterns as 0."""
+    """float32 of every fp16 bit pattern (``half_to_single``), NaN patterns as 0."""
     table = np.empty(1 << 16, np.float32)
     half_to_single(np.arange(1 << 16, dtype=np.uint16), table)
     table[np.isnan(table)] = 0.0
@@ -303,8 +303,8 @@ HALF_TABLE = _half_table()  # 256 KiB: a row's decode is one lookup per position
 
 
 def new_checks(slack: float = 0.0) -> np.ndarray:
-    """The ``checks`` accumulator of :func:`row_block_stats`, empty, for rows stored with the
-    relative error ``slack`` (:attr:`kvscope.storage.rowformat.RowFormat.slack`; 0: exact rows)."""
+    """The ``checks`` accumulator of ``row_block_stats``, empty, for rows stored with the
+    relative error ``slack`` (``kvscope.storage.rowformat.RowFormat.slack``; 0: exact rows)."""
     return np.array([0.0, np.inf, -np.inf, -np.inf, float(slack)])
 
 
@@ -351,9 +351,9 @@ _ONES = np.empty((0, 0), dtype=np.float64)  # totals: every row sums to 1
 def block_stats(
     x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None, totals=None
 ):
-    """:func:`row_block_stats` on rows ``x [step, H, pos]`` as stored (fp16 or any float);
-    ``checks`` (:func:`new_checks`) accumulates the row checks of rows with a query, which sum
-    to ``totals [step, H]`` (``1 − σ`` under learned sinks: :func:`row_totals`; None: 1).
+    """``row_block_stats`` on rows ``x [step, H, pos]`` as stored (fp16 or any float);
+    ``checks`` (``new_checks``) accumulates the row checks of rows with a query, which sum
+    to ``totals [step, H]`` (``1 − σ`` under learned sinks: ``row_totals``; None: 1).
 
     Peaks only (``n_units = 0``) still sum windows of ``w`` for each row's total mass."""
     if w < 1 or n_sink + n_units * w > x.shape[-1]:
@@ -473,7 +473,7 @@ def lir_episodes(sel, n_valid, m, h_lir, eligible, reactivated):  # pragma: no c
 @njit(nogil=True, cache=True)
 def fmm_curve(cum, steps, horizons, n_steps, exists, missed, out):  # pragma: no cover - compiled
     """FMM of every event at every horizon straight from cumulative masses, without
-    materializing the future masses (:func:`kvscope.analysis.fmm.fmm_kernel` is the
+    materializing the future masses (``kvscope.analysis.fmm.fmm_kernel`` is the
     definition; they agree to rounding):
 
     ``cum [A, step, U]``, ``steps [E]``, ``horizons [K]``, ``exists [E, U]``,

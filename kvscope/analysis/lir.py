@@ -1,4 +1,4 @@
-"""Global LIR — latent importance reactivation (SPEC §4.3).
+"""Global LIR — latent importance reactivation (docs/concepts.md#lir).
 
 Selection matrix ``sel [..., event, unit]`` in {−1, 0, 1}. Each maximal run of 0s that
 directly follows a 1 is one *inactive episode*. It becomes *eligible* once it reaches ``m``
@@ -6,27 +6,27 @@ consecutive misses (at event ``s + m − 1`` for a run starting at ``s``) and is
 *reactivated* if a 1 arrives within ``H_lir`` events after that. Episodes whose window of
 ``H_lir`` events runs past the last valid event are censored (excluded) unless
 ``H_lir = None`` (then any later 1 counts, and an episode still open at the end is
-eligible and not reactivated)::
+eligible and not reactivated):
 
     LIR = Σ reactivated / Σ eligible                                    (ratio of sums)
     P01(δ) = #(sel[e]=0 ∧ sel[e+δ]=1) / #(sel[e]=0 ∧ sel[e+δ]≠−1)       (cold → hot)
     P10(δ) = #(sel[e]=1 ∧ sel[e+δ]=0) / #(sel[e]=1 ∧ sel[e+δ]≠−1)       (hot → cold)
 
-Two forms of the same counts: :func:`lir_kernel` and :func:`transition_counts` over a whole
-selection matrix, and :class:`LirStream` while events arrive one at a time (replay), tested equal.
+Two forms of the same counts: ``lir_kernel`` and ``transition_counts`` over a whole
+selection matrix, and ``LirStream`` while events arrive one at a time (replay), tested equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import xarray as xr
 
 from .. import defaults
 from ..params import param
-from .common import UnitData
+from .common import Prepared, UnitData
 from .kernels import lir_episodes
 from .metric import Pass, SelectionMetric, ci_text, fmt, num, nums
 
@@ -35,7 +35,7 @@ def lir_kernel(sel: np.ndarray, n_valid: np.ndarray, m: int, h_lir: int | None) 
     """``(eligible, reactivated)`` episode counts ``[...]`` summed over units.
 
     ``sel [..., event, unit]``; ``n_valid [...]`` events per leading index that are inside
-    the trace (later events are ignored). Compiled (:func:`kvscope.analysis.kernels.lir_episodes`):
+    the trace (later events are ignored). Compiled (``kvscope.analysis.kernels.lir_episodes``):
     an episode starts at ``s`` where ``sel[s] = 0`` follows ``sel[s−1] = 1`` and ends at the
     first later non-zero event inside the trace (a reactivation if it is a 1) or at its end.
     """
@@ -62,8 +62,8 @@ def transition_counts(sel: np.ndarray, n_valid: np.ndarray, delta: int) -> np.nd
 
 
 class LirStream:
-    """:func:`lir_kernel` and :func:`transition_counts` while a selection arrives one event at
-    a time (replay), tested equal to them::
+    """``lir_kernel`` and ``transition_counts`` while a selection arrives one event at
+    a time (replay), tested equal to them:
 
         stream.push(sel_e)     sel_e [..., unit] of event e = 0, 1, …  (events e ≥ n_valid are ignored)
         stream.counts()        → eligible [...], reactivated [...], transitions [..., 4]
@@ -217,6 +217,16 @@ class LIR(SelectionMetric):
         return fig
 
 
-def lir(ds: xr.Dataset, *, selection=None, prep=None, **params) -> xr.Dataset:
-    """``LIR(**params)(ds, selection=…)`` — see :class:`LIR`."""
+def lir(
+    ds: xr.Dataset, *, selection: xr.DataArray | None = None, prep: Prepared | None = None, **params: Any
+) -> xr.Dataset:
+    """``LIR(**params)(ds, selection=…)`` — see [`LIR`][kvscope.analysis.LIR].
+
+    Args:
+        ds: The trace.
+        selection: ``[sample, event, layer, H, unit]`` a given selection (codes −1/0/1, with
+            ``event_step``); default the history oracle.
+        prep: The trace already read for a pass (``study`` shares one).
+        **params: Fields of [`LIR`][kvscope.analysis.LIR] by name.
+    """
     return LIR(**params)(ds, selection=selection, prep=prep)

@@ -1,4 +1,4 @@
-"""Unit masses and cumulative scores of a trace (SPEC §1; units: :mod:`kvscope.windows`)::
+"""Unit masses and cumulative scores of a trace (docs/concepts.md#windows; units: ``kvscope.windows``):
 
     m[t, j] = Σ_{p∈j} a[t, p]                                       per-step mass (not cumulative)
     c[t, j] = Σ_{p∈j} prefill_colsum[p] + Σ_{1≤t'≤t} m[t', j]       with the prompt's column mass
@@ -40,12 +40,20 @@ def _subset(da: xr.DataArray, layers=None, heads=None) -> xr.DataArray:
     return da
 
 
-def unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
+def unit_mass(
+    ds: xr.Dataset, units: Units, layers: tuple[int, ...] | None = None, heads: tuple[int, ...] | None = None
+) -> xr.DataArray:
     """Per-step unit mass ``m [sample, step, layer, H, unit]`` (0 where nothing exists).
 
     Token granularity: the rows themselves. Window granularity: sums of ``w`` positions,
     from token rows or from a window-resolution store (whose ``w`` must divide ``units.w``
     and whose ``n_sink`` must match).
+
+    Args:
+        ds: The trace.
+        units: The units.
+        layers: The layers by the model's index (default all).
+        heads: Indices of the stored head dim (default all).
     """
     if units.kind == "token":
         return rows(ds, layers, heads).fillna(0).astype(np.float64)
@@ -106,7 +114,7 @@ def _refuse_bad_windows(windows, sinks, q, shares, n_sink: int, w: int, slack: f
 
 
 def _row_masses(block, q, shares, first: int, n_units: int, w: int, slack: float) -> np.ndarray:
-    """:func:`window_masses` of a block of stored rows, checked against their learned sink's shares."""
+    """``window_masses`` of a block of stored rows, checked against their learned sink's shares."""
     return window_masses(block, q, first, n_units, w, slack, shares)
 
 
@@ -114,8 +122,8 @@ def window_masses(
     block: np.ndarray, q, first: int, n_units: int, w: int, slack: float = 0.0, shares=None
 ) -> np.ndarray:
     """``[..., pos]`` rows (fp16 or fp32, NaN = nothing stored) → ``[..., window]`` float64
-    masses: :func:`kvscope.windows.window_sums` of the rows in float32, compiled
-    (:func:`kvscope.analysis.kernels.row_block_stats`), so the same bits whichever way the rows
+    masses: ``kvscope.windows.window_sums`` of the rows in float32, compiled
+    (``kvscope.analysis.kernels.row_block_stats``), so the same bits whichever way the rows
     were chunked. ``q`` (broadcastable to the leading dims) places each row's query; rows with a
     query are checked as probability rows (stored with relative error ``slack``; summing to
     ``1 − σ`` with ``shares`` σ broadcastable to ``[..., 1]``) on the way, ``q = None`` (column
@@ -158,9 +166,18 @@ def sink_shares(ds: xr.Dataset, like, layers=None, heads=None):
     return data[..., None].rechunk(chunks)
 
 
-def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> xr.DataArray:
+def prefill_unit_mass(
+    ds: xr.Dataset, units: Units, layers: tuple[int, ...] | None = None, heads: tuple[int, ...] | None = None
+) -> xr.DataArray:
     """Prefill column sums per unit ``[sample, layer, H, unit]`` (window masses as for rows:
-    :func:`window_masses`, one task per stored chunk)."""
+    ``window_masses``, one task per stored chunk).
+
+    Args:
+        ds: The trace.
+        units: The units.
+        layers: The layers by the model's index (default all).
+        heads: Indices of the stored head dim (default all).
+    """
     import dask.array as dsa
 
     col = _subset(ds["prefill_colsum"], layers, heads)
@@ -182,7 +199,13 @@ def prefill_unit_mass(ds: xr.Dataset, units: Units, layers=None, heads=None) -> 
 
 
 def cumulative_scores(m: xr.DataArray, prefill: xr.DataArray | None = None) -> xr.DataArray:
-    """``c[t, j]`` of the module docstring: ``[sample, step, layer, H, unit]``."""
+    """Cumulative scores ``c[t, j] = Σ_{t' ≤ t} m[t', j]`` (with the prompt's column mass for
+    the last prompt row when ``prefill`` is given): ``[sample, step, layer, H, unit]``.
+
+    Args:
+        m: ``[sample, step, layer, H, unit]`` per-step unit mass.
+        prefill: ``[sample, layer, H, unit]`` the prompt's column mass per unit.
+    """
     c = m.cumsum("step")
     if prefill is not None:
         c = c - m.isel(step=0) + prefill
@@ -190,7 +213,14 @@ def cumulative_scores(m: xr.DataArray, prefill: xr.DataArray | None = None) -> x
 
 
 def existence(query_pos: xr.DataArray, units: Units, n_units: int) -> xr.DataArray:
-    """``[sample, step, unit]`` True where the unit exists at the step."""
+    """``[sample, step, unit]`` True where the unit exists at the step (its last position ≤
+    the query's).
+
+    Args:
+        query_pos: ``[sample, step]`` the trace's query positions.
+        units: The units.
+        n_units: Units along the unit dim.
+    """
     last = units.last_position(n_units)
     q = np.asarray(query_pos.values)
     exists = last[None, None, :] <= q[..., None]

@@ -1,5 +1,5 @@
 """Metrics as objects: one ``@dataclass`` per metric, its parameters as fields (defaults
-written once, type and range beside them, checked on construction), and what every metric does::
+written once, type and range beside them, checked on construction), and what every metric does:
 
     metric = FMM(horizon=16)            # kvscope.analysis.make("fmm", horizon=16) alike
     result = metric(ds)                 # xarray.Dataset, streamed over trace units
@@ -7,13 +7,13 @@ written once, type and range beside them, checked on construction), and what eve
     rows = metric.table(doc)            # (quantity, value) rows for the CLI's table
     fig = metric.plot(result, ax=None)  # a matplotlib Figure, saved only when asked
 
-A metric over trace units (:class:`UnitMetric`: FMM, churn, LIR, concentration, drift) makes
-one pass per (sample, layer): :meth:`~UnitMetric.start` fixes what the pass needs (the events,
-a given selection), :meth:`~UnitMetric.per_unit` turns the trace units of one task into a few
-numbers each, :meth:`~UnitMetric.reduce` turns them all into the result. Several unit metrics
-share one read of a trace in :func:`kvscope.analysis.study`. The registry
-(:mod:`kvscope.analysis`) lists every metric; ``kvscope analyze`` and its JSON are generated
-from it. docs/metrics.md adds a metric in a worked example.
+A metric over trace units (``UnitMetric``: FMM, churn, LIR, concentration, drift) makes one
+pass per (sample, layer): ``start`` fixes what the pass needs (the events, a given selection),
+``per_unit`` turns the trace units of one task into a few numbers each, ``reduce`` turns them
+all into the result. Several unit metrics share one read of a trace in
+``kvscope.analysis.study``. The registry (``kvscope.analysis``) lists every metric;
+``kvscope analyze`` and its JSON are generated from it. docs/metrics.md adds a metric in a
+worked example.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import xarray as xr
@@ -31,6 +31,10 @@ from ..errors import KvscopeError
 from ..params import check_params, param, specs
 from ..windows import Units
 from .common import Prepared, UnitData, bootstrap_ratio, selection_from_tiers
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 @dataclass(kw_only=True)
@@ -56,7 +60,11 @@ class Metric:
 
     def check_scope(self, ds: xr.Dataset) -> None:
         """``layers`` among the trace's layers (the model's indices: a hybrid stores its attention
-        layers), ``heads`` inside its head dim (one line naming the flag otherwise)."""
+        layers), ``heads`` inside its head dim (one line naming the flag otherwise).
+
+        Args:
+            ds: The trace.
+        """
         layers = [int(x) for x in ds["layer"].values]
         if self.layers and any(x not in layers for x in self.layers):
             held = f"0..{len(layers) - 1}" if layers == list(range(len(layers))) else ", ".join(map(str, layers))
@@ -65,12 +73,24 @@ class Metric:
         if self.heads and any(x >= size for x in self.heads):
             raise KvscopeError(f"--heads outside 0..{size - 1}")
 
-    def __call__(self, ds: xr.Dataset, **given) -> xr.Dataset:
+    def __call__(self, ds: xr.Dataset, **given: Any) -> xr.Dataset:
+        """The metric of a trace (a result Dataset with named dims).
+
+        Args:
+            ds: The trace.
+            **given: What the metric takes besides the trace (a selection, replayed tiers).
+        """
         raise NotImplementedError
 
     def inputs_from_tiers(self, tiers: xr.DataArray, n_sink: int) -> dict:
-        """The keyword arguments that feed a replayed policy's ``tiers`` to :meth:`__call__`:
-        the tiers themselves, or the FP-set selection (sinks are not candidates)."""
+        """The keyword arguments that feed a replayed policy's ``tiers`` to ``__call__``:
+        the tiers themselves, or the FP-set selection (sinks are not candidates).
+
+        Args:
+            tiers: ``[sample, event, layer, kv_head, pos]`` a run's tiers
+                ([`tiers_for`][kvscope.replay.tiers_for]).
+            n_sink: The sinks.
+        """
         if self.replayed == "tiers":
             return {"tiers": tiers}
         if self.replayed == "fp":
@@ -78,19 +98,40 @@ class Metric:
         raise KvscopeError(f"{self.name} takes no replayed selection")
 
     def summary(self, result: xr.Dataset) -> dict:
-        """JSON-ready headline numbers; every metric starts from :meth:`base_summary`."""
+        """JSON-ready headline numbers (``kvscope analyze --json``); every metric starts from
+        ``base_summary``.
+
+        Args:
+            result: What the metric returned.
+        """
         return self.base_summary(result)
 
     def base_summary(self, result: xr.Dataset) -> dict:
+        """``{"analysis": name, **the result's attributes}``, JSON-ready.
+
+        Args:
+            result: What the metric returned.
+        """
         attrs = {
             k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in result.attrs.items()
         }
         return {"analysis": self.name, **attrs}
 
     def table(self, doc: dict) -> list[tuple[str, str]]:
+        """``(quantity, value)`` rows of the summary for the CLI's table.
+
+        Args:
+            doc: What ``summary`` returned.
+        """
         return []
 
-    def plot(self, result: xr.Dataset, ax=None):
+    def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
+        """The metric's figure (saved only when asked: ``kvscope.figures.save``).
+
+        Args:
+            result: What the metric returned.
+            ax: Draw into this axes (default: a new figure).
+        """
         raise KvscopeError(f"{self.name} has no figure")
 
 
@@ -175,6 +216,11 @@ class UnitMetric(Metric):
     every: int | None = param(None, low=1, help="steps between events", none="w")
 
     def units(self, ds: xr.Dataset) -> Units:
+        """The units of a pass: this metric's ``w`` and ``n_sink``, or the trace's.
+
+        Args:
+            ds: The trace.
+        """
         return Units(
             self.granularity,
             self.w if self.w is not None else ds.kvscope.w,
@@ -182,10 +228,15 @@ class UnitMetric(Metric):
         )
 
     def geometry(self) -> tuple:
-        """What :class:`Prepared` depends on: metrics with equal geometry share one read."""
+        """What [`Prepared`][kvscope.analysis.Prepared] depends on: metrics with equal geometry share one read."""
         return (self.granularity, self.w, self.n_sink, self.layers, self.heads, self.include_prefill)
 
     def prepare(self, ds: xr.Dataset) -> Prepared:
+        """The trace read for a pass over its units (metrics of equal ``geometry`` share one).
+
+        Args:
+            ds: The trace.
+        """
         self.check_scope(ds)
         ds.kvscope.require_steps()
         units = self.units(ds)
@@ -197,28 +248,71 @@ class UnitMetric(Metric):
         return Prepared(ds, units, self.layers, self.heads, self.include_prefill)
 
     def events(self, prep: Prepared) -> np.ndarray:
+        """``[event]`` the steps at which the history oracle decides: every ``every`` (default ``w``).
+
+        Args:
+            prep: The trace read for the pass.
+        """
         return prep.events(self.every or prep.units.w)
 
     def start(self, prep: Prepared, given: xr.DataArray | None = None, tiered: bool = False) -> Pass:
+        """What the pass needs besides the trace units: the events, and a given selection.
+
+        Args:
+            prep: The trace read for the pass.
+            given: A selection (codes −1/0/1) or replayed tiers, with ``event_step``; None: the
+                history oracle.
+            tiered: ``given`` holds tier codes.
+        """
         if given is None:
             return Pass(prep, self.events(prep))
         steps = np.asarray(given["event_step"].values)
         return Pass(prep, steps, given, given.attrs.get("policy", "given"), tiered)
 
     def width(self, run: Pass) -> int:
+        """The numbers ``per_unit`` gives each trace unit.
+
+        Args:
+            run: The pass.
+        """
         raise NotImplementedError
 
     def per_unit(self, u: UnitData, run: Pass) -> np.ndarray:
-        """``[H, width]`` numbers of the task's trace units."""
+        """``[H, width]`` numbers of the task's trace units.
+
+        Args:
+            u: One (sample, layer)'s unit masses and what else the pass reads.
+            run: The pass.
+        """
         raise NotImplementedError
 
     def reduce(self, flat: np.ndarray, run: Pass) -> xr.Dataset:
-        """The result from ``flat [sample, layer, H, width]``."""
+        """The result from every trace unit's numbers.
+
+        Args:
+            flat: ``[sample, layer, H, width]`` what ``per_unit`` gave.
+            run: The pass.
+        """
         raise NotImplementedError
 
-    def __call__(self, ds: xr.Dataset, *, selection=None, tiers=None, prep: Prepared | None = None) -> xr.Dataset:
-        """The metric of ``ds`` — of the history oracle, a given ``selection`` (codes −1/0/1) or,
-        for metrics that take them, replayed ``tiers``."""
+    def __call__(
+        self,
+        ds: xr.Dataset,
+        *,
+        selection: xr.DataArray | None = None,
+        tiers: xr.DataArray | None = None,
+        prep: Prepared | None = None,
+    ) -> xr.Dataset:
+        """The metric of ``ds`` — of the history oracle, a given ``selection`` or, for metrics
+        that take them, replayed ``tiers``.
+
+        Args:
+            ds: The trace.
+            selection: ``[sample, event, layer, H, unit]`` codes −1 none, 0 not selected,
+                1 selected, with ``event_step`` (``selection_from_tiers`` makes one).
+            tiers: A replayed run's tiers ([`tiers_for`][kvscope.replay.tiers_for]).
+            prep: The trace already read for a pass (``study`` shares one).
+        """
         if tiers is not None and self.replayed != "tiers":
             raise KvscopeError(f"{self.name} takes a selection, not tiers (selection_from_tiers makes one)")
         prep = prep or self.prepare(ds)
@@ -226,8 +320,13 @@ class UnitMetric(Metric):
         flat = prep.map_units(functools.partial(self.per_unit, run=run), self.width(run), selection=run.given)
         return self.reduce(flat, run)
 
-    def attrs(self, run: Pass, **extra) -> dict:
-        """The result's attributes: the metric, its geometry and parameters."""
+    def attrs(self, run: Pass, **extra: Any) -> dict:
+        """The result's attributes: the metric, its geometry and parameters.
+
+        Args:
+            run: The pass.
+            **extra: More attributes.
+        """
         units = run.prep.units
         doc = {"metric": self.name, "granularity": units.kind, "w": units.w, "n_sink": units.n_sink}
         for name, value in self.params().items():
@@ -238,8 +337,9 @@ class UnitMetric(Metric):
 
 @dataclass(kw_only=True)
 class HistoryOracle(UnitMetric):
-    """Unit metrics whose default selection is the oracle-by-history (SPEC §4.3): the top-ρ
-    candidate units by cumulative score at each event, the newest ``local`` tokens protected."""
+    """Unit metrics whose default selection is the oracle-by-history
+    ([Concepts → history oracle](concepts.md#history-oracle)): the top-ρ candidate units by
+    cumulative score at each event, the newest ``local`` tokens protected."""
 
     top_frac: float = param(
         defaults.TOP_FRAC, low=0, high=1, low_open=True, high_open=True, help="ρ of the history oracle"

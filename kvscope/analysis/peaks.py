@@ -1,14 +1,14 @@
-"""Log-distributed attention peaks — LogQuant's observation (SPEC §4.4).
+"""Log-distributed attention peaks — LogQuant's observation (docs/concepts.md#peaks).
 
 For each row (step ``t``, trace unit) the *peaks* are the top-``k`` keys by probability,
 excluding the sinks and the query's own position (equal probabilities: the nearer key);
-their distance ``d = q − p ≥ 1``, ``q = query_pos[t]``. A row can only show distances ``1 ≤ d ≤ D = q − n_sink``::
+their distance ``d = q − p ≥ 1``, ``q = query_pos[t]``. A row can only show distances ``1 ≤ d ≤ D = q − n_sink``:
 
     count[i]    = #peaks with d ∈ [2^i, 2^{i+1})
     exposure[i] = Σ_rows #{d ∈ [2^i, 2^{i+1}) : d ≤ D_row}         (row, distance) pairs possible
     density[i]  = count[i] / exposure[i]                            peaks per possible position
 
-Fit ``density ∝ d^(−α)`` by maximum likelihood of a discrete power law truncated per row::
+Fit ``density ∝ d^(−α)`` by maximum likelihood of a discrete power law truncated per row:
 
     log L(α) = −α Σ_d n_d log d − Σ_D N_D log Z_α(D),   Z_α(D) = Σ_{d=1}^{D} d^(−α)
 
@@ -16,7 +16,7 @@ Fit ``density ∝ d^(−α)`` by maximum likelihood of a discrete power law trun
 over prompts (``resample="units"``: over trace units), compared by AIC with a truncated exponential ``∝ e^(−λd)`` and the
 uniform ``1/D``. LogQuant's claim corresponds to ``α ≈ 1`` (equal mass per log2 bin).
 
-Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (§5.1, window
+Coverage: mean fraction of a row's non-sink mass that LogQuant's FP set (docs/concepts.md#logquant, window
 ``W``) holds, against a recency window of the same number of non-sink positions.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import dask.array as dsa
 import numpy as np
@@ -39,12 +39,16 @@ from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_t
 from .mass import sink_shares, stored_rows
 from .metric import Bootstrapped, Metric, ci_text, fmt, num, nums
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 
 def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
     """MLE of α (power law) or λ (exponential), truncated per row at its own ``D``, from
     sufficient statistics: ``data_term`` = Σ log d (power) or Σ d (exponential) over the
     peaks, ``N_D[D]`` = peaks from rows whose largest distance is ``D``. Returns
-    (parameter, log-likelihood)::
+    (parameter, log-likelihood):
 
         log L(θ) = −θ · data_term − Σ_D N_D log Σ_{d=1}^{D} exp(−θ·x(d)),   x = log d or d
     """
@@ -67,7 +71,7 @@ def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[f
 
 
 def fit(n_d: np.ndarray, N_D: np.ndarray, kind: str = "power") -> tuple[float, float]:
-    """:func:`fit_stats` from a histogram ``n_d`` of peak distances (index = distance)."""
+    """``fit_stats`` from a histogram ``n_d`` of peak distances (index = distance)."""
     d = np.arange(len(n_d), dtype=np.float64)
     x = np.log(np.maximum(d, 1)) if kind == "power" else d
     return fit_stats(float(np.dot(n_d, x)), N_D, kind)
@@ -83,15 +87,16 @@ def _block_rows(
     x: np.ndarray, q: np.ndarray, shares, fp_sets, n_sink: int, k: int, slack: float, block_steps: int, block_info=None
 ) -> np.ndarray:
     """Everything peaks needs from a task's rows, in one pass, summed over the steps of each
-    stored block (:func:`~kvscope.analysis.kernels.step_blocks`) per trace unit: ``[s, block,
+    stored block (``step_blocks``) per trace unit: ``[s, block,
     l, h, 2 + n_bins + 3]`` = Σ log d and Σ d over the top-``k``
     peaks (``d = q − p``), their count per log2 bin, and Σ of each row's share of non-sink
     mass on LogQuant's FP set, Σ of the share on a recency window of the same size, and the
-    number of rows with non-sink mass (:func:`kvscope.analysis.kernels.row_block_stats`).
+    number of rows with non-sink mass (``kvscope.analysis.kernels.row_block_stats``).
 
     ``x [s, step, l, h, pos]`` rows as stored (NaN beyond query_pos), ``q [s, step, 1, 1, 1]``,
-    ``shares [s, step, l, h, 1]`` their learned sink's (zeros without); ``fp_sets`` a :class:`LogQuantSets`. A few numbers per trace unit come back, so memory
-    does not grow with the trace.
+    ``shares [s, step, l, h, 1]`` their learned sink's (zeros without); ``fp_sets`` a
+    ``LogQuantSets``. A few numbers per trace unit come back, so memory does not grow with the
+    trace.
     """
     s_, n_step, n_l, n_h, n_pos = x.shape
     first_sample, t0 = block_info[0]["array-location"][0][0], block_info[0]["array-location"][1][0]
@@ -194,12 +199,22 @@ class Peaks(Bootstrapped, Metric):
     n_boot: int = param(defaults.N_BOOT_PEAKS, low=1, flag="--bootstrap", help="bootstrap resamples of the α fit")
 
     def sinks(self, ds: xr.Dataset) -> int:
+        """The sinks left out: ``n_sink``, or the trace's.
+
+        Args:
+            ds: The trace.
+        """
         return self.n_sink if self.n_sink is not None else ds.kvscope.n_sink
 
-    def statistics(self, ds: xr.Dataset, compute: bool = True):
+    def statistics(self, ds: xr.Dataset, compute: bool = True) -> tuple:
         """One streaming pass over the rows: ``(rows, per_block)`` with ``per_block [sample,
-        step block, layer, H, 2 + n_bins + 3]`` the sums of :func:`_block_rows` (numpy, or dask
-        with ``compute=False``); :meth:`__call__` adds them up over step blocks."""
+        step block, layer, H, 2 + n_bins + 3]`` the sums of ``_block_rows``; ``__call__`` adds
+        them up over step blocks.
+
+        Args:
+            ds: The trace.
+            compute: Return numpy (False: a dask array, for one read shared with other metrics).
+        """
         self.check_scope(ds)
         ds.kvscope.require_steps()
         if self.sinks(ds) >= ds.sizes["pos"] - 1:
@@ -359,8 +374,13 @@ class Peaks(Bootstrapped, Metric):
         ]
         return rows + [(f"density d∈[{b['from']}, {2 * b['from']})", fmt(b["density"], ".4g")) for b in s["log2_bins"]]
 
-    def plot(self, result: xr.Dataset, ax=None):
-        """Log-log exposure-normalized peak density with the fitted power law and alternatives."""
+    def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
+        """Log-log exposure-normalized peak density with the fitted power law and alternatives.
+
+        Args:
+            result: What the metric returned.
+            ax: Draw into this axes (default: a new figure).
+        """
         from ..figures import axes
 
         fig, ax = axes(ax)
@@ -387,6 +407,13 @@ class Peaks(Bootstrapped, Metric):
         return fig
 
 
-def peaks(ds: xr.Dataset, *, precomputed=None, **params) -> xr.Dataset:
-    """``Peaks(**params)(ds)`` — see :class:`Peaks`."""
+def peaks(ds: xr.Dataset, *, precomputed: tuple | None = None, **params: Any) -> xr.Dataset:
+    """``Peaks(**params)(ds)`` — see [`Peaks`][kvscope.analysis.Peaks].
+
+    Args:
+        ds: The trace.
+        precomputed: What [`Peaks.statistics`][kvscope.analysis.Peaks.statistics] returned
+            (``study`` shares one read).
+        **params: Fields of [`Peaks`][kvscope.analysis.Peaks] by name.
+    """
     return Peaks(**params)(ds, precomputed=precomputed)

@@ -1,8 +1,8 @@
 """Attention rows recomputed from recorded queries and keys (``--record qkv``).
 
 For step ``t`` with query position ``q = P − 1 + t``, layer ``l`` and query head ``h``, with
-the model's attention rule (:mod:`kvscope.model.attention`: scaling, softcap, sliding window of
-layer ``l``, from the trace's model config)::
+the model's attention rule (``kvscope.model.attention``: scaling, softcap, sliding window of
+layer ``l``, from the trace's model config):
 
     a[t, l, h, p] = softmax_p( softcap(q[q, l, h] · k[l, h // g, p] · scaling_l) ),  p ≤ q
 
@@ -71,7 +71,13 @@ def layer_rows(q, k, qpos, rule: AttentionRule, heads: str, q_first: int = 0, pe
 
 
 def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
-    """Rows ``[sample, step, layer, kv_head|head, pos]`` recomputed from ``q`` and ``k``."""
+    """Rows ``[sample, step, layer, kv_head|head, pos]`` recomputed from ``q`` and ``k`` with
+    the model's attention rule.
+
+    Args:
+        ds: A trace recorded with ``--record qkv``.
+        heads: ``kv`` (kv-group mean rows) or ``all`` (every query head).
+    """
     if "q" not in ds or "k" not in ds:
         raise KvscopeError("this trace has no recorded q/k (trace with --record qkv)")
     model = ds.kvscope.model
@@ -112,7 +118,12 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
 
 
 def with_recomputed_rows(ds: xr.Dataset, heads: str = "kv") -> xr.Dataset:
-    """The trace with ``attn`` replaced by rows recomputed from q/k (for every analysis)."""
+    """The trace with ``attn`` replaced by rows recomputed from q/k (for every analysis).
+
+    Args:
+        ds: A trace recorded with ``--record qkv``.
+        heads: ``kv`` (kv-group mean rows) or ``all`` (every query head).
+    """
     out = ds.drop_vars([v for v in ("attn", "attn_sink") if v in ds]).copy()
     rows = rows_from_qk(ds, heads)
     if rows.dims[3] not in out.dims:

@@ -1,7 +1,9 @@
-"""The registry of metrics: ``kvscope analyze``, its JSON and :func:`kvscope.analysis.study`
-are generated from it. Adding a metric = its module + one line here (or :func:`register`)."""
+"""The registry of metrics: ``kvscope analyze``, its JSON and ``kvscope.analysis.study``
+are generated from it. Adding a metric = its module + one line here (or [`register`][kvscope.analysis.register])."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..errors import KvscopeError
 from ..params import specs
@@ -22,15 +24,28 @@ def available() -> dict[str, type[Metric]]:
 
 
 def register(cls: type[Metric]) -> type[Metric]:
-    """Add a metric class to the registry (usable as a decorator)."""
+    """Add a metric class to the registry (usable as a decorator): ``kvscope analyze`` and its
+    JSON pick it up.
+
+    Args:
+        cls: A ``Metric`` subclass with its own ``name``.
+    """
     if not (isinstance(cls, type) and issubclass(cls, Metric)) or cls.name == Metric.name:
         raise KvscopeError("a metric is a Metric subclass with its own name")
     METRICS[cls.name] = cls
     return cls
 
 
-def make(name: str, **params) -> Metric:
-    """The metric ``name`` with ``params`` as its fields."""
+def make(name: str, **params: Any) -> Metric:
+    """The metric ``name`` with ``params`` as its fields (each checked against its range).
+
+    Args:
+        name: A registered metric's name.
+        **params: Its fields by name.
+
+    Raises:
+        KvscopeError: An unknown name or parameter, or a value out of range.
+    """
     if name not in METRICS:
         raise KvscopeError(f"unknown metric {name!r} (available: {', '.join(METRICS)})")
     cls = METRICS[name]
@@ -40,9 +55,14 @@ def make(name: str, **params) -> Metric:
     return cls(**params)
 
 
-def make_all(metrics, params: dict) -> list[Metric]:
-    """Metric objects from objects or names; ``params`` go to every named metric that has them
-    (a parameter no named metric has is refused)."""
+def make_all(metrics: list[str | Metric], params: dict) -> list[Metric]:
+    """Metric objects from objects or names.
+
+    Args:
+        metrics: Metric objects or names.
+        params: Fields that go to every named metric that has them (a parameter no named
+            metric has is refused).
+    """
     out, used = [], set()
     for m in metrics:
         if isinstance(m, Metric):

@@ -4,7 +4,7 @@ Two fused stages, each chunk of ``attn`` read and decoded exactly once:
 
 1. per task of rows (one or more stored blocks of steps × one layer; ``open_trace(chunks=
    "analysis")`` reads several in one call): one compiled, GIL-free pass over its rows
-   (:func:`kvscope.analysis.kernels.row_block_stats`) gives the window masses ``[step, H,
+   (``kvscope.analysis.kernels.row_block_stats``) gives the window masses ``[step, H,
    window]`` and each stored block's peak and coverage sums — the rows never leave the task;
 2. per (sample, layer): the window masses of all its steps (``S × H × U`` float64, the memory
    bound) go through the per-unit pass of every unit metric (FMM, churn and LIR share one
@@ -17,6 +17,7 @@ graphs instead let dask hold converted chunks, and peak memory grew with the tra
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import xarray as xr
@@ -25,7 +26,7 @@ from ..errors import KvscopeError
 from .common import UnitData
 from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals, step_blocks
 from .mass import sink_shares, stored_rows
-from .metric import UnitMetric
+from .metric import Metric, UnitMetric
 from .peaks import LogQuantSets, Peaks, n_bins_for
 from .registry import make_all
 
@@ -33,10 +34,19 @@ TASK_BYTES = 256 * 2**20  # window masses per stage-2 task: all heads of a (samp
 DEFAULT = ("fmm", "churn", "lir", "peaks")
 
 
-def study(ds: xr.Dataset, metrics=None, **params) -> dict[str, xr.Dataset]:
-    """``{name: result}`` of ``metrics`` (objects or names; default FMM, churn, LIR and peaks)
-    from one read of the trace. ``params`` go to every named metric that has them
-    (``study(ds, horizon=8, n_boot=50)``); window metrics must share one geometry."""
+def study(ds: xr.Dataset, metrics: list[str | Metric] | None = None, **params: Any) -> dict[str, xr.Dataset]:
+    """``{name: result}`` of ``metrics`` from one read of the trace.
+
+    Args:
+        ds: The trace.
+        metrics: Metric objects or names (default FMM, churn, LIR and peaks); window metrics
+            must share one geometry, and at most one is ``peaks``.
+        **params: Fields of the named metrics: each goes to every named metric that has it
+            (``study(ds, horizon=8, n_boot=50)``; one that none has is refused).
+
+    Raises:
+        KvscopeError: A metric that cannot share the read, or a parameter none of them has.
+    """
     chosen = make_all(metrics or DEFAULT, params)
     units = [m for m in chosen if isinstance(m, UnitMetric)]
     rows = [m for m in chosen if isinstance(m, Peaks)]

@@ -1,10 +1,10 @@
-"""``kvscope`` command line: a thin layer over the Python API (SPEC §7).
+"""``kvscope`` command line: a thin layer over the Python API (docs/concepts.md#bad-input).
 
 Bad input ends with one line ``kvscope: error: …`` on stderr and exit code 2.
 
-One module per command group: :mod:`.trace`, :mod:`.stores` (info, verify, compact),
-:mod:`.analyze`, :mod:`.replay` (replay, compare, tune), :mod:`.catalog` (policies, workloads,
-models), :mod:`.live` (run, validate), :mod:`.view`; :mod:`.common` holds what they share.
+One module per command group: ``trace``, ``stores`` (info, verify, compact),
+``analyze``, ``replay`` (replay, compare, tune), ``catalog`` (policies, workloads,
+models), ``live`` (run, validate), ``view``; ``common`` holds what they share.
 """
 
 from __future__ import annotations

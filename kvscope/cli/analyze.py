@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from ..errors import KvscopeError
-from .common import DaskContext, Parser, say_lossy_rows
+from .common import DaskContext, Parser, allocation_names, policy_names, say_lossy_rows
 
 
 def add_analyze(sub, metrics: bool = True) -> None:
@@ -20,13 +20,18 @@ def add_analyze(sub, metrics: bool = True) -> None:
 
     p = sub.add_parser("analyze", help="metrics of a trace: " + ", ".join(available()))
     metrics = p.add_subparsers(dest="analysis", required=True, parser_class=Parser, metavar="METRIC")
+    policies, allocations = policy_names(), allocation_names()
     for name, cls in available().items():
         q = metrics.add_parser(name, help=_escaped(cls.title), description=_escaped(cls.title))
         q.add_argument("store")
         _add_param_options(q, cls)
-        q.add_argument("--policy", default=None, help="use this policy's replayed selection (e.g. h2o)")
+        q.add_argument("--policy", default=None, help="use this policy's replayed selection: " + _escaped(policies))
         q.add_argument("--budget", type=float, default=None, help="the budget β of --policy")
-        q.add_argument("--allocation", default="uniform", help="--policy: how β is split across layers and KV heads")
+        q.add_argument(
+            "--allocation",
+            default="uniform",
+            help=f"--policy: how β is split across layers and KV heads: {allocations}",
+        )
         q.add_argument("--dask", default=None, help="local:N (LocalCluster) or tcp://host:port (a scheduler)")
         q.add_argument("--from-qk", action="store_true", help="recompute the rows from recorded q/k (--record qkv)")
         q.add_argument("--json", action="store_true")

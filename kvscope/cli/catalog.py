@@ -79,6 +79,7 @@ def _kind(cls) -> str:
 def cmd_policies(args) -> int:
     from ..policies import available
     from ..policies.allocation import REGISTRY as ALLOCATIONS
+    from ..policies.kvpress_bridge import INSTALL, press_names
 
     doc = {
         "policies": {
@@ -86,8 +87,9 @@ def cmd_policies(args) -> int:
         },
         "allocations": {name: {"parameters": _parameter_rows(cls)} for name, cls in ALLOCATIONS.items()},
     }
+    presses = sorted(press_names())
     if args.json:
-        print(json.dumps(doc, indent=1, default=str))
+        print(json.dumps({**doc, "presses": presses}, indent=1, default=str))
         return 0
     from rich.table import Table
 
@@ -105,6 +107,7 @@ def cmd_policies(args) -> int:
                 )  # fmt: skip
         print_table(table, 120)
     print("spell one as name:key=value:… (kvscope replay --policies, --allocation); press:<PressClass> for kvpress")
+    print(f"kvpress's presses: {', '.join(presses)}" if presses else f"kvpress's presses need kvpress: {INSTALL}")
     return 0
 
 

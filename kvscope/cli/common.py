@@ -79,14 +79,14 @@ def progress_bar(label: str, quiet: bool, what: str = "", fields: dict | None = 
 
 
 def add_prompt_sources(p, required: bool = True) -> None:
-    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by :func:`read_prompts`;
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by ``read_prompts``;
     ``required=False``: the command checks that one is given, where it needs one)."""
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument(
         "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
     )
-    src.add_argument("--workload", help="a built-in workload (see kvscope workloads): prose, code, niah, vt, reasoning")
+    src.add_argument("--workload", help=f"a built-in workload (see kvscope workloads): {workload_names()}")
     p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
     p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
 
@@ -122,14 +122,54 @@ def read_prompts(args):
 
 
 def add_allocation(p, several: bool) -> None:
-    from ..policies.allocation import REGISTRY
-
     p.add_argument(
         "--allocation", default="uniform",
         help=("comma-separated, each " if several else "")
-        + "how β's bytes are split across layers and KV heads: " + ", ".join(REGISTRY)
+        + f"how β's bytes are split across layers and KV heads: {allocation_names()}"
         + " (name or name:key=value, e.g. pyramid:beta=10; default uniform)",
     )  # fmt: skip
+
+
+# The names that help texts list, read from their registries (a name registered there is offered
+# by every command that takes one; the error for an unknown name lists the same registry).
+
+
+def workload_names() -> str:
+    """The built-in workloads (``kvscope.workloads``)."""
+    from ..workloads import WORKLOADS
+
+    return ", ".join(WORKLOADS)
+
+
+def allocation_names() -> str:
+    """The registered allocations (``kvscope.policies.allocation``)."""
+    from ..policies.allocation import REGISTRY
+
+    return ", ".join(REGISTRY)
+
+
+def policy_names(live: bool = False, tunable: bool = False) -> str:
+    """The registered policies, then ``press:NAME`` with kvpress's presses; ``live``: those a
+    live cache runs (not the clairvoyant ones); ``tunable``: those with parameters to search
+    (no presses)."""
+    from ..params import specs
+    from ..policies import REGISTRY, Press
+    from ..policies.kvpress_bridge import INSTALL, press_names
+
+    names = [
+        name
+        for name, cls in REGISTRY.items()
+        if cls is not Press and not (live and cls.clairvoyant) and not (tunable and not specs(cls))
+    ]
+    if tunable:
+        return ", ".join(names)
+    presses = sorted(press_names())
+    press = (
+        f"press:NAME, NAME one of kvpress's {', '.join(presses)}"
+        if presses
+        else f"press:NAME (needs kvpress: {INSTALL})"
+    )
+    return f"{', '.join(names)}; {press}"
 
 
 class DaskContext:

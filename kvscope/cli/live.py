@@ -5,27 +5,30 @@ from __future__ import annotations
 import json
 
 from .. import defaults
-from ..model.loading import DEFAULT_MODEL, check_model_dtype
+from ..live.inputs import KV_DTYPES
+from ..model.loading import DEFAULT_MODEL, MODEL_DTYPES, check_model_dtype
 from ..report import print_table
-from .common import add_allocation, add_prompt_sources, human_bytes, progress_bar, read_prompts
+from ..tracing.settings import KERNELS
+from .common import add_allocation, add_prompt_sources, human_bytes, policy_names, progress_bar, read_prompts
 
 
 def add_run(sub) -> None:
     p = sub.add_parser("run", help="generate under a policy cache and compare with full-KV decoding")
     add_prompt_sources(p)
     p.add_argument(
-        "--policy", required=True, help="a policy (kvscope replay --help), e.g. qevict:q_frac=0.5 or press:KnormPress"
-    )
+        "--policy", required=True,
+        help="a policy, name or name:key=value:… (e.g. qevict:q_frac=0.5 or press:KnormPress): " + policy_names(live=True),
+    )  # fmt: skip
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
     add_allocation(p, several=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
-    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
+    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: " + " | ".join(("model", *KV_DTYPES)))
     p.add_argument("--window", type=int, default=defaults.W, help="window size w")
     p.add_argument("--sinks", type=int, default=defaults.N_SINK, dest="n_sink", help="sink positions")
-    p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--model-dtype", default="auto", help=" | ".join(MODEL_DTYPES))
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
-    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2")
+    p.add_argument("--attn", default="sdpa", help=" | ".join(KERNELS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -103,10 +106,13 @@ def cmd_run(args) -> int:
 def add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check that replay predicts a live policy cache (decisions, errors)")
     p.add_argument("store", help="a full-KV trace recorded with --record qkv")
-    p.add_argument("--policy", required=True, help="a policy, e.g. h2o, qevict:q_frac=0.5 or press:SnapKVPress")
+    p.add_argument(
+        "--policy", required=True,
+        help="a policy, name or name:key=value:… (e.g. qevict:q_frac=0.5 or press:SnapKVPress): " + policy_names(live=True),
+    )  # fmt: skip
     p.add_argument("--budget", required=True, help="β in (0, 1]")
     add_allocation(p, several=False)
-    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: model | float16 | bfloat16 | float32")
+    p.add_argument("--kv-dtype", default="model", help="storage of FP entries: " + " | ".join(("model", *KV_DTYPES)))
     p.add_argument("--live-out", default=None, help="keep the trace recorded under the live cache here")
     p.add_argument("--force", action="store_true", help="overwrite an existing --live-out")
     p.add_argument("--model", default=None, help="re-decode with this model instead of the one the store names")

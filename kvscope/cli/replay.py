@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import defaults
 from ..errors import KvscopeError
 from ..report import print_table
-from .common import DaskContext, add_allocation, progress_bar, say_lossy_rows
+from .common import DaskContext, add_allocation, policy_names, progress_bar, say_lossy_rows
 
 
 def _budgets(text: str) -> list[float]:
@@ -43,7 +43,8 @@ def add_replay(sub) -> None:
     p.add_argument(
         "--policies",
         required=True,
-        help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see kvscope policies)",
+        help="comma-separated, each name or name:key=value:…, e.g. h2o,qevict:q_frac=0.5 (see kvscope policies): "
+        + policy_names(),
     )
     p.add_argument("--budgets", required=True, help="comma-separated shares of the full cache, in (0, 1]")
     add_allocation(p, several=True)
@@ -162,7 +163,9 @@ def add_tune(sub) -> None:
 
     p = sub.add_parser("tune", help="search a policy's and its allocation's parameters offline, check the best live")
     p.add_argument("store", help="a trace (with q/k/v for --objective output-error)")
-    p.add_argument("--policy", required=True, help="the policy whose parameters are searched, e.g. qevict")
+    p.add_argument(
+        "--policy", required=True, help="the policy whose parameters are searched: " + policy_names(tunable=True)
+    )
     p.add_argument("--budget", required=True, help="β in (0, 1]")
     p.add_argument("--objective", default="fmm", help=" | ".join(OBJECTIVES) + " (default fmm)")
     add_allocation(p, several=False)

@@ -6,8 +6,18 @@ import dataclasses
 
 from .. import defaults
 from ..errors import KvscopeError
-from ..model.loading import DEFAULT_MODEL
-from .common import DaskContext, add_prompt_sources, human_bytes, progress_bar, read_prompts
+from ..live.inputs import KV_DTYPES
+from ..model.loading import DEFAULT_MODEL, MODEL_DTYPES
+from ..tracing.settings import HEAD_MODES, KERNELS
+from .common import (
+    DaskContext,
+    add_prompt_sources,
+    allocation_names,
+    human_bytes,
+    policy_names,
+    progress_bar,
+    read_prompts,
+)
 
 
 def add_trace(sub) -> None:
@@ -16,7 +26,7 @@ def add_trace(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
     p.add_argument("--out", default=None, help="store path (*.zarr); required")
-    p.add_argument("--heads", default="kv", help="all | kv | mean (default kv: kv-group rows)")
+    p.add_argument("--heads", default="kv", help=" | ".join(HEAD_MODES) + " (default kv: kv-group rows)")
     p.add_argument("--resolution", default="token", help="token | window")
     p.add_argument("--window", type=int, default=defaults.W, help="window size w, a multiple of 4")
     p.add_argument("--sinks", type=int, default=defaults.N_SINK, dest="n_sink", help="number of sink positions")
@@ -25,9 +35,9 @@ def add_trace(sub) -> None:
     )
     p.add_argument("--record", action="append", default=[], help="qkv: also store post-RoPE q, k, v")
     p.add_argument("--dtype", default="float16", help="storage dtype: float16 | float32")
-    p.add_argument("--model-dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--model-dtype", default="auto", help=" | ".join(MODEL_DTYPES))
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
-    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2")
+    p.add_argument("--attn", default="sdpa", help=" | ".join(KERNELS))
     p.add_argument(
         "--attn-output", default="kernel",
         help="kernel: layer outputs from --attn, bit for bit the untraced model (default) | probs: from the "
@@ -45,11 +55,16 @@ def add_trace(sub) -> None:
         help="prefill the context only, then decode the question into the cache (split prompts: niah, vt, JSONL)",
     )  # fmt: skip
     p.add_argument(
-        "--policy", default=None, help="decode under this live policy cache (e.g. qevict, press:SnapKVPress)"
-    )
+        "--policy", default=None,
+        help="decode under this live policy cache (e.g. qevict, press:SnapKVPress): " + policy_names(live=True),
+    )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, help="the budget β of --policy, in (0, 1]")
-    p.add_argument("--allocation", default=None, help="--policy: how β is split across layers and KV heads")
-    p.add_argument("--kv-dtype", default="model", help="--policy: storage of FP entries (model | float16 | …)")
+    p.add_argument(
+        "--allocation", default=None, help=f"--policy: how β is split across layers and KV heads: {allocation_names()}"
+    )
+    p.add_argument(
+        "--kv-dtype", default="model", help="--policy: storage of FP entries: " + " | ".join(("model", *KV_DTYPES))
+    )
     p.add_argument("--resume", action="store_true", help="continue a partial store (--shard: the shard's samples)")
     p.add_argument("--force", action="store_true", help="overwrite an existing store")
     p.add_argument(

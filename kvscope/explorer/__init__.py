@@ -5,10 +5,12 @@ policy tiers over them, the per-layer views beside them.
     serve(ds, result, port=0)                      a Bokeh server through Panel; returns it
     write_html(ds, result, "page.html")            one self-contained page (aggregated)
 
-Panel serves and embeds; the figures are Bokeh's (:mod:`kvscope.explorer.figures`).
+Panel serves and embeds; the figures are Bokeh's (``kvscope.explorer.figures``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import xarray as xr
 
@@ -39,9 +41,22 @@ def serve(
     tokens: str = "model",
     title: str = "",
     where: str = "the replay result",
-):
-    """Start a server (not blocking) whose every session is an :class:`Explorer` of the same
-    trace; ``port=0`` takes a free one. Returns the Bokeh server (``server.port``)."""
+) -> Any:
+    """Start a server (not blocking) whose every session is an explorer of the same trace
+    (``kvscope view``).
+
+    Args:
+        ds: A trace.
+        result: A replay result of that trace: its policies' tiers are overlaid.
+        host: The address to listen on.
+        port: The port (0: a free one).
+        tokens: How a token is labelled: ``model`` (its text) or ``ids``.
+        title: The page's title (default: the store and its model).
+        where: How messages name ``result``.
+
+    Returns:
+        The Bokeh server (``server.port``), started with ``server.start()``.
+    """
     import panel as pn
 
     port = listen_port(host, port)  # a busy port is refused before anything is read

@@ -1,9 +1,9 @@
 """The explorer: a heatmap of decode step × key position that reads only the chunks in view,
-policy tiers over it, and the per-layer views beside it (module :mod:`kvscope.explorer`).
+policy tiers over it, and the per-layer views beside it (module ``kvscope.explorer``).
 
 Served (``kvscope view``) and in Jupyter (``kvscope.view(ds)``) the callbacks run in Python:
 a zoom or pan reads the view's chunks again, at the exact rows once a cell is one position
-and one step. :mod:`kvscope.explorer.static` writes the same figures with browser callbacks.
+and one step. ``kvscope.explorer.static`` writes the same figures with browser callbacks.
 """
 
 from __future__ import annotations

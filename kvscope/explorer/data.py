@@ -2,7 +2,7 @@
 
 A view is a rectangle of decode steps × key positions of one (sample, layer, head). Only the
 stored chunks it covers are read (a chunk is one block of steps × one layer × all positions),
-and the rectangle is reduced to at most ``rows × cols`` cells::
+and the rectangle is reduced to at most ``rows × cols`` cells:
 
     cell (i, j) = mean of a[t, p] over t ∈ [t0 + i·dy, t0 + (i+1)·dy), p ∈ [p0 + j·dx, p0 + (j+1)·dx)
     dy = ⌈(t1 − t0) / rows⌉,  dx = ⌈(p1 − p0) / cols⌉                (dy = dx = 1: the exact rows)
@@ -89,7 +89,7 @@ def overlay_cells(codes: np.ndarray, rect: Rect) -> np.ndarray:
 
 
 class TraceView:
-    """Reads views of one trace. ``ds`` from :func:`kvscope.open_trace` (checked on open; every
+    """Reads views of one trace. ``ds`` from [`kvscope.open_trace`][kvscope.open_trace] (checked on open; every
     chunk passes its checksum when read)."""
 
     def __init__(self, ds: xr.Dataset):
@@ -175,7 +175,7 @@ class TraceView:
 
 
 class TierView:
-    """The replayed tiers of a result that belongs to the trace (:func:`matching`)."""
+    """The replayed tiers of a result that belongs to the trace (``matching``)."""
 
     def __init__(self, result: xr.Dataset):
         self.result = result

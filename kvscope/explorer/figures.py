@@ -1,8 +1,8 @@
 """The explorer's Bokeh figures, shared by the served app, Jupyter and the static page.
 
 Every figure draws from ``ColumnDataSource``s; choosing a sample, layer, head or policy only
-replaces their data — in Python when served (:mod:`kvscope.explorer.app`), in the browser for the
-static page (:mod:`kvscope.explorer.static`).
+replaces their data — in Python when served (``kvscope.explorer.app``), in the browser for the
+static page (``kvscope.explorer.static``).
 """
 
 from __future__ import annotations

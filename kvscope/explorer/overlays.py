@@ -6,7 +6,7 @@
                                               at each event the top-ρ windows by cumulative score,
                                               sinks and the newest ``local`` tokens kept — FP; the
                                               other windows that exist — EVICTED
-    LogQuantFP(ds, W)                         LogQuant's full-precision set of each step (SPEC §5)
+    LogQuantFP(ds, W)                         LogQuant's full-precision set of each step (docs/concepts.md#logquant)
                                               — FP; every other existing position — Q
 
 Each gives ``codes(sample, layer, t0, t1, p0, p1) → [head, step, pos]`` over the heads it is

@@ -1,7 +1,7 @@
 """The explorer's side views: the numbers ``kvscope analyze`` prints, as plain arrays.
 
-One streaming pass of :func:`kvscope.analysis.study` (FMM, churn, LIR, peaks) plus
-concentration, reduced to what the views draw::
+One streaming pass of ``kvscope.analysis.study`` (FMM, churn, LIR, peaks) plus
+concentration, reduced to what the views draw:
 
     layers      [layer]     FMM, churn, LIR, LogQuant coverage, mass in the top 20 % windows
     fmm_curve   [horizon]   FMM(H) with its bootstrap interval
@@ -64,7 +64,7 @@ def summaries(ds: xr.Dataset) -> dict[str, dict[str, list]]:
 
 def _peak_columns(peaks: xr.Dataset) -> dict[str, list]:
     """Density per log2 bin at the bin's geometric centre ``d = low·√2`` and the power law
-    ``c·d^(−α)`` through the first bin (as :meth:`Peaks.plot` draws it)."""
+    ``c·d^(−α)`` through the first bin (as ``Peaks.plot`` draws it)."""
     centers = peaks["bin_low"].values.astype(float) * np.sqrt(2)
     dens = peaks["density"].values.astype(float)
     ok = np.isfinite(dens) & (dens > 0)

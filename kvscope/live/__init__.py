@@ -5,9 +5,14 @@ PolicyCache(model, "qevict", 0.2, max_new_tokens)  a ``Cache`` for ``model(cache
                                                    or ``model.generate(cache=...)``
 LivePolicy("qevict", 0.2)                          a cache factory: ``kvscope.trace(cache=...)``
 
-The names load :mod:`kvscope.live.cache` (torch, transformers) on first use, so that
-:mod:`kvscope.live.inputs` checks a command line's live options without them.
+The names load ``kvscope.live.cache`` (torch, transformers) on first use, so that
+``kvscope.live.inputs`` checks a command line's live options without them.
 """
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names, for type checkers and the API page (loaded on first use below)
+    from .cache import LivePolicy, PolicyCache, PolicyLayer, prepare
 
 __all__ = ["LivePolicy", "PolicyCache", "PolicyLayer", "prepare"]
 

@@ -1,10 +1,10 @@
-"""A transformers cache that runs a kvscope policy during real decoding (SPEC §5 contract).
+"""A transformers cache that runs a kvscope policy during real decoding (the policy contract: docs/concepts.md#observe).
 
-The same policy objects that :func:`kvscope.replay` drives offline run here inside
+The same policy objects that [`kvscope.replay`][kvscope.replay.replay] drives offline run here inside
 ``model(..., cache=PolicyCache(...))`` or ``model.generate(cache=...)``. The cache drives the
-policy's :class:`~kvscope.policies.CacheState` exactly as replay does — ``prefill(colsum,
+policy's [`CacheState`][kvscope.policies.CacheState] exactly as replay does — ``prefill(colsum,
 tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
-``compress()`` — with the rows this cache really served, and then makes the decision real::
+``compress()`` — with the rows this cache really served, and then makes the decision real:
 
     EVICTED        the position's K/V are deleted
     Q              packed codes + 16-bit scale/zero (the policy's write-once ledger holds
@@ -13,7 +13,7 @@ tail)`` after the prompt, then per decode step ``append(p)``, ``observe(row)``,
     FP, promoted   (QEvict) a promotion restores the dequantized values, which the ledger's
                    codes already give: served from the codes, counted as FP by the byte model
 
-Per layer the cache holds two flat pools of rows, each row one (kv_head, position)::
+Per layer the cache holds two flat pools of rows, each row one (kv_head, position):
 
     fp_k, fp_v        [n_fp, D]          kv_dtype      originals
     fp_pos, fp_head   [n_fp]             int32         index
@@ -22,7 +22,7 @@ Per layer the cache holds two flat pools of rows, each row one (kv_head, positio
     k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
                       [n_q, D/g_k]                     or per token (key_axis=token)
     q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
-    served            :class:`~kvscope.live.served.Served`   what attention reads
+    served            ``Served``   what attention reads
 
 (new FP rows wait as the tensors appended and join ``fp_*`` by one concatenation when a
 decision next reads the layer's pools — counted in the bytes held all along).
@@ -31,7 +31,7 @@ At each decode forward a layer hands attention ``[1, kv_head, W, D]`` keys/value
 its served buffer: per KV head its FP rows and its Q rows dequantized, left-aligned, the
 newest key in the last slot of every head (free slots of heads that hold fewer masked per
 head by the kvscope attention function). The buffer changes in place where rows change
-(:mod:`kvscope.live.served`): a Q row's codes never change while it is held (the ledger is
+(``kvscope.live.served``): a Q row's codes never change while it is held (the ledger is
 write-once) and dequantization is elementwise per row, so each row is dequantized once, when
 quantized, and the buffer equals a fresh gather of the pools — FP rows as stored, Q rows
 dequantized from every code — set-wise by position, bit for bit (checked at every step under
@@ -39,17 +39,18 @@ dequantized from every code — set-wise by position, bit for bit (checked at ev
 ``DynamicCache`` would. The buffer is a CPU-speed trade (no fused unpack + matmul kernel
 here): it is reported apart, ``bytes_serving``, not in ``bytes_actual``.
 
-Bytes per step: ``bytes_model`` (SPEC §5 accounting, what replay reports) and
+Bytes per step: ``bytes_model`` (the byte model of docs/concepts.md#budget, what replay reports) and
 ``bytes_actual`` (``nbytes`` of every pool data tensor; index tensors apart in
 ``bytes_index``, the served buffer in ``bytes_serving``); both must stay within
 ``β · FP_bytes(P + S)`` at ``kv_dtype``.
 One sequence at a time (batch 1). Needs a kvscope attention implementation
-(:func:`prepare`), which also computes the rows the policy observes.
+([`prepare`][kvscope.live.prepare]), which also computes the rows the policy observes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -68,6 +69,9 @@ from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, imple
 from .inputs import kv_dtype_name, live_allocation, live_policy
 from .served import Served
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 INDEX = torch.int32  # dtype of the position / head / group index tensors
 
 
@@ -82,9 +86,18 @@ def kv_storage_dtype(model, name: str | None):
     return parse_kv_dtype(name) or next(model.parameters()).dtype
 
 
-def prepare(model, kernel: str = "sdpa"):
-    """Route ``model``'s attention through kvscope (needed by :class:`PolicyCache`), refusing in
-    one line a model a live cache cannot serve (:func:`check_live_geometry`)."""
+def prepare(model: PreTrainedModel, kernel: str = "sdpa") -> PreTrainedModel:
+    """Route ``model``'s attention through kvscope (needed by
+    [`PolicyCache`][kvscope.live.PolicyCache]), refusing in one line a model a live cache cannot
+    serve (``check_live_geometry``).
+
+    Args:
+        model: A loaded transformers model.
+        kernel: The attention kernel kvscope wraps: ``sdpa``, ``eager`` or ``flash_attention_2``.
+
+    Returns:
+        The same model.
+    """
     from ..tracing.architecture import inspect
 
     register()
@@ -117,7 +130,7 @@ def check_live_geometry(model, spec: ModelSpec) -> None:
 
 def _codes_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """``[rows, bytes]`` packed codes (first code in the lowest bits, as
-    :func:`kvscope.policies.quant.pack`) → ``[rows, n]`` float32 (small integers: exact)."""
+    ``kvscope.policies.quant.pack``) → ``[rows, n]`` float32 (small integers: exact)."""
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [rows, bytes, per]
@@ -181,7 +194,13 @@ class _Pool:
 
 
 class PolicyLayer(DynamicLayer):
-    """One layer of a :class:`PolicyCache`: it delegates to the cache, which owns the policy."""
+    """One layer of a [`PolicyCache`][kvscope.live.PolicyCache]: it delegates to the cache,
+    which owns the policy.
+
+    Args:
+        cache: The cache.
+        index: The layer's index.
+    """
 
     is_sliding = False
     is_croppable = False
@@ -221,15 +240,28 @@ class PolicyCache(DynamicCache):
     """A transformers ``Cache`` that compresses with ``policy`` at budget ``β`` while decoding.
 
     ``max_new_tokens`` = S fixes the final length ``P + S`` and with it the byte budget
-    ``β · FP_bytes(P + S)`` (SPEC §5; ``generate(max_new_tokens=S)`` runs S forwards).
-    ``kv_dtype``: storage of FP entries (default: the model's dtype; the byte model counts
-    ``2·D·itemsize`` per FP token). ``every``: tier snapshots kept every that many steps
-    (``tier_events``; default the policy window ``w``). ``check``: verify every policy
-    invariant and the physical content at every step (tests)."""
+    ``β · FP_bytes(P + S)`` ([Concepts → Budget](concepts.md#budget);
+    ``generate(max_new_tokens=S)`` runs S forwards).
+
+    Args:
+        model: The model (prepared with [`prepare`][kvscope.live.prepare]).
+        policy: A policy object, name or ``name:key=value:…`` (not a clairvoyant one).
+        budget: β, a share of the full cache's bytes in (0, 1].
+        max_new_tokens: ``S``, the decode steps the budget is sized for.
+        kv_dtype: Storage of FP entries (default: the model's dtype; the byte model counts
+            ``2·D·itemsize`` per FP token).
+        n_sink: Sinks: the first positions.
+        w: The window size.
+        obs_window: The prompt's last rows a policy may observe.
+        every: Tier snapshots kept every that many steps (``tier_events``; default ``w``).
+        keep_tiers: Keep the tiers of every event (a recording cache).
+        check: Verify every policy invariant and the physical content at every step (tests).
+        allocation: How β is split across layers and KV heads (default uniform).
+    """
 
     def __init__(
         self,
-        model,
+        model: PreTrainedModel,
         policy: Policy | str,
         budget: float,
         max_new_tokens: int,
@@ -274,7 +306,7 @@ class PolicyCache(DynamicCache):
         self.step = -1  # last step whose decision was applied
         self._pending: str | None = None
         self._views: list[SlotView] = []
-        self.bytes_model: list[float] = []  # [step] SPEC accounting, all layers and heads
+        self.bytes_model: list[float] = []  # [step] byte model, all layers and heads
         self.bytes_actual: list[int] = []  # [step] nbytes of the data tensors
         self.bytes_index: list[int] = []  # [step] nbytes of the index tensors
         self.bytes_serving: list[int] = []  # [step] nbytes of the served buffers (and slot maps)
@@ -289,6 +321,7 @@ class PolicyCache(DynamicCache):
 
     @property
     def spec(self) -> CacheSpec:
+        """The cache's geometry and budget (once it has seen the prompt)."""
         if self.state is None:
             raise KvscopeError("the cache has not seen a prompt yet")
         return self.state.spec
@@ -304,7 +337,11 @@ class PolicyCache(DynamicCache):
         return self.spec.full_bytes
 
     def slots(self, layer: int) -> int:
-        """Key slots per head the layer hands to attention now (before this forward's key)."""
+        """Key slots per head the layer hands to attention now (before this forward's key).
+
+        Args:
+            layer: The layer.
+        """
         pool = self.pools[layer]
         heads = torch.cat([pool.fp_head, pool.q["q_head"]]) if pool.q is not None else pool.fp_head
         return int(torch.bincount(heads.long(), minlength=self.n_kv).max()) if heads.numel() else 0
@@ -394,7 +431,7 @@ class PolicyCache(DynamicCache):
         return keys, values
 
     def _served(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The layer's served buffer with this forward's key appended (:meth:`Served.append`);
+        """The layer's served buffer with this forward's key appended (``Served.append``);
         built from the pools at the first decode forward, or again when attention's dtype
         changes."""
         pool, dtype = self.pools[layer], key_states.dtype
@@ -658,13 +695,23 @@ class PolicyCache(DynamicCache):
 
 @dataclass
 class LivePolicy:
-    """A cache factory for :func:`kvscope.trace` (``cache=``): every batch decodes under a
-    recording :class:`PolicyCache` (tiers kept at every event, bytes at every step)."""
+    """A cache factory for [`kvscope.trace`][kvscope.trace] (``cache=``): every batch decodes
+    under a recording [`PolicyCache`][kvscope.live.PolicyCache] (tiers kept at every event,
+    bytes at every step).
+
+    Attributes:
+        policy: A policy object, name or ``name:key=value:…`` (not a clairvoyant one).
+        budget: β, a share of the full cache's bytes in (0, 1].
+        kv_dtype: Storage of FP entries: ``model`` (the model's dtype), ``float16``,
+            ``bfloat16`` or ``float32``.
+        allocation: How β is split across layers and KV heads (a ``Given`` split may hold one
+            per sample).
+    """
 
     policy: Policy | str
     budget: float
     kv_dtype: str = "model"
-    allocation: Allocation | str = "uniform"  # a Given split may hold one per sample
+    allocation: Allocation | str = "uniform"
 
     def __post_init__(self):
         self.policy = live_policy(self.policy)
@@ -680,8 +727,12 @@ class LivePolicy:
             "allocation": self.allocation.label(),
         }  # fmt: skip
 
-    def describe(self, model) -> dict:
-        """The store's ``policy`` attribute."""
+    def describe(self, model: PreTrainedModel) -> dict:
+        """The store's ``policy`` attribute.
+
+        Args:
+            model: The loaded model (its dtype is the default storage of FP entries).
+        """
         dtype = kv_storage_dtype(model, self.kv_dtype)
         return {
             "label": self.policy.label(),
@@ -693,9 +744,17 @@ class LivePolicy:
             "kv_itemsize": dtype.itemsize,
         }
 
-    def check_model(self, model, spec: ModelSpec) -> None:
+    def check_model(self, model: PreTrainedModel, spec: ModelSpec) -> None:
         """Refuse, before a trace writes anything, a model a live cache cannot serve (or a
-        policy it cannot run there)."""
+        policy it cannot run there).
+
+        Args:
+            model: The loaded model.
+            spec: Its geometry.
+
+        Raises:
+            KvscopeError: The model or the policy cannot run live.
+        """
         check_live_geometry(model, spec)
         self.policy.check_live(spec, Rope.from_model(model, spec.n_layers))  # the press's runner drops an unusable one
 

@@ -13,7 +13,7 @@ KV_DTYPES = ("float16", "bfloat16", "float32")  # --kv-dtype, besides "model"
 def live_policy(policy: Policy | str) -> Policy:
     """A policy object (from a name or ``name:key=value`` string) that can run live: the
     clairvoyant oracle cannot (a press is rehearsed on the model's geometry by the cache,
-    :meth:`~kvscope.policies.Policy.check_live`)."""
+    [`check_live`][kvscope.policies.Policy.check_live])."""
     policy = parse(policy) if isinstance(policy, str) else policy
     if policy.clairvoyant:
         raise KvscopeError(f"{policy.name} is clairvoyant (it reads future attention): it has no live cache")
@@ -33,7 +33,7 @@ def live_allocation(allocation: Allocation | str | None) -> Allocation:
 
 
 def kv_dtype_name(name: str | None) -> str | None:
-    """``--kv-dtype``: None for the model's dtype, else one of :data:`KV_DTYPES`."""
+    """``--kv-dtype``: None for the model's dtype, else one of ``KV_DTYPES``."""
     if name in (None, "", "model"):
         return None
     if name not in KV_DTYPES:

@@ -1,7 +1,7 @@
 """``kvscope run``: generate under a policy cache and measure how far it strays from full KV.
 
 Three decodes of the same prompt, greedy, ``S`` forwards each (no stop at EOS, so every
-metric compares the same steps)::
+metric compares the same steps):
 
     full       DynamicCache                      tokens y*_t, logits z*_t          [S], [S, vocab]
     free       PolicyCache, own greedy tokens    tokens y_t (the text, the score)  [S]
@@ -16,7 +16,7 @@ Forward ``t`` of the forced decode sees the same tokens as forward ``t`` of the 
 decode, so ``kl`` isolates what the cache changed. ``question_agnostic``: the prompt's context
 is prefilled alone (the policy compresses it there), the question's tokens are then fed one
 forward each, and the ``S`` steps above are those after the question. Bytes are the policy cache's own (free
-decode): the peak of ``bytes_actual`` and of the SPEC accounting, against the budget.
+decode): the peak of ``bytes_actual`` and of the byte model (docs/concepts.md#budget), against the budget.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def run_loaded(
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
     ``question`` holds the question's tokens (question-agnostic). ``full``: the full-KV decode
-    of this prompt already made (:func:`full_decode`), shared by every policy run on it."""
+    of this prompt already made (``full_decode``), shared by every policy run on it."""
     n_forwards = len(question) + max_new_tokens
 
     def make():
@@ -201,7 +201,7 @@ def run_loaded(
 
 
 def full_decode(model, prompt_ids: list[int], max_new_tokens: int, on_step=None, question=()) -> Decoded:
-    """The full-KV decode of :func:`run_loaded` (a ``DynamicCache``)."""
+    """The full-KV decode of ``run_loaded`` (a ``DynamicCache``)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -242,7 +242,7 @@ def run(
     allocation: str = "uniform",
     progress=None,
 ) -> list[RunResult]:
-    """Generate every prompt (text or :class:`~kvscope.model.prompts.Prompt`) under
+    """Generate every prompt (text or [`Prompt`][kvscope.model.prompts.Prompt]) under
     ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
     total)`` is called after every forward (3 decodes × (question + ``max_new_tokens``) per
     prompt)."""

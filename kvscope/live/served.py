@@ -1,6 +1,6 @@
 """The keys/values one layer of a live policy cache hands to attention, kept in place.
 
-Per layer one buffer, each KV head's held rows left-aligned in its own slots::
+Per layer one buffer, each KV head's held rows left-aligned in its own slots:
 
     keys, values   [kv_head, cap, D]   serving dtype   the row of every held (head, position)
     pos_at         [kv_head, cap]      int64           the position in each slot, −1 = free

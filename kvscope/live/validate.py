@@ -1,6 +1,6 @@
 """``kvscope validate``: does offline replay predict the live cache?
 
-Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget::
+Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget:
 
     1. open loop   replay(STORE, observe=exact)                  output error e_open[layer]
     2. live        re-decode STORE's prompts under a PolicyCache,  → LIVE.zarr (q/k/v in fp32,
@@ -12,7 +12,7 @@ Given a full-KV trace with q/k/v (``STORE``), for one policy at one budget::
                    error e_live[layer]
 
 Errors are the attention-output relative L2 errors of the first query after each event
-(SPEC §5), averaged over events, KV heads and samples. ``predicted/live`` near 1 means the
+(docs/concepts.md#output-error), averaged over events, KV heads and samples. ``predicted/live`` near 1 means the
 open-loop number can be trusted for that layer; the token agreement of the two decodes says
 how far the trajectories themselves parted.
 """

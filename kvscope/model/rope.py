@@ -38,7 +38,7 @@ def apply_rope(x, cos, sin, n_rot: int):
 
 
 def undo_rope(x, cos, sin, n_rot: int, scaling):
-    """Inverse of :func:`apply_rope` (a rotation scaled by ``scaling``)."""
+    """Inverse of ``apply_rope`` (a rotation scaled by ``scaling``)."""
     return (x * cos - rotate_half(x, n_rot) * sin) / (scaling * scaling)
 
 

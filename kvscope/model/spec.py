@@ -6,9 +6,9 @@
     spec.rules()                                 # every layer's, for tensors with a layer dim
     spec.token_values                            # values one token costs per cache unit (the geometry)
 
-Stores keep :meth:`ModelSpec.config` under ``attrs["model"]["config"]`` (the keys below).
+Stores keep ``ModelSpec.config`` under ``attrs["model"]["config"]`` (the keys below).
 
-**Cache geometry** (SPEC §5, docs/architectures.md) — what one token costs per layer, and what
+**Cache geometry** (docs/concepts.md#geometry, docs/architectures.md) — what one token costs per layer, and what
 kvscope's dims mean for each family:
 
     family              layer dim                 kv_head (cache unit)       token_values per unit
@@ -69,7 +69,7 @@ class ModelSpec:
         cls, model, attention_layers: tuple[int, ...] | None = None, capture: str | None = None
     ) -> ModelSpec:
         """From a loaded model; ``attention_layers``: the layers whose attention kvscope sees
-        (:func:`kvscope.tracing.capture.probe`; default every layer); ``capture``: how."""
+        (``kvscope.tracing.capture.probe``; default every layer); ``capture``: how."""
         cfg = model.config.get_text_config()
         n_heads = cfg.num_attention_heads
         n_model = cfg.num_hidden_layers
@@ -294,7 +294,7 @@ TRANSFORMERS_TESTED = (5, 25)  # the oldest transformers the suite runs on: pypr
 
 
 def check_transformers(version: str | None = None) -> None:
-    """Refuse a transformers older than :data:`TRANSFORMERS_TESTED` (``version``: the installed
+    """Refuse a transformers older than ``TRANSFORMERS_TESTED`` (``version``: the installed
     one by default). Older releases differ in what kvscope relies on — the cache's keyword, how
     sliding-window and hybrid layers mask and cache — and a trace made with them is wrong, not
     refused (5.17 decodes every step on its own token alone)."""
@@ -323,7 +323,7 @@ def cache_keyword(model) -> str:
 
 
 def with_cache(model, cache) -> dict:
-    """``{keyword: cache}`` for one forward of ``model`` (:func:`cache_keyword`)."""
+    """``{keyword: cache}`` for one forward of ``model`` (``cache_keyword``)."""
     return {cache_keyword(model): cache}
 
 

@@ -1,17 +1,20 @@
-"""KV-cache policies (SPEC §5), one small dataclass per module, kvpress style.
+"""KV-cache policies ([Concepts → Policies](concepts.md#policies)), one small dataclass per module, kvpress style.
 
     make("qevict", q_frac=0.5)          a policy object; its fields are its parameters
     available()                         {name: class} of every registered policy
     parse("qevict:q_frac=0.5:bits=4")   the CLI's spelling of the same
     parse("press:SnapKVPress:window_size=64")   a press of NVIDIA kvpress (optional extra)
 
-Each policy's ``start(spec, k, v, rope)`` returns the per-sequence :class:`CacheState` that
-the one :class:`PolicyDriver` runs — offline in :func:`kvscope.replay`, online in
-:class:`kvscope.live.PolicyCache`. Parameters are checked on construction against the range
-written beside each field (:mod:`kvscope.params`).
+Each policy's ``start(spec, k, v, rope)`` returns the per-sequence
+[`CacheState`][kvscope.policies.CacheState] that the one [`PolicyDriver`][kvscope.policies.PolicyDriver]
+runs — offline in [`kvscope.replay`][kvscope.replay.replay], online in
+[`kvscope.live.PolicyCache`][kvscope.live.PolicyCache]. Parameters are checked on construction
+against the range written beside each field (``kvscope.params``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..params import make_registered, parse_spelled, registered
 from . import allocation
@@ -38,13 +41,28 @@ def available() -> dict[str, type[Policy]]:
     return dict(REGISTRY)
 
 
-def make(name: str, **params) -> Policy:
-    """The policy ``name`` with ``params`` as its fields (each checked against its range)."""
+def make(name: str, **params: Any) -> Policy:
+    """The policy ``name`` with ``params`` as its fields (each checked against its range).
+
+    Args:
+        name: A registered policy's name.
+        **params: Its parameters by field name.
+
+    Raises:
+        KvscopeError: An unknown name or parameter, or a value out of range.
+    """
     return make_registered(REGISTRY, "policy", name, **params)
 
 
 def parse(spec: str) -> Policy:
-    """``"name"`` or ``"name:key=value:key=value"`` → a policy."""
+    """``"name"`` or ``"name:key=value:key=value"`` → a policy (``press:Name:…`` a kvpress press).
+
+    Args:
+        spec: The spelling, as the command line takes it.
+
+    Raises:
+        KvscopeError: An unknown name or parameter, or a value out of range.
+    """
     name, *pairs = spec.strip().split(":")
     if registered(REGISTRY, "policy", name) is Press:
         return Press.from_text(pairs)

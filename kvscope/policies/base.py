@@ -2,8 +2,8 @@
 quantization ledger.
 
 A policy is a small ``@dataclass`` whose fields are its parameters; ``policy.start(spec)``
-returns a :class:`CacheState` for one sequence. The state never reads a trace: it is driven by
-observations, exactly as a live cache would be ::
+returns a [`CacheState`][kvscope.policies.CacheState] for one sequence. The state never reads a trace: it is driven by
+observations, exactly as a live cache would be:
 
     state.prefill(colsum, tail)      prompt positions 0..P−1 exist; compress to the budget
     state.append(p)                  a decode step adds position p at full precision
@@ -19,7 +19,7 @@ Shapes: ``colsum [layer, kv_head, P]`` (mass each prompt key got from all prompt
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -31,13 +31,26 @@ from ..storage.dtypes import cast
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
 
+if TYPE_CHECKING:
+    from ..model.spec import ModelSpec
+
 NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
 BYTES_TOLERANCE = 1e-6  # relative slack of every budget check (float sums of bytes)
 QUANTIZE_ROWS = 1024  # key groups quantized at once: bounds the float32 temporaries of a prefill
 
 
-def check_budget(budget) -> float:
-    """β as a number in (0, 1] (one line naming the value otherwise)."""
+def check_budget(budget: float | str) -> float:
+    """β as a number in (0, 1] (one line naming the value otherwise).
+
+    Args:
+        budget: A share of the full cache's bytes, as a number or its text (``"0.3"``).
+
+    Returns:
+        The budget as a float.
+
+    Raises:
+        KvscopeError: Not a number, or outside (0, 1].
+    """
     try:
         value = float(budget)
     except (TypeError, ValueError):
@@ -60,37 +73,59 @@ class CacheSpec:
     """Geometry and budget of one sequence's cache.
 
     ``budget`` β is a share of ``FP_bytes(P + S)``, what the model really caches at full
-    precision for the final length (the cache geometry, :mod:`kvscope.model.spec`):
+    precision for the final length (the cache geometry, ``kvscope.model.spec``):
     ``B = β · FP_bytes(P + S)`` over all layers and cache units, the same for every policy. One
     token costs ``token_values · fp_itemsize`` bytes per unit (K and V of a KV head: ``2·D``
     values; MLA's shared latent: ``kv_lora_rank + qk_rope_head_dim``), and a sliding-window layer
     holds at most its window (``layer_windows``: the positions that leave it are dropped by the
-    model itself, :meth:`CacheState.drop_outside_windows`, and cost nothing). An allocation
-    (:mod:`kvscope.policies.allocation`) splits ``B`` into ``unit_capacity [layer, kv_head]``
+    model itself, [`CacheState.drop_outside_windows`][kvscope.policies.CacheState.drop_outside_windows],
+    and cost nothing). An allocation ([`kvscope.policies.allocation`][kvscope.policies.allocation])
+    splits ``B`` into ``unit_capacity [layer, kv_head]``
     bytes; without one every unit holds ``β`` of its own full bytes (uniform). ``fp_itemsize`` =
     2 accounts full-precision entries at 16 bit, 4 at 32 bit (a live cache of an fp32 model);
     quantized entries keep their 16-bit scale and zero either way. ``capacity`` and
     ``fp_capacity_tokens`` are numbers under the uniform split of a model whose layers hold alike,
     and arrays broadcastable to ``[layer, kv_head]`` otherwise, so that a policy written with numpy
-    broadcasting sizes itself the same way under both."""
+    broadcasting sizes itself the same way under both.
+
+    Attributes:
+        n_layers: Layers this cache holds.
+        n_kv: KV heads (cache units) per layer this cache holds.
+        head_dim: ``D``, the size of one key or value head.
+        prompt_len: ``P``, the prompt's tokens.
+        final_len: ``P + S``, the length after the last decode step.
+        budget: β, a share of ``FP_bytes(P + S)`` in (0, 1].
+        n_sink: Sinks: the first positions.
+        w: The window size.
+        fp_itemsize: Bytes per element of a full-precision K/V entry (2: 16-bit).
+        tail_rows: The last prefill rows the policy can observe.
+        first_layer: The model's index of this cache's first layer (a replay task of some layers).
+        model_layers: Layers of the whole model (0: ``n_layers``, this cache holds them all).
+        model_kv: KV heads of the whole model (0: ``n_kv``; a replay task may hold some).
+        token_values: Values one token costs per unit at full precision (0: ``2·D``, its K and V).
+        layer_windows: Each layer's sliding window (None: global; ``()``: all global).
+        model_held: Tokens a layer of the whole model holds at the final length, on average
+            (0: ``final_len``).
+        unit_capacity: ``[layer, kv_head]`` bytes per unit an allocation gave (None: uniform).
+    """
 
     n_layers: int
     n_kv: int
     head_dim: int
     prompt_len: int
-    final_len: int  # P + S
+    final_len: int
     budget: float
     n_sink: int = 4
     w: int = 8
-    fp_itemsize: int = 2  # bytes per element of a full-precision K/V entry (16-bit by default)
-    tail_rows: int = defaults.OBS_WINDOW  # last prefill rows the policy can observe
-    first_layer: int = 0  # the model's index of this cache's first layer (a replay task of some layers)
-    model_layers: int = 0  # layers of the whole model (0: n_layers, this cache holds them all)
-    model_kv: int = 0  # KV heads of the whole model (0: n_kv; a replay task may hold some)
-    token_values: int = 0  # values one token costs per unit at full precision (0: 2·D, its K and V)
-    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global; (): all global)
-    model_held: float = 0.0  # tokens a layer of the whole model holds at the final length, on average (0: final_len)
-    unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)  # [layer, kv_head] bytes
+    fp_itemsize: int = 2
+    tail_rows: int = defaults.OBS_WINDOW
+    first_layer: int = 0
+    model_layers: int = 0
+    model_kv: int = 0
+    token_values: int = 0
+    layer_windows: tuple[int | None, ...] = ()
+    model_held: float = 0.0
+    unit_capacity: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def fp_bytes(self) -> float:
@@ -104,9 +139,13 @@ class CacheSpec:
         """Some layer of this cache is a sliding-window layer."""
         return any(w is not None for w in self.layer_windows)
 
-    def held_tokens(self, length: int):
+    def held_tokens(self, length: int) -> int | np.ndarray:
         """Tokens each layer holds at ``length`` tokens: ``length``, or ``[layer, 1]`` capped at
-        each sliding layer's window."""
+        each sliding layer's window.
+
+        Args:
+            length: Tokens of the sequence so far.
+        """
         if not self.windowed:
             return length
         return np.array([[min(length, w) if w else length] for w in self.layer_windows], dtype=np.int64)
@@ -118,7 +157,8 @@ class CacheSpec:
 
     @property
     def layers(self) -> slice:
-        """The model's layers this cache holds (a replay task may hold some: SPEC §5)."""
+        """The model's layers this cache holds (a replay task may hold some: see
+        [Cache geometry](concepts.md#geometry))."""
         return slice(self.first_layer, self.first_layer + self.n_layers)
 
     @property
@@ -161,7 +201,11 @@ class CacheSpec:
         return tokens if tokens.ndim else int(tokens)
 
     def allotted(self, capacities: np.ndarray) -> CacheSpec:
-        """This spec with ``capacities [layer, kv_head]`` bytes per unit."""
+        """This spec with ``capacities`` bytes per unit.
+
+        Args:
+            capacities: ``[layer, kv_head]`` bytes per unit (an allocation's split).
+        """
         capacities = np.asarray(capacities, dtype=np.float64)
         if capacities.shape != (self.n_layers, self.n_kv):
             raise ValueError(f"capacities must be [layer, kv_head] = {(self.n_layers, self.n_kv)}")
@@ -183,6 +227,7 @@ class CacheSpec:
 
     @property
     def decode_steps(self) -> int:
+        """``S``: the decode steps after the prompt."""
         return self.final_len - self.prompt_len
 
     @property
@@ -196,17 +241,30 @@ class CacheSpec:
         the model keeps of the final length (its window on a sliding layer)."""
         return float(np.sum(np.broadcast_to(self.unit_full_bytes, (self.n_layers, 1)))) * self.n_kv
 
-    def fits(self, per_unit_bytes, capacity=None) -> bool:
-        """``per_unit_bytes`` per (layer, kv_head) fit ``capacity`` (default: the uniform share)."""
+    def fits(self, per_unit_bytes: float | np.ndarray, capacity: float | np.ndarray | None = None) -> bool:
+        """``per_unit_bytes`` per (layer, kv_head) fit ``capacity`` (within a relative 1e-6).
+
+        Args:
+            per_unit_bytes: Bytes of each unit: a number, or ``[layer, kv_head]``.
+            capacity: Bytes allowed per unit (default: the uniform share).
+        """
         capacity = self.uniform_capacity if capacity is None else capacity
         return bool(np.all(np.asarray(per_unit_bytes) <= np.asarray(capacity) * (1 + BYTES_TOLERANCE)))
 
     def exceeded(self, used: np.ndarray) -> bool:
-        """Some (layer, kv_head) holds more than its capacity (``used [layer, kv_head]``)."""
+        """Some (layer, kv_head) holds more than its capacity.
+
+        Args:
+            used: ``[layer, kv_head]`` bytes each unit holds.
+        """
         return bool((used > np.asarray(self.capacity) * (1 + BYTES_TOLERANCE)).any())
 
     def exceeded_total(self, held: float) -> bool:
-        """All layers and heads together hold more than ``B``."""
+        """All layers and heads together hold more than ``B``.
+
+        Args:
+            held: Bytes of all layers and heads.
+        """
         return held > self.total_capacity * (1 + BYTES_TOLERANCE)
 
 
@@ -218,7 +276,7 @@ def per_unit(x) -> np.ndarray:
 class Ledger:
     """Write-once quantized copies of K and V for one sequence, per (layer, kv_head, pos).
 
-    Every position is quantized at most once (:class:`LedgerError` otherwise); later
+    Every position is quantized at most once ([`LedgerError`][kvscope.policies.LedgerError] otherwise); later
     demotions reuse the codes. With the recorded ``k``/``v`` (``[layer, kv_head, pos, D]``)
     it keeps ``k_eff``/``v_eff``: the values this cache serves — the originals until a
     position is quantized, its dequantized values from then on, also after a promotion
@@ -227,6 +285,16 @@ class Ledger:
 
     ``q_cost [layer, kv_head, pos]``: bytes a position costs while it is in tier Q (codes +
     value parameters + its share of its key group's parameters).
+
+    Args:
+        spec: The cache's geometry.
+        bits: Bits per quantized value.
+        key_axis: Keys quantized per ``channel`` (over a group of tokens) or per ``token``.
+        key_group: Channels per key group with ``key_axis="token"`` (default: the head dim).
+        value_group: Channels per value group (default: the head dim).
+        k: Recorded keys ``[layer, kv_head, pos, D]`` (post-RoPE), or None (bytes only).
+        v: Recorded values ``[layer, kv_head, pos, D]``, or None.
+        rope: Rotary parameters: keys are then quantized before RoPE.
     """
 
     def __init__(
@@ -236,8 +304,8 @@ class Ledger:
         key_axis: str = "channel",
         key_group: int | None = None,
         value_group: int | None = None,
-        k=None,
-        v=None,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
         rope: Rope | None = None,
     ):
         d = spec.head_dim
@@ -259,14 +327,25 @@ class Ledger:
 
     @property
     def token_value_bytes(self) -> float:
+        """Bytes of one quantized token's codes and parameters, but for its key group's share."""
         d = self.spec.head_dim
         key_meta = 4.0 * d / self.key_group if self.key_axis == "token" else 0.0
         return 2.0 * d * self.bits / 8 + 4.0 * d / self.value_group + key_meta
 
-    def quantize(self, positions, layers=None, heads=None) -> None:
-        """Quantize groups of positions: ``positions [n, G]`` (one key group per row) for
-        the (layer, kv_head) pairs ``layers [n]``, ``heads [n]`` — or, with ``layers=None``,
-        ``positions [G]`` as one group in every (layer, kv_head)."""
+    def quantize(
+        self, positions: np.ndarray, layers: np.ndarray | None = None, heads: np.ndarray | None = None
+    ) -> None:
+        """Quantize groups of positions, each at most once.
+
+        Args:
+            positions: ``[n, G]`` one key group per row — or, with ``layers=None``, ``[G]`` one
+                group in every (layer, kv_head).
+            layers: ``[n]`` the layer of each group.
+            heads: ``[n]`` the KV head of each group.
+
+        Raises:
+            LedgerError: A position was quantized before.
+        """
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size == 0:
             return
@@ -328,12 +407,19 @@ class Ledger:
         )
         return cos, sin, rope.scaling[layers].astype(np.float32)[:, None, None], rope.n_rot
 
-    def encode(self, keys, values, positions, layers):
-        """Quantize groups ``keys``/``values [n, G, D]`` (float32, post-RoPE as attention sees
-        them) of ``positions [n, G]`` in ``layers [n]`` → ``(qk, qv)``: key codes over the G
-        tokens per channel (``[n, G, D]``, parameters ``[n, 1, D]``) or per token in groups of
-        ``key_group`` channels (``[n, G, D/kg, kg]``), taken before RoPE when rotary parameters
-        are known; value codes ``[n, G, D/g_v, g_v]``."""
+    def encode(self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, layers: np.ndarray) -> tuple:
+        """Quantize groups of keys and values → ``(qk, qv)``.
+
+        Key codes are over the G tokens per channel (``[n, G, D]``, parameters ``[n, 1, D]``)
+        or per token in groups of ``key_group`` channels (``[n, G, D/kg, kg]``), taken before
+        RoPE when rotary parameters are known; value codes ``[n, G, D/g_v, g_v]``.
+
+        Args:
+            keys: ``[n, G, D]`` float32, post-RoPE as attention sees them.
+            values: ``[n, G, D]`` float32.
+            positions: ``[n, G]`` their positions.
+            layers: ``[n]`` their layers.
+        """
         d = self.spec.head_dim
         rotary = self._rotary(positions, layers)
         if rotary is not None:  # quantize keys before rotation (pre-RoPE)
@@ -346,8 +432,14 @@ class Ledger:
         qv = quantize(values.reshape(*values.shape[:2], d // self.value_group, self.value_group), self.bits, axis=-1)
         return qk, qv
 
-    def decode_keys(self, k_hat, positions, layers):
-        """Dequantized keys ``[n, G, D]`` (pre-RoPE when quantized so) → as attention sees them."""
+    def decode_keys(self, k_hat: np.ndarray, positions: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """Dequantized keys as attention sees them (RoPE applied where they were quantized before it).
+
+        Args:
+            k_hat: ``[n, G, D]`` dequantized keys.
+            positions: ``[n, G]`` their positions.
+            layers: ``[n]`` their layers.
+        """
         rotary = self._rotary(positions, layers)
         if rotary is None:
             return k_hat
@@ -367,7 +459,13 @@ class CacheState:
 
     ``reached``: False when the policy cannot fit the budget (a quantization floor, or a
     fixed size the user chose); such a state runs at its smallest configuration and the
-    replay reports the ratio it used instead of checking the budget."""
+    replay reports the ratio it used instead of checking the budget.
+
+    Args:
+        policy: The policy whose decisions the state carries out.
+        spec: The cache's geometry and budget.
+        ledger: The quantized copies (a quantizing policy's), or None.
+    """
 
     def __init__(self, policy: Policy, spec: CacheSpec, ledger: Ledger | None = None):
         self.policy, self.spec = policy, spec
@@ -381,11 +479,14 @@ class CacheState:
 
     def size(self) -> None:
         """Size the state from ``self.spec``'s capacities (a subclass computes its token counts
-        here): called on construction, and again by :meth:`allot`."""
+        here): called on construction, and again by [`allot`][kvscope.policies.CacheState.allot]."""
 
     def allot(self, capacities: np.ndarray) -> None:
-        """Hold ``capacities [layer, kv_head]`` bytes per unit from now on (an allocation's split,
-        given before the prefill)."""
+        """Hold ``capacities`` bytes per unit from now on (given before the prefill).
+
+        Args:
+            capacities: ``[layer, kv_head]`` bytes per unit (an allocation's split).
+        """
         if self.length:
             raise RuntimeError("an allocation is given before the prefill")
         self.spec = self.spec.allotted(capacities)
@@ -394,6 +495,12 @@ class CacheState:
 
     # -- driven by the replay or a live cache ---------------------------------------------
     def prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
+        """The prompt's positions exist, at full precision; then compress to the budget.
+
+        Args:
+            colsum: ``[layer, kv_head, P]`` the attention each prompt key got from all prompt queries.
+            tail: ``[layer, kv_head, obs, P]`` the last prefill rows (None where not recorded).
+        """
         p = self.spec.prompt_len
         self.tiers[..., :p] = FP
         self.length = p
@@ -401,6 +508,11 @@ class CacheState:
         self.after_prefill(colsum, tail)
 
     def append(self, position: int) -> None:
+        """A decode step adds ``position`` at full precision.
+
+        Args:
+            position: The new position (the current length: positions arrive in order).
+        """
         if position != self.length:
             raise KvscopeError(f"positions must arrive in order (got {position}, expected {self.length})")
         self.tiers[..., position] = FP
@@ -413,7 +525,11 @@ class CacheState:
         are EVICTED here — no loss a policy chose, no bytes. Called before the policy decides (the
         position that just left; ``every``: all of them, after the prompt) and by the driver after
         it decided (``every``: a policy that quantizes bands of positions in every layer may have
-        touched one)."""
+        touched one).
+
+        Args:
+            every: Every position outside a window, not only the one that just left.
+        """
         for layer, window in enumerate(self.spec.layer_windows):
             gone = self.length - window if window else 0  # positions 0 … gone − 1 are out of the window
             if gone > 0:
@@ -421,23 +537,42 @@ class CacheState:
                 view[view >= Q] = EVICTED
 
     def observe(self, row: np.ndarray) -> None:
-        """The attention the cache served at this step ``[layer, kv_head, length]``."""
+        """The attention the cache served at this step.
+
+        Args:
+            row: ``[layer, kv_head, length]`` the kv-group mean over the accessible positions.
+        """
 
     def compress(self) -> None:
         """Decide tiers after this step's observation."""
 
     def after_prefill(self, colsum: np.ndarray, tail: np.ndarray | None) -> None:
+        """The policy's first decision, once the prompt exists (default: ``compress``).
+
+        Args:
+            colsum: ``[layer, kv_head, P]`` the attention each prompt key got from all prompt queries.
+            tail: ``[layer, kv_head, obs, P]`` the last prefill rows (None where not recorded).
+        """
         self.compress()
 
     # -- what a live cache hands a state that reads more than rows (kvpress presses) --------
     def reads_forward(self, prefill: bool) -> bool:
-        """Whether the state reads the q/k/v of the forward (the prompt's, or a decode step's)
-        that a live cache then hands to :meth:`feed` before the state decides."""
+        """Whether the state reads the q/k/v of a forward, which a live cache then hands to
+        [`feed`][kvscope.policies.CacheState.feed] before the state decides.
+
+        Args:
+            prefill: The forward is the prompt's (else a decode step's).
+        """
         return False
 
-    def feed(self, keys, values, queries) -> None:
-        """``keys, values [layer, kv_head, n, D]`` and ``queries [n, layer, head, D]`` of a live
-        forward's ``n`` new positions."""
+    def feed(self, keys: np.ndarray, values: np.ndarray, queries: np.ndarray) -> None:
+        """The tensors of a live forward's ``n`` new positions.
+
+        Args:
+            keys: ``[layer, kv_head, n, D]``.
+            values: ``[layer, kv_head, n, D]``.
+            queries: ``[n, layer, head, D]``.
+        """
         raise NotImplementedError(f"{self.policy.label()} reads no forward's tensors")
 
     def scratch_bytes(self) -> int:
@@ -446,13 +581,22 @@ class CacheState:
 
     # -- helpers for policies --------------------------------------------------------------
     def evict(self, mask: np.ndarray) -> None:
-        """``mask [layer, kv_head, n]`` or ``[n]`` (every head) over positions ``0..n−1`` → EVICTED."""
+        """Evict the positions ``mask`` marks.
+
+        Args:
+            mask: ``[layer, kv_head, n]`` or ``[n]`` (every head) over positions ``0..n−1``.
+        """
         mask = np.asarray(mask, dtype=bool)
         view = self.tiers[..., : mask.shape[-1]]
         view[np.broadcast_to(mask, view.shape)] = EVICTED
 
-    def set_tier_positions(self, positions, tier: int) -> None:
-        """Positions ``[n]`` → ``tier`` in every (layer, kv_head)."""
+    def set_tier_positions(self, positions: np.ndarray, tier: int) -> None:
+        """Put ``positions`` in ``tier`` in every (layer, kv_head).
+
+        Args:
+            positions: ``[n]`` positions.
+            tier: A tier code (``kvscope.tiers``: 0 EVICTED, 1 Q, 2 FP).
+        """
         self.tiers[..., np.asarray(positions, dtype=np.int64)] = tier
 
     def accessible(self) -> np.ndarray:
@@ -483,7 +627,8 @@ class CacheState:
 
 @dataclass
 class Policy:
-    """Base of every policy dataclass; subclasses set ``name``/``kind`` and ``state_class``."""
+    """Base of every policy dataclass; a subclass sets ``name`` and ``kind``, its fields are its
+    parameters (``param(…)``: type, range and meaning), and ``start`` makes its state."""
 
     name: ClassVar[str] = "policy"
     kind: ClassVar[str] = ""
@@ -494,13 +639,25 @@ class Policy:
     reads_queries: ClassVar[bool] = False  # start() takes the model spec and recorded q/k/v (live: fed per forward)
     splits_itself: ClassVar[bool] = False  # sets its own split across layers and heads (no allocation)
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope: Rope | None = None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
+        """The state of one sequence's cache under this policy.
+
+        Args:
+            spec: The cache's geometry and budget.
+            k: Recorded keys ``[layer, kv_head, pos, D]`` (post-RoPE): a quantizing policy's
+                ledger keeps their dequantized copies (None: bytes only).
+            v: Recorded values ``[layer, kv_head, pos, D]``.
+            rope: Rotary parameters (keys quantized before RoPE).
+        """
         raise NotImplementedError
 
     def __post_init__(self):
         check_params(self)
 
     def params(self) -> dict:
+        """``{field: value}`` of the policy's parameters."""
         return field_values(self)
 
     def label(self) -> str:
@@ -508,30 +665,54 @@ class Policy:
         the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
         return spelled(self)
 
-    def check_live(self, model, rope: Rope | None = None) -> None:
-        """Refuse in one line, before a live cache of ``model`` (its
-        :class:`~kvscope.model.spec.ModelSpec`) decodes anything, what this policy cannot do
-        there."""
+    def check_live(self, model: ModelSpec, rope: Rope | None = None) -> None:
+        """Refuse in one line, before a live cache of a model decodes anything, what this policy
+        cannot do there.
+
+        Args:
+            model: The model's geometry.
+            rope: Its rotary parameters.
+
+        Raises:
+            KvscopeError: The policy cannot run live on this model.
+        """
 
     def unit_floor(self, spec: CacheSpec) -> float:
         """The fewest bytes one (layer, kv_head) can run at: allocations give every unit at
         least this and split only what lies above it (PyramidKV's observation window, AdaKV's
-        safeguard, in the policy's own terms)."""
+        safeguard, in the policy's own terms).
+
+        Args:
+            spec: The cache's geometry.
+        """
         return 0.0
 
     def allocation_scores(self, colsum: np.ndarray, tail: np.ndarray | None) -> np.ndarray:
         """``[layer, kv_head, P]`` how much each prompt position matters to this policy, read by
         the ``adakv`` allocation: the prompt attention each key received (H2O's score) unless the
-        policy ranks by something else."""
+        policy ranks by something else.
+
+        Args:
+            colsum: ``[layer, kv_head, P]`` the attention each prompt key got from all prompt queries.
+            tail: ``[layer, kv_head, obs, P]`` the last prefill rows (None where not recorded).
+        """
         return colsum
 
 
-def check_geometry(policies, model) -> None:
-    """Refuse, in one line, a policy the model's cache geometry (``model``: its
-    :class:`~kvscope.model.spec.ModelSpec`) does not let kvscope model exactly: under multi-head
-    latent attention a token's cache is one latent per layer that a trace does not hold — its
-    quantized copy, and a kvpress press that scores and prunes each head's keys, are not what
-    such a cache would do. Evicting a token (for every head of the layer at once) is."""
+def check_geometry(policies: list[Policy], model: ModelSpec) -> None:
+    """Refuse, in one line, a policy the model's cache geometry does not let kvscope model
+    exactly: under multi-head latent attention a token's cache is one latent per layer that a
+    trace does not hold — its quantized copy, and a kvpress press that scores and prunes each
+    head's keys, are not what such a cache would do. Evicting a token (for every head of the
+    layer at once) is.
+
+    Args:
+        policies: The policies to run.
+        model: The model's geometry.
+
+    Raises:
+        KvscopeError: A policy quantizes or prunes heads under multi-head latent attention.
+    """
     if not model.latent:
         return
     for policy in policies:

@@ -7,12 +7,12 @@
                                       observe), the clairvoyant oracle its future, then compresses
 
 After the prefill and after every decision the bytes the policy holds by the byte model
-(SPEC §5) are checked against its budget, ``B = β · FP_bytes(P + S)`` split per (layer,
-kv_head) by the allocation (evenly by default, :class:`~kvscope.policies.base.CacheSpec`):
+(docs/concepts.md#budget) are checked against its budget, ``B = β · FP_bytes(P + S)`` split per (layer,
+kv_head) by the allocation (evenly by default, [`CacheSpec`][kvscope.policies.CacheSpec]):
 a policy that claims to fit and holds more — per unit, or in all when it pools its budget —
-raises :class:`~kvscope.policies.base.BudgetExceeded`. Replay
-(:func:`kvscope.replay`) and the live cache (:class:`kvscope.live.PolicyCache`) both drive
-their states through this class; only where the rows come from differs.
+raises ``BudgetExceeded``. Replay (``kvscope.replay``) and the live cache
+(``kvscope.live.PolicyCache``) both drive their states through this class; only where the rows
+come from differs.
 """
 
 from __future__ import annotations
@@ -20,30 +20,38 @@ from __future__ import annotations
 import numpy as np
 
 from .allocation import Allocation, Uniform
-from .base import BudgetExceeded, CacheState
+from .base import BudgetExceeded, CacheState, Policy
 
 
 class PolicyDriver:
-    """Drives one :class:`CacheState`; ``step`` counts the decisions made (0 = the prefill).
+    """Drives one [`CacheState`][kvscope.policies.CacheState]; ``step`` counts the decisions
+    made (0 = the prefill).
 
-    ``allocation`` splits the budget across layers and KV heads (default uniform: the state
-    keeps its even share); one that reads the policy's scores splits at the prefill, the
-    clairvoyant oracle from ``gains`` (the policy's loss at candidate capacities, measured by the
-    replay: :meth:`kvscope.replay.sample.SampleReplay.oracle_probes`), which only a trace can give."""
+    Args:
+        state: The state of one sequence's cache (``policy.start(spec)``).
+        allocation: How the budget is split across layers and KV heads (default uniform: the
+            state keeps its even share); one that reads the policy's scores splits at the
+            prefill, the clairvoyant oracle from ``gains``.
+        gains: The clairvoyant allocation's input: ``(capacities, loss)``, the policy's loss at
+            candidate capacities ``[candidate, layer, kv_head]``, measured by the replay
+            (``kvscope.replay.sample.SampleReplay.oracle_probes``), which only a trace can give.
+        check: Verify the policy's invariants after every decision (tests).
+        where: Appended to messages (``" of sample 3"``).
+    """
 
     def __init__(
         self,
         state: CacheState,
         *,
         allocation: Allocation | None = None,
-        gains=None,
+        gains: tuple[np.ndarray, np.ndarray] | None = None,
         check: bool = False,
         where: str = "",
     ):
         self.state = state
         self.allocation = allocation or Uniform()
-        self.check = check  # verify the policy invariants after every decision (tests)
-        self.where = where  # appended to messages: " of sample 3"
+        self.check = check
+        self.where = where
         self.step = -1
         self.used: np.ndarray | None = None  # [layer, kv_head] bytes after the last decision
         if not self.allocation.uniform and self.allocation.reads != "scores":
@@ -54,12 +62,27 @@ class PolicyDriver:
         self.state.allot(self.allocation.split(spec, self.policy.unit_floor(spec), **observed))
 
     @property
-    def policy(self):
+    def policy(self) -> Policy:
+        """The policy whose state this drives."""
         return self.state.policy
 
-    def prefill(self, colsum, tail, future=None, check: bool = False) -> np.ndarray:
-        """The prompt's column sums ``[layer, kv_head, P]`` and last rows ``[layer, kv_head, obs, P]``;
-        returns the bytes held ``[layer, kv_head]``."""
+    def prefill(
+        self, colsum: np.ndarray, tail: np.ndarray | None, future: np.ndarray | None = None, check: bool = False
+    ) -> np.ndarray:
+        """Step 0: the prompt's positions exist; the policy compresses them.
+
+        Args:
+            colsum: ``[layer, kv_head, P]`` the attention each prompt key got from all prompt queries.
+            tail: ``[layer, kv_head, obs, P]`` the last prefill rows (None where not recorded).
+            future: ``[layer, kv_head, pos]`` the future attention (the clairvoyant oracle only).
+            check: Verify the policy's invariants now.
+
+        Returns:
+            ``[layer, kv_head]`` the bytes held.
+
+        Raises:
+            BudgetExceeded: The policy holds more than its budget.
+        """
         if self.allocation.reads == "scores":
             self._allot(scores=self.policy.allocation_scores(colsum, tail))
         if self.policy.clairvoyant:
@@ -68,11 +91,30 @@ class PolicyDriver:
         return self._settle(check)
 
     def append(self, position: int) -> None:
+        """A decode step adds ``position`` at full precision.
+
+        Args:
+            position: The new position (the cache's length: positions arrive in order).
+        """
         self.state.append(position)
 
-    def decide(self, row: np.ndarray | None = None, future: np.ndarray | None = None, check: bool = False):
-        """Observe ``row [layer, kv_head, length]`` (the attention the cache served, read only by
-        policies that observe) and ``future`` (only the oracle), compress; returns the bytes held."""
+    def decide(
+        self, row: np.ndarray | None = None, future: np.ndarray | None = None, check: bool = False
+    ) -> np.ndarray:
+        """Observe, then compress.
+
+        Args:
+            row: ``[layer, kv_head, length]`` the attention the cache served (read only by
+                policies that observe).
+            future: ``[layer, kv_head, pos]`` the future attention (the clairvoyant oracle only).
+            check: Verify the policy's invariants now.
+
+        Returns:
+            ``[layer, kv_head]`` the bytes held.
+
+        Raises:
+            BudgetExceeded: The policy holds more than its budget.
+        """
         if self.policy.observes:
             self.state.observe(row)
         if self.policy.clairvoyant:
@@ -107,7 +149,14 @@ class PolicyDriver:
         return self.used
 
     def check_held(self, held_bytes: int) -> None:
-        """A live cache's bytes really held (all layers and heads) against the same budget."""
+        """A live cache's bytes really held against the same budget.
+
+        Args:
+            held_bytes: Bytes of all layers and heads.
+
+        Raises:
+            BudgetExceeded: More than the budget.
+        """
         spec = self.state.spec
         if self.state.reached and spec.exceeded_total(held_bytes):
             raise BudgetExceeded(

@@ -1,22 +1,31 @@
 """``h2o`` (Heavy-Hitter Oracle): keep the most recent half of the capacity and the heavy
-hitters by cumulative attention; each step evict the lowest-scoring non-recent token.
-
-Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``); ``n_recent = ⌈recent_frac·n⌉``.
-Scores per (layer, kv_head, pos): the prefill column sums plus every attention row the
-cache observed. Evictions are permanent."""
+hitters by cumulative attention; each step evict the lowest-scoring non-recent token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..params import param
 from .base import EVICTED, CacheSpec, CacheState, Policy, per_unit, top_k_mask
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class H2O(Policy):
+    """Keep the most recent half of the capacity and the heavy hitters by cumulative attention; each
+    step evict the lowest-scoring non-recent token.
+
+    Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``);
+    ``n_recent = ⌈recent_frac·n⌉``.
+    Scores per (layer, kv_head, pos): the prefill column sums plus every attention row the
+    cache observed. Evictions are permanent.
+    """
+
     recent_frac: float = param(
         0.5, low=0, high=1, help="share of the capacity kept for the newest tokens", tune=(0.05, 0.95)
     )
@@ -26,7 +35,9 @@ class H2O(Policy):
     observes = True
     observes_prefill = True
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         return _H2OState(self, spec)
 
     def unit_floor(self, spec: CacheSpec) -> float:

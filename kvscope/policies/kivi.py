@@ -1,20 +1,9 @@
-"""``kivi``: 2-bit KV quantization with a full-precision residual (KIVI).
-
-Keys are quantized per channel over groups of ``G`` consecutive tokens, values per token
-(groups of ``value_group`` channels, default the head dim). The newest ``R`` tokens (a
-multiple of ``G``) stay FP: after ``T`` tokens the quantized prefix is
-``⌊(T − R) / G⌋·G`` tokens, so the FP tail holds between ``R`` and ``R + G − 1``.
-Nothing is evicted. ``R = None`` (default) takes the largest multiple of ``G`` whose bytes
-stay within the budget over the whole sequence; when even ``R = 0`` does not fit, the
-policy runs at ``R = 0`` and reports its floor.
-
-``evict=true`` is KIVI *as eviction* (LogQuant's Table 2): the groups it would quantize are
-dropped instead, and ``R`` is fitted to the budget with full-precision bytes only (equal
-memory: the residual grows into what the quantized prefix would have held)."""
+"""``kivi``: 2-bit KV quantization with a full-precision residual (KIVI)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,9 +12,27 @@ from ..params import param
 from .base import EVICTED, AsEviction, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS, q_token_bytes
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class KIVI(AsEviction, Policy):
+    """2-bit KV quantization with a full-precision residual (KIVI).
+
+    Keys are quantized per channel over groups of ``G`` consecutive tokens, values per token
+    (groups of ``value_group`` channels, default the head dim). The newest ``R`` tokens (a
+    multiple of ``G``) stay FP: after ``T`` tokens the quantized prefix is
+    ``⌊(T − R) / G⌋·G`` tokens, so the FP tail holds between ``R`` and ``R + G − 1``.
+    Nothing is evicted. ``R = None`` (default) takes the largest multiple of ``G`` whose bytes
+    stay within the budget over the whole sequence; when even ``R = 0`` does not fit, the
+    policy runs at ``R = 0`` and reports its floor.
+
+    ``evict=true`` is KIVI *as eviction* (LogQuant's Table 2): the groups it would quantize are
+    dropped instead, and ``R`` is fitted to the budget with full-precision bytes only (equal
+    memory: the residual grows into what the quantized prefix would have held).
+    """
+
     bits: int = param(2, choices=BITS, help="bits per quantized value", tune=(2, 4))
     G: int = param(32, low=1, help="tokens per key group (keys per channel)", tune=(16, 32, 64))
     R: int | None = param(
@@ -41,12 +48,19 @@ class KIVI(AsEviction, Policy):
         if self.R is not None and self.R % self.G:
             raise KvscopeError(f"kivi parameter R must be a multiple of G={self.G} (got {self.R})")
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         ledger = Ledger(spec, self.bits, "channel", value_group=self.value_group, k=k, v=v)
         return _KIVIState(self, spec, ledger)
 
     def max_bytes(self, spec: CacheSpec, R: int) -> float:
-        """Largest bytes per (layer, kv_head) over the sequence with residual ``R``."""
+        """Largest bytes per (layer, kv_head) over the sequence with residual ``R``.
+
+        Args:
+            spec: The cache's geometry.
+            R: The full-precision residual (tokens).
+        """
         lengths = np.arange(spec.prompt_len, spec.final_len + 1)
         n_q = np.maximum(0, (lengths - R) // self.G) * self.G
         q_bytes = 0.0 if self.evict else q_token_bytes(spec.head_dim, self.bits, self.G, self.value_group)
@@ -54,7 +68,12 @@ class KIVI(AsEviction, Policy):
 
     def residual(self, spec: CacheSpec, capacity: float) -> tuple[int, bool]:
         """``(R, fits)``: the user's ``R``, or the largest multiple of ``G`` whose bytes fit
-        ``capacity`` (0 at the floor), and whether they fit."""
+        ``capacity`` (0 at the floor), and whether they fit.
+
+        Args:
+            spec: The cache's geometry.
+            capacity: Bytes per (layer, kv_head).
+        """
         if self.R is not None:
             return self.R, spec.fits(self.max_bytes(spec, self.R), capacity)
         R = (spec.final_len // self.G) * self.G

@@ -3,7 +3,7 @@
 A press is written against a transformers attention layer: after the layer's prefill forward,
 ``press.forward_hook(module, input, kwargs, output)`` reads the layer's cache and hidden
 states and writes back the keys and values it keeps. Here every layer gets a stand-in that
-carries what presses read, built from a trace recorded with ``--record qkv``::
+carries what presses read, built from a trace recorded with ``--record qkv``:
 
     module          config (heads, KV heads, layers), layer_idx, head_dim, rotary_emb
                     (cos, sin from the recorded inv_freq and attention scaling), q_proj = identity
@@ -16,26 +16,29 @@ carries what presses read, built from a trace recorded with ``--record qkv``::
                     under sdpa
 
 Which positions a press keeps is read from the press itself: the ``gather`` it applies to
-the cache's keys (observed with a :class:`torch.overrides.TorchFunctionMode`, nothing
+the cache's keys (observed with a ``torch.overrides.TorchFunctionMode``, nothing
 patched) and the ``masked_key_indices`` AdaKV leaves on the module. Keys it returns are
 checked to be exactly that gather; a press that merges, re-rotates or quantizes what it keeps
 is refused. Anything a press reads that the stand-ins do not hold (a projection's weights, a
 norm, extra forward passes) raises one line naming it.
 
-A live cache (:class:`kvscope.live.PolicyCache`) drives the same runner with the tensors of
+A live cache ([`kvscope.live.PolicyCache`][kvscope.live.PolicyCache]) drives the same runner with the tensors of
 each forward as attention was handed them — what a trace under ``--record qkv`` stores — so a
 press decides live exactly as it does on a recording of that decode.
 
 kvpress pins ``transformers<5.3`` and patches transformers' attention functions on import;
-:func:`load` imports it lazily and puts the attention functions back as they were.
+``load`` imports it lazily and puts the attention functions back as they were.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import typing
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -82,6 +85,19 @@ def press_classes() -> dict[str, type]:
         for name in kvpress.__all__
         if isinstance(cls := getattr(kvpress, name), type) and issubclass(cls, kvpress.BasePress)
     }
+
+
+def press_names() -> list[str]:
+    """The names kvpress exports that name a press (``…Press``), read from its package's
+    ``__all__`` without importing it (torch and transformers cost seconds): for help texts.
+    Empty where kvpress is not installed."""
+    spec = importlib.util.find_spec("kvpress")
+    if spec is None or spec.origin is None:
+        return []
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return [name for name in ast.literal_eval(node.value) if name.endswith("Press")]
+    return []
 
 
 def press_class(name: str) -> type:
@@ -173,7 +189,7 @@ def route(name: str, options: tuple[tuple[str, str], ...]) -> dict:
 
 
 def build(tree: dict):
-    """A fresh press object from a :func:`route` tree (nested presses first); kvpress's own
+    """A fresh press object from a ``route`` tree (nested presses first); kvpress's own
     checks (assertions in ``__post_init__``) become one line."""
     cls = tree["class"]
     values = {k: build(v) if isinstance(v, dict) else v for k, v in tree["values"].items()}
@@ -296,14 +312,14 @@ class Rotary:
 class PressRunner:
     """One sequence's press over every layer: the stand-in caches and which positions they hold.
 
-    Driven by the tensors of each forward, from a trace or from a live cache alike::
+    Driven by the tensors of each forward, from a trace or from a live cache alike:
 
         prefill(keys, values, queries)      keys, values [layer, kv_head, P, D] float32 tensors,
                                             queries [P, layer, head, D] post-RoPE
         append(position, keys, values)      [layer, kv_head, D]: the decode position enters
         decode(position, queries)           [layer, head, D]: the press's decode hook
 
-    ``rope`` the model's rotary parameters; ``model`` its :class:`~kvscope.model.spec.ModelSpec`."""
+    ``rope`` the model's rotary parameters; ``model`` its ``ModelSpec``."""
 
     def __init__(self, press, spec, rope, model):
         import torch
@@ -339,7 +355,7 @@ class PressRunner:
     # -- budget ---------------------------------------------------------------------------
     def fit_budget(self) -> tuple[bool, dict]:
         """Set the press's compression ratio (or DecodingPress's target size) from the budget
-        (module docstring of :mod:`kvscope.policies.press`); ``(reached, {setting: value})``."""
+        (module docstring of ``kvscope.policies.press``); ``(reached, {setting: value})``."""
         kvpress = load()
         spec, press = self.spec, self.press
         cap, p, s = spec.fp_capacity_tokens, spec.prompt_len, spec.decode_steps

@@ -1,4 +1,4 @@
-"""LogQuant's log-sparse full-precision selection (SPEC §5.1), as index lists.
+"""LogQuant's log-sparse full-precision selection (docs/concepts.md#logquant), as index lists.
 
 One parameter ``W``. ``local`` holds the newest tokens (between ``W+1`` and ``2W`` once
 warm), ``reserve`` at most ``W`` log-sparse tokens; the FP set is ``reserve ∪ local``.
@@ -10,18 +10,8 @@ warm), ``reserve`` at most ``W`` log-sparse tokens; the FP set is ``reserve ∪ 
   ``reserve = (reserve + local[:W])[0::2]`` (or ``local[:W]`` when ``reserve`` is empty),
   then ``local = local[W:]``.
 
-Position 0 is never dropped. The policy :class:`LogQuant` keeps ``reserve ∪ local`` at full
-precision and everything else at ``bits`` bits; nothing is evicted. Each token is quantized
-once, when it leaves the FP set (the published code re-quantizes the whole history at every
-flush; kvscope follows the index lists). Keys per channel (``key_axis="channel"``, the
-paper's text: the tokens that leave FP together form key groups of at most ``G``) or per
-token in groups of ``key_group`` channels (``key_axis="token"``, the published code: 64).
-``W = None`` (default) takes the largest ``W`` whose bytes fit the budget over the whole
-sequence; when even ``W = 1`` does not, it runs at ``W = 1`` and reports its floor.
-
-``evict=true`` is LogQuant *as eviction* (the paper's Table 2): the positions that leave the
-FP set are dropped instead of quantized, and ``W`` is fitted with full-precision bytes only
-(equal memory).
+Position 0 is never dropped. The policy ``LogQuant`` keeps ``reserve ∪ local`` at full
+precision and quantizes the rest (its docstring).
 """
 
 from __future__ import annotations
@@ -30,6 +20,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,10 +28,20 @@ from ..params import param
 from .base import EVICTED, AsEviction, CacheSpec, CacheState, Ledger, Policy, Q
 from .quant import BITS
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class LogQuantIndex:
-    """The index lists of one sequence; ``append`` one decode position at a time."""
+    """The index lists of one sequence (the module docstring); ``append`` one decode position
+    at a time.
+
+    Attributes:
+        W: LogQuant's window.
+        reserve: At most ``W`` log-sparse positions kept at full precision.
+        local: The newest positions (between ``W + 1`` and ``2W`` once warm).
+    """
 
     W: int
     reserve: list[int] = field(default_factory=list)
@@ -48,6 +49,12 @@ class LogQuantIndex:
 
     @classmethod
     def after_prefill(cls, length: int, W: int) -> LogQuantIndex:
+        """The index lists after a prefill of ``length`` positions.
+
+        Args:
+            length: The prompt's positions.
+            W: LogQuant's window (≥ 1).
+        """
         if W < 1:
             raise ValueError(f"LogQuant W must be ≥ 1 (got {W})")
         # LogQuant's loop over tmp = reserve + local (while len(tmp) ≥ 3W: reserve = tmp[0:2W:2],
@@ -64,6 +71,12 @@ class LogQuantIndex:
         return cls(W, reserve, list(range(start, length)))
 
     def append(self, position: int) -> None:
+        """A decode step appends ``position`` to ``local``; past ``2W`` the oldest ``W`` move on
+        to ``reserve``, which keeps every second one.
+
+        Args:
+            position: The new position.
+        """
         self.local.append(position)
         if len(self.local) > 2 * self.W:
             head = self.local[: self.W]
@@ -126,6 +139,23 @@ def _chunks(positions: list[int], size: int) -> list[list[int]]:
 
 @dataclass
 class LogQuant(AsEviction, Policy):
+    """LogQuant: a log-sparse set at full precision (the index lists above), the rest at ``bits``
+    bits ([Concepts → LogQuant](concepts.md#logquant)).
+
+    Position 0 is never dropped. The policy keeps ``reserve ∪ local`` at full precision and
+    everything else at ``bits`` bits; nothing is evicted. Each token is quantized once, when it
+    leaves the FP set (the published code re-quantizes the whole history at every flush; kvscope
+    follows the index lists). Keys per channel (``key_axis="channel"``, the paper's text: the
+    tokens that leave FP together form key groups of at most ``G``) or per token in groups of
+    ``key_group`` channels (``key_axis="token"``, the published code: 64). ``W = None``
+    (default) takes the largest ``W`` whose bytes fit the budget over the whole sequence; when
+    even ``W = 1`` does not, it runs at ``W = 1`` and reports its floor.
+
+    ``evict=true`` is LogQuant *as eviction* (the paper's Table 2): the positions that leave the
+    FP set are dropped instead of quantized, and ``W`` is fitted with full-precision bytes only
+    (equal memory).
+    """
+
     W: int | None = param(None, low=1, help="LogQuant's window W", none="the largest that fits")
     bits: int = param(2, choices=BITS, help="bits per quantized value", tune=(2, 4))
     key_axis: str = param(
@@ -143,18 +173,32 @@ class LogQuant(AsEviction, Policy):
         key_group = min(self.key_group, spec.head_dim) if self.key_axis == "token" else None
         return Ledger(spec, self.bits, self.key_axis, key_group, self.value_group, k=k, v=v)
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         return _LogQuantState(self, spec, self._ledger(spec, k, v))
 
     def max_bytes(self, spec: CacheSpec, W: int, ledger: Ledger | None = None) -> float:
-        """Largest bytes per (layer, kv_head) over the sequence for this ``W``."""
+        """Largest bytes per (layer, kv_head) over the sequence for this ``W``.
+
+        Args:
+            spec: The cache's geometry.
+            W: LogQuant's window.
+            ledger: The ledger whose byte costs count (default: a new one for ``spec``).
+        """
         ledger = ledger or self._ledger(spec)
         groups = self.G if self.key_axis == "channel" and not self.evict else 0
         token_bytes = 0.0 if self.evict else ledger.token_value_bytes
         return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, token_bytes, groups, spec.fp_bytes)
 
     def window(self, spec: CacheSpec, ledger: Ledger, capacity: float) -> tuple[int, bool]:
-        """``(W, fits)``: the user's ``W`` or the largest that fits ``capacity`` bytes per unit."""
+        """``(W, fits)``: the user's ``W`` or the largest that fits ``capacity`` bytes per unit.
+
+        Args:
+            spec: The cache's geometry.
+            ledger: The ledger whose byte costs count.
+            capacity: Bytes per (layer, kv_head).
+        """
         W = self.W if self.W is not None else self._fit_W(spec, ledger, capacity)
         return W, spec.fits(self.max_bytes(spec, W, ledger), capacity)
 

@@ -1,15 +1,9 @@
-"""``oracle``: the clairvoyant bound — labelled so, never a causal policy.
-
-At every step the FP set is the ``⌊B_unit / FP_bytes⌋`` existing positions that receive the most
-full-KV attention over the next ``horizon`` steps; everything else is (temporarily) absent,
-and a position may come back. At an event this is the set of that size with the smallest
-Future Missed Mass at ``horizon`` for that event, so its FP-set FMM bounds every causal
-policy's at the same budget from below. It needs the future (``observe_future``), which only
-a replay can give."""
+"""``oracle``: the clairvoyant bound — labelled so, never a causal policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,9 +11,22 @@ from .. import defaults
 from ..params import param
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy, top_k_mask
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class Oracle(Policy):
+    """The clairvoyant bound — labelled so, never a causal policy.
+
+    At every step the FP set is the ``⌊B_unit / FP_bytes⌋`` existing positions that receive the most
+    full-KV attention over the next ``horizon`` steps; everything else is (temporarily) absent,
+    and a position may come back. At an event this is the set of that size with the smallest
+    Future Missed Mass at ``horizon`` for that event, so its FP-set FMM bounds every causal
+    policy's at the same budget from below. It needs the future (``observe_future``), which only
+    a replay can give.
+    """
+
     horizon: int = param(defaults.HORIZON, low=1, help="future steps whose attention decides")
 
     name = "oracle"
@@ -27,7 +34,9 @@ class Oracle(Policy):
     kind = "clairvoyant bound"
     clairvoyant = True
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         return _OracleState(self, spec)
 
     def unit_floor(self, spec: CacheSpec) -> float:

@@ -5,9 +5,9 @@
     press:DecodingPress:base=KnormPress:compression_interval=16
     press:AdaKVPress:press=SnapKVPress       a press wrapping a scorer
 
-The press classes are kvpress's own (:mod:`kvscope.policies.kvpress_bridge` drives them on
+The press classes are kvpress's own (``kvscope.policies.kvpress_bridge`` drives them on
 stand-ins of the attention layers). The budget sets what kvpress takes as a compression
-ratio, so that a press holds the same bytes as every other policy at the same β::
+ratio, so that a press holds the same bytes as every other policy at the same β:
 
     prompt presses    n = ⌊B / FP_bytes⌋ − S kept prompt tokens per (layer, kv_head) (every
                       decode token still fits at the final length, as for ``snapkv``);
@@ -26,13 +26,17 @@ layers and heads, the others per (layer, kv_head) as well.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ..errors import KvscopeError
 from . import kvpress_bridge as bridge
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy
+
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+    from ..model.spec import ModelSpec
 
 REHEARSAL_PROMPT = 128  # tokens (at least) of the random prompt a press is tried on before it runs live
 
@@ -58,8 +62,16 @@ def _options(options) -> tuple[tuple[str, str], ...]:
 
 @dataclass
 class Press(Policy):
+    """A press of NVIDIA kvpress, driven on stand-ins of the attention layers at the same bytes
+    as every other policy (the module docstring); it needs recorded q/k/v offline.
+
+    Attributes:
+        press: kvpress's class name (``SnapKVPress``), or a dotted path to a press of one's own.
+        options: ``((key, text), …)`` the press's own fields, in the order given.
+    """
+
     press: str = "KnormPress"
-    options: tuple = field(default=())  # ((key, text), …) in the order given
+    options: tuple = field(default=())
 
     name = "press"
     kind = "kvpress"
@@ -75,7 +87,11 @@ class Press(Policy):
 
     @classmethod
     def from_text(cls, parts: list[str]) -> Press:
-        """``["SnapKVPress", "window_size=64"]`` (the CLI's ``press:SnapKVPress:window_size=64``)."""
+        """The press the command line spells ``press:SnapKVPress:window_size=64``.
+
+        Args:
+            parts: The spelling's parts after ``press``: ``["SnapKVPress", "window_size=64"]``.
+        """
         if not parts or "=" in parts[0] or not parts[0]:
             raise KvscopeError("a press policy reads press:<PressClass>[:key=value…] (e.g. press:KnormPress)")
         pairs = []
@@ -90,18 +106,24 @@ class Press(Policy):
         return ":".join(["press", self.press, *(f"{k}={v}" for k, v in self.options)])
 
     def params(self) -> dict:
+        """``{"press": name, key: text, …}``."""
         return {"press": self.press, **dict(self.options)}
 
     def make_press(self):
         """A fresh kvpress object (presses keep per-sequence state, e.g. DecodingPress's buffers)."""
         return bridge.build(self._tree)
 
-    def check_live(self, model, rope=None) -> None:
+    def check_live(self, model: ModelSpec, rope: Rope | None = None) -> None:
         """Rehearse the press on random tensors of ``model``'s geometry — a prompt of
-        :data:`REHEARSAL_PROMPT` tokens (twice the press's largest integer parameter, if more: a
+        ``REHEARSAL_PROMPT`` tokens (twice the press's largest integer parameter, if more: a
         window must fit) and a decode step, as a live cache feeds them — so that a press that
         fails on kvscope's stand-in layers (it reads a projection's weights, runs the model
-        itself) is refused in one line before anything is decoded."""
+        itself) is refused in one line before anything is decoded.
+
+        Args:
+            model: The model's geometry.
+            rope: Its rotary parameters.
+        """
         import torch
 
         sizes = [int(v) for _, v in self.options if v.lstrip("-").isdigit()]
@@ -119,10 +141,26 @@ class Press(Policy):
             state.feed(k[:, :, p:], v[:, :, p:], q[p:])
         state.compress()
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None, q=None, model=None) -> CacheState:
-        """Offline: ``k, v [layer, kv_head, pos, D]`` and ``q [qpos, layer, head, D]`` as recorded
-        (post-RoPE). Live (no ``k``, ``v``, ``q``): the cache feeds each forward's tensors
-        (:meth:`_PressState.feed`). ``model``: the :class:`~kvscope.model.spec.ModelSpec`."""
+    def start(
+        self,
+        spec: CacheSpec,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
+        rope: Rope | None = None,
+        q: np.ndarray | None = None,
+        model: ModelSpec | None = None,
+    ) -> CacheState:
+        """The press's state for one sequence. Offline it reads the recorded ``k``, ``v``, ``q``;
+        live (none of them) the cache feeds each forward's tensors (``_PressState.feed``).
+
+        Args:
+            spec: The cache's geometry and budget.
+            k: Recorded keys ``[layer, kv_head, pos, D]`` (post-RoPE).
+            v: Recorded values ``[layer, kv_head, pos, D]``.
+            rope: Rotary parameters.
+            q: Recorded queries ``[qpos, layer, head, D]`` (post-RoPE).
+            model: The model's geometry (required).
+        """
         if model is None or (any(x is None for x in (k, v, q)) and any(x is not None for x in (k, v, q))):
             raise KvscopeError(f"{self.label()} needs recorded q/k/v (trace with --record qkv)")
         recorded = None
@@ -138,7 +176,7 @@ class Press(Policy):
 class _PressState(CacheState):
     """Tiers follow the positions the press keeps in each layer's stand-in cache. The press
     reads each forward's q/k/v: sliced from a recording, or fed by a live cache
-    (:meth:`feed`) right before the state decides."""
+    (``feed``) right before the state decides."""
 
     def __init__(self, policy: Press, spec: CacheSpec, runner, recorded=None):
         super().__init__(policy, spec)
@@ -149,7 +187,7 @@ class _PressState(CacheState):
         self.reached, self.setting = runner.fit_budget()
 
     def reads_forward(self, prefill: bool) -> bool:
-        """Whether the forward (the prompt's, or a decode step's) must be fed to :meth:`feed`."""
+        """Whether the forward (the prompt's, or a decode step's) must be fed to ``feed``."""
         return prefill or self.runner.decodes
 
     def feed(self, keys, values, queries) -> None:

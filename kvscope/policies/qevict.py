@@ -1,26 +1,10 @@
-"""``qevict``: window-level, three tiers (FP, Q, EVICTED), byte-bounded (SPEC §5.2).
-
-Windows ``j = [n_sink + j·w, n_sink + (j+1)·w)``; the sinks and the newest ``local`` tokens
-(rounded up to whole windows, plus the window being filled) always stay FP. Whenever a window
-completes (every ``w`` steps) the *evictable* windows — complete, outside sinks and local,
-not yet EVICTED — are ranked by their cumulative score ``c[j]`` (prefill column mass plus
-every row the cache observed; Q windows keep accruing, evicted ones are absent)::
-
-    M    = B − FP_bytes(n_sink + (n_local_windows + 1)·w)
-    n_fp = ⌊(1 − q_frac)·M / b_fp⌋,   n_q = ⌊q_frac·M / b_q⌋
-    b_fp = w·4·D,                    b_q = w·(2·D·b/8 + 4·D/g_v) + 4·D   (keys per channel per window)
-
-The top ``n_fp`` are FP, the next ``n_q`` Q, the rest EVICTED for good. A Q window ranked
-into FP is promoted (its dequantized values come back — not the originals); an FP window
-ranked into Q is demoted. Each window is quantized once, at its first demotion (the write-once
-ledger refuses a second quantization); later demotions reuse its codes. Decisions per
-(layer, kv_head) from the kv-group mean rows. With rotary parameters recorded, keys are
-quantized before RoPE (``key_prerope``)."""
+"""``qevict``: window-level, three tiers (FP, Q, EVICTED), byte-bounded (docs/concepts.md#qevict)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,9 +14,32 @@ from ..windows import window_sums
 from .base import EVICTED, FP, CacheSpec, CacheState, Ledger, Policy, Q, top_k_mask
 from .quant import BITS
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class QEvict(Policy):
+    """Window-level, three tiers (FP, Q, EVICTED), byte-bounded ([Concepts → QEvict](concepts.md#qevict)).
+
+    Windows ``j = [n_sink + j·w, n_sink + (j+1)·w)``; the sinks and the newest ``local`` tokens
+    (rounded up to whole windows, plus the window being filled) always stay FP. Whenever a window
+    completes (every ``w`` steps) the *evictable* windows — complete, outside sinks and local,
+    not yet EVICTED — are ranked by their cumulative score ``c[j]`` (prefill column mass plus
+    every row the cache observed; Q windows keep accruing, evicted ones are absent):
+
+        M    = B − FP_bytes(n_sink + (n_local_windows + 1)·w)
+        n_fp = ⌊(1 − q_frac)·M / b_fp⌋,   n_q = ⌊q_frac·M / b_q⌋
+        b_fp = w·4·D,                    b_q = w·(2·D·b/8 + 4·D/g_v) + 4·D   (keys per channel per window)
+
+    The top ``n_fp`` are FP, the next ``n_q`` Q, the rest EVICTED for good. A Q window ranked
+    into FP is promoted (its dequantized values come back — not the originals); an FP window
+    ranked into Q is demoted. Each window is quantized once, at its first demotion (the write-once
+    ledger refuses a second quantization); later demotions reuse its codes. Decisions per
+    (layer, kv_head) from the kv-group mean rows. With rotary parameters recorded, keys are
+    quantized before RoPE (``key_prerope``).
+    """
+
     w: int | None = param(None, low=4, multiple_of=4, help="window size", none="the trace's")
     n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's")
     local: int = param(defaults.LOCAL, low=0, help="protected newest tokens (whole windows)", tune=(0, 16, 32, 64, 128))
@@ -47,7 +54,9 @@ class QEvict(Policy):
     observes_prefill = True
     quantizes = True
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         w = self.w or spec.w
         ledger = Ledger(
             spec, self.bits, "channel", value_group=self.value_group, k=k, v=v, rope=rope if self.key_prerope else None
@@ -55,10 +64,19 @@ class QEvict(Policy):
         return _QEvictState(self, spec, ledger, w)
 
     def sinks(self, spec: CacheSpec) -> int:
+        """The sinks kept: ``n_sink``, or the trace's.
+
+        Args:
+            spec: The cache's geometry (its ``n_sink``: the trace's).
+        """
         return spec.n_sink if self.n_sink is None else self.n_sink
 
     def protected(self, spec: CacheSpec) -> int:
-        """Tokens always at full precision: the sinks, the local windows and the one being filled."""
+        """Tokens always at full precision: the sinks, the local windows and the one being filled.
+
+        Args:
+            spec: The cache's geometry.
+        """
         w = self.w or spec.w
         return self.sinks(spec) + (math.ceil(self.local / w) + 1) * w
 

@@ -1,6 +1,6 @@
-"""The shared low-bit quantizer and the byte accounting of SPEC §5.
+"""The shared low-bit quantizer (docs/concepts.md#quantizer) and the byte accounting (docs/concepts.md#budget).
 
-Asymmetric affine quantization of one group (the values along ``axis``) to ``b`` bits::
+Asymmetric affine quantization of one group (the values along ``axis``) to ``b`` bits:
 
     zero  = min(x)                      stored in 16 bit, rounded toward −∞
     scale = (max(x) − zero) / (2^b − 1) stored in 16 bit, rounded toward +∞ (1 when max == min)
@@ -11,7 +11,7 @@ Rounding the stored zero down and the stored scale up keeps the whole ``[min, ma
 code grid, so ``|x − x̂| ≤ scale/2`` holds for every element (with ``scale`` the stored one);
 for fp16 inputs the stored zero is exactly ``min``, so a constant group is reproduced exactly.
 
-Bytes per token per (layer, kv_head), head dim ``D``::
+Bytes per token per (layer, kv_head), head dim ``D``:
 
     FP       2·D·2                               K and V in 16 bit
     Q (b)    2·D·b/8                             codes of K and V
@@ -104,7 +104,7 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """Inverse of :func:`pack`: ``[..., bytes]`` → ``[..., n]`` codes."""
+    """Inverse of ``pack``: ``[..., bytes]`` → ``[..., n]`` codes."""
     bits = check_bits(bits)
     per = 8 // bits
     packed = np.asarray(packed, dtype=np.uint8)
@@ -134,6 +134,6 @@ def q_token_bytes(
 
 
 def packed_bytes(n_values: int, bits: int) -> int:
-    """Bytes that :func:`pack` uses for ``n_values`` codes."""
+    """Bytes that ``pack`` uses for ``n_values`` codes."""
     per = 8 // check_bits(bits)
     return -(-n_values // per)

@@ -1,20 +1,10 @@
 """``snapkv``: compress the prompt once, at the end of prefill, by what its last queries
-attend; decode tokens all stay.
-
-Scores of prompt position ``p < P − obs`` per (layer, kv_head): ``Σ_o tail[o, p]`` over
-the last ``obs_window`` prefill rows, pooled over positions with kernel ``kernel`` (stride 1,
-same padding): ``avg`` is ``F.avg_pool1d`` (zeros past the ends, divided by ``kernel``),
-``max`` the maximum over the positions that exist. Keep the top ``n_prompt − obs`` of them
-plus the observation window itself, with ``n_prompt = ⌊B / FP_bytes⌋ − S`` so that the
-decode tokens still fit at the final length. Evictions are permanent.
-
-Defaults are the official implementation's (FasterDecoding/SnapKV, ``init_snapkv``: window
-32, kernel 5, average pooling); its LongBench ablations use ``kernel=7:pooling=max``, and
-kvpress's ``SnapKVPress`` window 64, kernel 5, average (docs/replay.md)."""
+attend; decode tokens all stay."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,9 +12,27 @@ from ..errors import KvscopeError
 from ..params import param
 from .base import CacheSpec, CacheState, Policy, top_k_mask
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class SnapKV(Policy):
+    """Compress the prompt once, at the end of prefill, by what its last queries attend; decode tokens
+    all stay.
+
+    Scores of prompt position ``p < P − obs`` per (layer, kv_head): ``Σ_o tail[o, p]`` over
+    the last ``obs_window`` prefill rows, pooled over positions with kernel ``kernel`` (stride 1,
+    same padding): ``avg`` is ``F.avg_pool1d`` (zeros past the ends, divided by ``kernel``),
+    ``max`` the maximum over the positions that exist. Keep the top ``n_prompt − obs`` of them
+    plus the observation window itself, with ``n_prompt = ⌊B / FP_bytes⌋ − S`` so that the
+    decode tokens still fit at the final length. Evictions are permanent.
+
+    Defaults are the official implementation's (FasterDecoding/SnapKV, ``init_snapkv``: window
+    32, kernel 5, average pooling); its LongBench ablations use ``kernel=7:pooling=max``, and
+    kvpress's ``SnapKVPress`` window 64, kernel 5, average ([Replay](replay.md)).
+    """
+
     obs_window: int | None = param(
         None,
         low=1,
@@ -46,23 +54,39 @@ class SnapKV(Policy):
         if self.kernel % 2 == 0:
             raise KvscopeError(f"snapkv parameter kernel must be a positive odd number (got {self.kernel})")
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         return _SnapKVState(self, spec)
 
     def observed_rows(self, stored: int) -> int:
-        """Observation rows scored when the trace stored ``stored`` prefill rows."""
+        """Observation rows scored when the trace stored ``stored`` prefill rows.
+
+        Args:
+            stored: The prefill rows the trace stored (its ``obs_window``).
+        """
         return min(self.obs_window or stored, stored)
 
     def unit_floor(self, spec: CacheSpec) -> float:
-        """The observation window and every decode token."""
+        """The observation window and every decode token.
+
+        Args:
+            spec: The cache's geometry.
+        """
         return (self.observed_rows(spec.tail_rows) + spec.decode_steps) * spec.fp_bytes
 
     def scores(self, tail: np.ndarray, obs: int, prefix: int) -> np.ndarray:
-        """``[layer, kv_head, prefix]``: the attention of the last ``obs`` prefill rows, pooled."""
+        """``[layer, kv_head, prefix]``: the attention of the last ``obs`` prefill rows, pooled.
+
+        Args:
+            tail: ``[layer, kv_head, rows, P]`` the last prefill rows.
+            obs: The observation rows scored (the last ``obs`` of ``tail``).
+            prefix: The positions scored (``0 … prefix − 1``).
+        """
         window_rows = np.nan_to_num(tail[..., tail.shape[-2] - obs :, :prefix].astype(np.float64))
         return pool(window_rows.sum(-2), self.kernel, self.pooling)
 
-    def allocation_scores(self, colsum, tail) -> np.ndarray:
+    def allocation_scores(self, colsum: np.ndarray, tail: np.ndarray | None) -> np.ndarray:
         if tail is None:
             raise KvscopeError("snapkv needs the last prefill rows (prefill_tail) of the trace")
         obs = min(self.observed_rows(tail.shape[-2]), tail.shape[-1])

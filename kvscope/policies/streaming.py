@@ -1,30 +1,44 @@
-"""``streaming`` (StreamingLLM): the sinks plus the most recent tokens that fit the budget.
-
-Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``): positions ``< n_sink`` stay,
-plus the newest ``n − n_sink``; a position that leaves the recent window is evicted for good.
-The same decision for every layer and head under the uniform split."""
+"""``streaming`` (StreamingLLM): the sinks plus the most recent tokens that fit the budget."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..params import param
 from .base import FP, CacheSpec, CacheState, Policy, per_unit
 
+if TYPE_CHECKING:
+    from ..model.rope import Rope
+
 
 @dataclass
 class Streaming(Policy):
+    """The sinks plus the most recent tokens that fit the budget.
+
+    Capacity ``n = ⌊B_unit / FP_bytes⌋`` tokens per (layer, kv_head) (its share of ``B``):
+    positions ``< n_sink`` stay, plus the newest ``n − n_sink``; a position that leaves the recent window is evicted for good.
+    The same decision for every layer and head under the uniform split.
+    """
+
     n_sink: int | None = param(None, low=0, help="sinks kept", none="the trace's", tune=(0, 1, 2, 4, 8, 16))
 
     name = "streaming"
     kind = "eviction"
 
-    def start(self, spec: CacheSpec, k=None, v=None, rope=None) -> CacheState:
+    def start(
+        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
+    ) -> CacheState:
         return _StreamingState(self, spec)
 
     def sinks(self, spec: CacheSpec) -> int:
+        """The sinks kept: ``n_sink``, or the trace's.
+
+        Args:
+            spec: The cache's geometry (its ``n_sink``: the trace's).
+        """
         return spec.n_sink if self.n_sink is None else self.n_sink
 
     def unit_floor(self, spec: CacheSpec) -> float:

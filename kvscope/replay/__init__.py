@@ -1,8 +1,8 @@
-"""Offline policy replay (SPEC §5): every policy × budget driven step by step by one trace.
+"""Offline policy replay ([Concepts → Policies](concepts.md#policies)): every policy × budget driven step by step by one trace.
 
 For each sample the trace's rows are read once, block by block, and every (policy, budget)
 cache state is driven through the same steps by the policy driver
-(:class:`kvscope.policies.driver.PolicyDriver`, the one a live cache uses too)::
+([`kvscope.policies.PolicyDriver`][kvscope.policies.PolicyDriver], the one a live cache uses too):
 
     step 0      driver.prefill(colsum, tail)        prompt 0..P−1, compressed to the budget
     step t ≥ 1  driver.append(P − 1 + t)            the new key, at full precision
@@ -15,7 +15,7 @@ recomputed from the recorded query with the cache the policy keeps — Q keys de
 evicted keys absent — exactly what a live cache would compute.
 
 Tiers are snapshot at the events ``0, every, 2·every, …`` *after* the policy acted, so the
-metrics score the decision against the future (the analysis layer's definitions, SPEC §4):
+metrics score the decision against the future (the analysis layer's definitions, [Concepts → Analyses](concepts.md#analyses)):
 
     tier_mass[e, FP|Q|EVICTED]   share of the full-KV mass of steps t+1..t+H on existing positions
     fmm                          the EVICTED share (the loss no promotion can undo), FMM(H) curve
@@ -28,9 +28,9 @@ metrics score the decision against the future (the analysis layer's definitions,
                                  relative L2 error of the attention output (per query head,
                                  averaged over the heads of a KV group)
 
-The package reads in one direction: :mod:`~kvscope.replay.plan` (the setup, the tasks it is cut
-into), :mod:`~kvscope.replay.run` (:func:`replay`; the tasks in this process, in forked ones or on
-dask) with :mod:`~kvscope.replay.tasks` (what one task does), :mod:`~kvscope.replay.result` (the
+The package reads in one direction: ``plan`` (the setup, the tasks it is cut
+into), ``run`` ([`replay`][kvscope.replay.replay]; the tasks in this process, in forked ones or on
+dask) with ``tasks`` (what one task does), ``result`` (the
 Dataset, its attributes, a result saved).
 """
 

@@ -1,21 +1,21 @@
 """What a replay result store must be before any number is read from it (docs/replay.md,
 "Result stores: guarantees"), and ``kvscope verify`` of one.
 
-On open (:func:`check_result`), each failure one :class:`~kvscope.errors.StoreError` line:
+On open (``check_result``), each failure one [`StoreError`][kvscope.errors.StoreError] line:
 
 1. the group: a Zarr v3 group whose attributes say ``kind = "kvscope replay"``, carry their
    CRC32C (a result is written once: any later edit shows) and have the types of
-   :data:`ATTRIBUTES`; ``policies`` and ``allocations`` name exactly the ``policy`` and
+   ``ATTRIBUTES``; ``policies`` and ``allocations`` name exactly the ``policy`` and
    ``allocation`` labels;
-2. every array: one of :data:`VARIABLES` or :data:`COORDINATES` (the optional ones all or
+2. every array: one of ``VARIABLES`` or ``COORDINATES`` (the optional ones all or
    none), with its dims and dtype, a regular chunk grid no larger than the array, the codec
    pipeline kvscope writes (bytes, blosc, CRC32C) and no attributes but xarray's; every dim
    one size in every array;
-3. the coordinates, read through the checked store: their rules (:data:`COORDINATES`).
+3. the coordinates, read through the checked store: their rules (``COORDINATES``).
 
-Every read goes through :class:`kvscope.storage.integrity.TraceStore` with every chunk required (a
+Every read goes through ``kvscope.storage.integrity.TraceStore`` with every chunk required (a
 result is written whole) and CRC32C-checked; every variable's values then pass its rule
-(:data:`VALUE_RULES`) before a number is shown — the tiers, read lazily, chunk by chunk as
+(``VALUE_RULES``) before a number is shown — the tiers, read lazily, chunk by chunk as
 they are computed. ``kvscope verify`` reads every chunk and reports each problem.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -155,7 +156,7 @@ def _one_of(*values):
 
 
 _TEXT = (lambda v: isinstance(v, str), "a string")
-PROTOCOLS = ("question-aware", "question-agnostic")  # where the policy first compressed (SPEC, docs/replay.md)
+PROTOCOLS = ("question-aware", "question-agnostic")  # where the policy first compressed (docs/replay.md)
 ATTRIBUTES = {
     "observe": _one_of("renorm", "exact"),
     "horizon": _int(1),
@@ -229,7 +230,7 @@ def _spec(name: str) -> Variable:
 
 
 def check_arrays(path, metas: dict) -> dict[str, int]:
-    """Every array known, present and as :data:`VARIABLES` / :data:`COORDINATES` say;
+    """Every array known, present and as ``VARIABLES`` / ``COORDINATES`` say;
     returns the size of every dim."""
     unknown = sorted(set(metas) - set(VARIABLES) - set(COORDINATES))
     if unknown:
@@ -351,9 +352,16 @@ def check_result(path) -> CheckedResult:
 # -- reading ----------------------------------------------------------------------------------
 
 
-def open_result(path) -> xr.Dataset:
-    """The Dataset of a checked result: ``tiers`` lazy (dask; each chunk's codes checked when
-    read), every other variable read now and its values checked."""
+def open_result(path: str | os.PathLike) -> xr.Dataset:
+    """The Dataset of a saved replay result, checked: ``tiers`` lazy (dask; each chunk's codes
+    checked when read), every other variable read now and its values checked.
+
+    Args:
+        path: A store written by ``replay(out=…)``, ``save_result`` or ``kvscope replay --out``.
+
+    Raises:
+        StoreError: Not a replay result, or a damaged one (one line naming the problem).
+    """
     checked = check_result(path)
     data = {}
     for name in checked.variables:
@@ -390,7 +398,7 @@ def _checked_codes(block: np.ndarray, path: str, block_info=None) -> np.ndarray:
 
 
 def verify_result(path):
-    """The :class:`kvscope.storage.verify.Report` of a replay result: the checks on open, the
+    """The [`kvscope.storage.verify.Report`][kvscope.storage.verify.Report] of a replay result: the checks on open, the
     consolidated metadata, then every chunk of every variable read and its values checked."""
     from ..storage.verify import Report, check_consolidated, read_block
 

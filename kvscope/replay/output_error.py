@@ -1,7 +1,7 @@
 """What a policy's cache does to attention, against full KV (needs ``--record qkv``).
 
 For the first query after each event (and, with ``observe="exact"``, every query a policy
-observes), per layer and query head, with the model's attention rule (:mod:`kvscope.model.attention`)::
+observes), per layer and query head, with the model's attention rule (``kvscope.model.attention``):
 
     reference   a*  = softmax over keys 0..q of the full cache,   o* = a*·V
     policy      a   = softmax over the keys the cache holds (Q keys dequantized, evicted absent),
@@ -55,11 +55,17 @@ def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Referenc
     return Reference(q, logits, shown, probs, out, values, sink)
 
 
-def effective_kv(state: CacheState, k, v, n: int):
+def effective_kv(state: CacheState, k: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor, n: int) -> tuple:
     """The cache a state serves over positions ``0..n−1``: ``keys, values [L, Hkv, n, D]``
     and ``present [L, Hkv, n]``. Positions that were ever quantized hold their dequantized
     values (in Q, and after a promotion: the originals are gone); evicted ones are absent.
-    ``k``/``v`` are the full-KV values (numpy or torch), returned where nothing was quantized."""
+
+    Args:
+        state: A policy's cache state.
+        k: The full-KV keys ``[L, Hkv, pos, D]`` (numpy or torch), returned where nothing was quantized.
+        v: The full-KV values, likewise.
+        n: The positions served.
+    """
     present = state.tiers[..., :n] >= TIER_Q
     if dequantized(state):
         return state.ledger.k_eff[:, :, :n], state.ledger.v_eff[:, :, :n], present
@@ -80,7 +86,7 @@ def lossless(state: CacheState, n: int) -> bool:
 
 def only_evicted(state: CacheState, n: int) -> bool:
     """The state's comparison over keys ``0..n−1`` reuses the full-KV logits and values: it lost
-    keys, and changed none (:func:`evicted_errors` batches such comparisons)."""
+    keys, and changed none (``evicted_errors`` batches such comparisons)."""
     return not dequantized(state) and not lossless(state, n)
 
 
@@ -90,7 +96,7 @@ BATCH_BYTES = 1 << 26  # the probabilities of the runs one evicted_errors batch 
 def evicted_errors(
     rules: LayerRules, ref: Reference, presents: list[np.ndarray], batch_bytes: int = BATCH_BYTES
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`against_full`'s errors for caches that :func:`only_evicted`, batched: each run's
+    """``against_full``'s errors for caches that ``only_evicted``, batched: each run's
     held keys ``presents[i] [L, Hkv, n]`` → ``l1, rel [run, L, Hkv]``. The runs' query rows are
     stacked (``[L, Hkv, runs·g, n]``): one softmax of the full-KV logits masked for all, and per
     layer and block of positions one product with V for all — row by row the same operations as
@@ -167,16 +173,16 @@ def attended(rules: LayerRules, query, keys, values, shown, logits=None, block: 
     """``(logits, probs [L, Hkv, g, n], out [L, Hkv, g, D])`` of ``query [L, Hkv, g, D]`` over
     ``keys``/``values [L, Hkv, n, D]`` (torch, in their stored dtype: fp16 by default), hiding
     what ``shown`` hides; with ``logits`` given the keys and the query are not read; ``sink``
-    (``[L, Hkv, g, 1]``): the learned sink logits of the rows (:meth:`LayerRules.sink_column`).
+    (``[L, Hkv, g, 1]``): the learned sink logits of the rows (``LayerRules.sink_column``).
 
     K and V in 16 bit are converted to float32 a block of ``block`` positions of one layer at a
-    time (default: :data:`SCRATCH_BYTES` per KV head) into a scratch that stays in cache, instead
+    time (default: ``SCRATCH_BYTES`` per KV head) into a scratch that stays in cache, instead
     of a float32 copy of the whole K/V: a memory-bound matmul then reads each value once, not
     three times; float32 ones are read in place, in the same blocks. Where one block covers every
     position this is bit for bit the batched computation over float32 copies (each layer one
     batch entry); with several, each logit is the same dot product (the matmul kernel may differ
     with the block's width: equal to float32 rounding) and ``out = Σ_blocks probs[.., block] ·
-    V[block]`` the same sum grouped by block. Products of fewer than :data:`MIN_PRODUCT_ROWS`
+    V[block]`` the same sum grouped by block. Products of fewer than ``MIN_PRODUCT_ROWS``
     rows get zero rows below them, so that a row's output has the same bits whatever else is
     stacked with it (a run alone or with others, the reference)."""
     import torch

@@ -1,9 +1,9 @@
 """Planning a replay: the policies, allocations and budgets given resolved and checked against the
-trace (:class:`ReplaySetup`), and the work cut into independent tasks — each sample's runs split
-by layers and KV heads (SPEC §5, docs/replay.md) — with the worker processes to fork and the
-block of a task chosen. How the tasks run: :mod:`kvscope.replay.run`.
+trace (``ReplaySetup``), and the work cut into independent tasks — each sample's runs split
+by layers and KV heads (docs/replay.md) — with the worker processes to fork and the
+block of a task chosen. How the tasks run: ``kvscope.replay.run``.
 
-A task (:class:`Piece`) replays one sample, a block of the model's layers × KV heads and some
+A task (``Piece``) replays one sample, a block of the model's layers × KV heads and some
 policies; its peak memory is that block's rows and K/V, not the sample's. Every kvscope policy
 decides each (layer, kv_head) from that unit's rows and capacity alone, and every allocation
 but one splits per unit (uniform; pyramid, the whole model's schedule at the task's layers;
@@ -16,12 +16,12 @@ things cross units, and are handled so:
     the oracle allocation                    a knapsack over every unit of the sample: the tasks
                                              first measure their units' losses at the candidate
                                              capacities (probes), the split is chosen over all of
-                                             them (:func:`kvscope.replay.tasks.oracle_splits`),
+                                             them (``kvscope.replay.tasks.oracle_splits``),
                                              then the tasks replay with their part of it
                                              (whole layers: the candidates include adakv's split)
 
 Tasks hold some of a layer's KV heads only where one layer does not fit the task's memory
-(:func:`kv_heads_per_task`).
+(``kv_heads_per_task``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
@@ -43,6 +44,9 @@ from ..policies import Allocation, CacheSpec, Policy, check_budget, check_geomet
 from ..policies import allocation as allocation_module
 from ..policies.allocation import check_allocatable
 from .reader import rule_of
+
+if TYPE_CHECKING:
+    from ..model.rope import Rope
 
 OBSERVE_MODES = ("renorm", "exact")
 
@@ -60,19 +64,41 @@ def _resolved(items, cls, parse_one, what: str) -> list:
     return out
 
 
-def resolve_policies(policies) -> list[Policy]:
-    """Names, ``name:key=value`` strings or policy objects → policy objects (unique labels)."""
+def resolve_policies(policies: str | Policy | list[str | Policy]) -> list[Policy]:
+    """Names, ``name:key=value`` strings or policy objects → policy objects (unique labels).
+
+    Args:
+        policies: One policy or several.
+
+    Raises:
+        KvscopeError: None given, one unknown or out of range, or one listed twice.
+    """
     return _resolved(policies, Policy, parse, "policy")
 
 
-def resolve_allocations(allocations) -> list[Allocation]:
-    """The same for allocations (default: uniform alone)."""
+def resolve_allocations(allocations: str | Allocation | list[str | Allocation] | None) -> list[Allocation]:
+    """Names, ``name:key=value`` strings or allocation objects → allocation objects.
+
+    Args:
+        allocations: One allocation or several (None: uniform alone).
+
+    Raises:
+        KvscopeError: None given, one unknown or out of range, or one listed twice.
+    """
     return _resolved(
         ["uniform"] if allocations is None else allocations, Allocation, allocation_module.parse, "allocation"
     )
 
 
-def resolve_budgets(budgets) -> list[float]:
+def resolve_budgets(budgets: float | str | list[float | str]) -> list[float]:
+    """Budgets β, each a number in (0, 1], none twice.
+
+    Args:
+        budgets: One budget or several.
+
+    Raises:
+        KvscopeError: None given, one outside (0, 1], or one listed twice.
+    """
     if isinstance(budgets, (int, float, str)):
         budgets = [budgets]
     out = [check_budget(b) for b in budgets]
@@ -85,39 +111,77 @@ def resolve_budgets(budgets) -> list[float]:
 
 @dataclass
 class ReplaySetup:
-    """Everything a replay needs besides the runs themselves."""
+    """Everything a replay needs besides the runs themselves ([`of`][kvscope.replay.ReplaySetup.of]
+    checks the inputs against the trace).
+
+    Attributes:
+        ds: The trace.
+        policies: The policies replayed.
+        allocations: The allocations each runs under.
+        budgets: The budgets β.
+        observe: ``renorm`` or ``exact`` (the module docstring).
+        fmm: FMM's parameters (horizon, curve horizons, bootstrap): the analysis layer's
+            definitions and checks.
+        lir: Global LIR's parameters (``m``, ``h_lir``, ``delta``).
+        steps: ``[event]`` the steps of the events.
+        group: Stored rows per KV head (1: kv-group rows).
+        with_errors: Attention and output errors are computed (q/k/v recorded).
+        validate: Every policy invariant is checked at every step.
+        kv_itemsize: Bytes per full-precision K/V element in the byte model.
+        source: The trace's path (a dask worker opens it there).
+    """
 
     ds: xr.Dataset
     policies: list[Policy]
     allocations: list[Allocation]
     budgets: list[float]
     observe: str
-    fmm: FMM  # horizon, curve horizons, bootstrap: the analysis layer's definitions and checks
-    lir: LIR  # m, H_lir, δ
-    steps: np.ndarray  # [event] steps of the events
-    group: int  # stored rows per KV head (1: kv-group rows)
+    fmm: FMM
+    lir: LIR
+    steps: np.ndarray
+    group: int
     with_errors: bool
     validate: bool
     kv_itemsize: int
-    source: str | None = None  # the trace's path (a dask worker opens it there)
+    source: str | None = None
 
     @classmethod
     def of(
         cls,
-        ds,
-        policies,
-        allocations,
-        budgets,
+        ds: xr.Dataset,
+        policies: str | Policy | list[str | Policy],
+        allocations: str | Allocation | list[str | Allocation] | None,
+        budgets: float | list[float],
         *,
-        observe,
-        every,
-        errors,
-        validate,
-        kv_itemsize,
-        question_agnostic,
-        source=None,
-        **metric,
+        observe: str,
+        every: int | None,
+        errors: bool,
+        validate: bool,
+        kv_itemsize: int,
+        question_agnostic: bool,
+        source: str | None = None,
+        **metric: Any,
     ) -> ReplaySetup:
+        """The setup of a replay of ``ds``, every input checked against it (one line otherwise).
+
+        Args:
+            ds: The trace.
+            policies: Names, ``name:key=value`` strings or policy objects.
+            allocations: The same for allocations (None: uniform).
+            budgets: Budgets β in (0, 1].
+            observe: ``renorm`` or ``exact`` (needs q/k/v).
+            every: Steps between events (None: the trace's ``w``).
+            errors: Compute attention and output errors where q/k/v are recorded.
+            validate: Check every policy invariant at every step.
+            kv_itemsize: Bytes per full-precision K/V element in the byte model.
+            question_agnostic: Refuse a trace whose prefill held the question.
+            source: The trace's path.
+            **metric: FMM's and LIR's parameters: ``horizon``, ``horizons``, ``m``, ``h_lir``,
+                ``delta``, ``n_boot``, ``seed``, ``resample``.
+
+        Raises:
+            KvscopeError: An input the trace cannot serve.
+        """
         acc = ds.kvscope
         if question_agnostic and not acc.question_agnostic:
             raise KvscopeError(
@@ -166,6 +230,7 @@ class ReplaySetup:
 
     @property
     def has_qkv(self) -> bool:
+        """The trace holds q/k/v."""
         return self.ds.kvscope.has_qkv
 
     @property
@@ -180,10 +245,12 @@ class ReplaySetup:
 
     @property
     def every(self) -> int:
+        """Steps between events."""
         return int(self.steps[1] - self.steps[0]) if len(self.steps) > 1 else self.ds.kvscope.w
 
     @property
     def n_layers(self) -> int:
+        """Layers replayed (a task may hold some)."""
         return self.ds.sizes["layer"]
 
     @property
@@ -193,30 +260,41 @@ class ReplaySetup:
 
     @property
     def head_dim(self) -> int:
+        """``D``, the size of one key or value head."""
         return self.ds.kvscope.model.head_dim
 
     @property
     def n_sink(self) -> int:
+        """The trace's sinks."""
         return self.ds.kvscope.n_sink
 
     @property
     def w(self) -> int:
+        """The trace's window size."""
         return self.ds.kvscope.w
 
     @property
     def n_pos(self) -> int:
+        """Positions of the trace's ``pos`` dim."""
         return self.ds.sizes["pos"]
 
     @property
     def n_samples(self) -> int:
+        """Samples of the trace."""
         return self.ds.sizes["sample"]
 
     @property
     def n_step_total(self) -> int:
+        """Steps of the trace's ``step`` dim."""
         return self.ds.sizes["step"]
 
     def spec(self, s: int, budget: float) -> CacheSpec:
-        """Sample ``s``'s cache at ``budget`` over the layers and KV heads replayed here."""
+        """Sample ``s``'s cache at ``budget`` over the layers and KV heads replayed here.
+
+        Args:
+            s: The sample's index.
+            budget: β.
+        """
         acc = self.ds.kvscope
         prompt_len = int(acc.prompt_len[s])
         model, final = acc.model, prompt_len + int(acc.n_steps[s])
@@ -243,7 +321,8 @@ class ReplaySetup:
         return LayerRules(tuple(rule_of(self.ds, int(layer)) for layer in self.layers))
 
     @property
-    def rope(self):
+    def rope(self) -> Rope | None:
+        """The trace's rotary parameters (None where it recorded none)."""
         return self.ds.kvscope.rope
 
 
@@ -282,7 +361,7 @@ def layer_bytes(setup) -> int:
     (and their float32 copies where kvpress presses run) and each quantizing run's dequantized copy,
     the float32 V of a step's full-KV reference (errors), every run's state and pending snapshots,
     the future-mass stream — each ``[kv_head, pos]`` wide (``/ n_kv`` per KV head). Quantizing
-    the prompt adds temporaries of at most :data:`~kvscope.policies.base.QUANTIZE_ROWS` key groups
+    the prompt adds temporaries of at most ``QUANTIZE_ROWS`` key groups
     per thread, left out."""
     acc = setup.ds.kvscope
     per_position = 2 * acc.block_steps * setup.group * 4 * 1.5  # rows as read, and as float32
@@ -304,7 +383,7 @@ def layers_per_task(
 ) -> int:
     """Layers per task: as many as ``memory`` holds (all of them for a small trace) — and,
     with ``workers`` to keep busy, few enough that the samples give ``tasks_per_worker``·workers
-    tasks in all (2 on a cluster, whose workers may differ; 1 for :class:`~kvscope.replay.run.ForkedWorkers`:
+    tasks in all (2 on a cluster, whose workers may differ; 1 for ``ForkedWorkers``:
     each task pays the per-step work that does not shrink with its layers)."""
     fit = max(1, min(setup.n_layers, memory // max(layer_bytes(setup), 1)))
     if workers:
@@ -315,14 +394,14 @@ def layers_per_task(
 
 def per_head(setup) -> bool:
     """Tasks may hold some of a layer's KV heads: no allocation's split of a layer reads all
-    its heads (:attr:`~kvscope.policies.allocation.Allocation.across_heads`: adakv, and the
+    its heads (``across_heads``: adakv, and the
     oracle, whose candidates include adakv's split)."""
     return not any(a.across_heads for a in setup.allocations)
 
 
 def kv_heads_per_task(setup, layers: int, memory: int = defaults.REPLAY_TASK_BYTES) -> int:
     """KV heads per task: all of them, unless a task of one layer does not fit ``memory`` and
-    the allocations allow it (:func:`per_head`) — then blocks of even size that fit, at least one head."""
+    the allocations allow it (``per_head``) — then blocks of even size that fit, at least one head."""
     if layers > 1 or not per_head(setup):
         return setup.n_kv
     fit = max(1, memory * setup.n_kv // max(layer_bytes(setup), 1))
@@ -333,7 +412,7 @@ def _block(
     setup: ReplaySetup, layers: int | None, kv_heads: int | None, workers: int, per_worker: int
 ) -> tuple[int, int]:
     """(layers, KV heads) per task, checked, or chosen for ``workers`` to keep busy
-    (:func:`layers_per_task`, :func:`kv_heads_per_task`)."""
+    (``layers_per_task``, ``kv_heads_per_task``)."""
     if layers is None:
         layers = layers_per_task(setup, workers, tasks_per_worker=per_worker)
     layers = _count(layers, setup.n_layers, "layers per task")

@@ -101,7 +101,7 @@ class SampleReader:
 
     def _recompute(self, steps: slice) -> np.ndarray:
         """Rows ``[step, layer, stored head, final_len]`` of ``steps`` from the recorded q and k,
-        by the model's attention rule of each layer (:func:`kvscope.analysis.recompute.layer_rows`)."""
+        by the model's attention rule of each layer (``kvscope.analysis.recompute.layer_rows``)."""
         from ..analysis.recompute import layer_rows
 
         qpos = self.query_pos[steps]

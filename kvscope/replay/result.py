@@ -1,12 +1,12 @@
 """The replay result: every run's record assembled into one Dataset, with the metrics of
 the analysis layer (streaming churn and LIR, the bootstrap) over the replayed tiers, and its
-attributes; one run's tiers as the analyses take them (:func:`tiers_for`) and a result written
-as a store (:func:`save_result`).
+attributes; one run's tiers as the analyses take them ([`tiers_for`][kvscope.replay.tiers_for]) and a result written
+as a store ([`save_result`][kvscope.replay.save_result]).
 
 Dims: ``policy, allocation, budget, sample, event | event_pair | step, layer, kv_head, pos,
 horizon, tier``; a run is one (policy, allocation, budget) — ``RUN`` below.
 The tiers (the only variable per position) are not held here: each snapshot is written to
-the result store as it is taken (:class:`kvscope.replay.store.TierStore`).
+the result store as it is taken (``kvscope.replay.store.TierStore``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Outputs:
 
     @classmethod
     def allocate(cls, setup, root, tiers=None, block: tuple[int, int] | None = None) -> Outputs:
-        """Arrays for ``setup`` (a :class:`kvscope.replay.ReplaySetup`); the tiers go to a new
+        """Arrays for ``setup`` (a [`kvscope.replay.ReplaySetup`][kvscope.replay.ReplaySetup]); the tiers go to a new
         store in the folder ``root`` (None: they are not kept, as for the oracle's probes),
         chunked by ``block`` (a task's layers, KV heads), or to ``tiers`` (a task's window on that store)."""
         lead = (len(setup.policies), len(setup.allocations), len(setup.budgets), setup.n_samples)
@@ -124,7 +124,7 @@ class Outputs:
 
 
 class RunRecord:
-    """What one (policy, budget) records on one sample: views into :class:`Outputs`, its tier
+    """What one (policy, budget) records on one sample: views into ``Outputs``, its tier
     snapshots streamed to the store, and churn and LIR of its FP-set selection (sinks not
     candidates) kept by the analysis layer's streaming forms, one event at a time."""
 
@@ -144,7 +144,7 @@ class RunRecord:
 
     def record_bytes(self, t: int, used: np.ndarray) -> None:
         """Step ``t``'s bytes: the sum over ``used [layer, kv_head]``, each unit's bytes first
-        rounded to :data:`BYTES_GRID` — a position's share of its key group's parameters
+        rounded to ``BYTES_GRID`` — a position's share of its key group's parameters
         (``4·D/G`` B) is not a binary fraction for every group size ``G``, and float sums
         grouped by task would differ in the last bit; on the grid every sum is exact, so a
         task's total adds up to the whole replay's (< 2⁴² B a step)."""
@@ -177,7 +177,7 @@ def _per_run(values: np.ndarray, reduce, lead: int = 3) -> np.ndarray:
 
 
 def build(setup, o: Outputs, tiers=None) -> xr.Dataset:
-    """The Dataset described in :mod:`kvscope.replay` from the filled ``Outputs``; ``tiers``
+    """The Dataset described in [`kvscope.replay`][kvscope.replay] from the filled ``Outputs``; ``tiers``
     (a dask array reading the result store) is included when given."""
     fmm, fmm_fp = o.mass[..., 2], o.mass[..., 1] + o.mass[..., 2]
     summary = {name: _mean_ci(values, setup) for name, values in (("fmm", fmm), ("fmm_fp", fmm_fp))}
@@ -220,7 +220,7 @@ def build(setup, o: Outputs, tiers=None) -> xr.Dataset:
 
 
 def _selection_variables(o: Outputs) -> dict:
-    """Churn, LIR and P01/P10 of the FP-set selection from what the runs streamed::
+    """Churn, LIR and P01/P10 of the FP-set selection from what the runs streamed:
 
     churn_mean = mean of churn over (sample, event pair, layer, kv_head), NaN past a sample's events
     lir = Σ reactivated / Σ eligible,   p01 = n01 / n0,   p10 = n10 / n1   (sums over samples and units)
@@ -318,7 +318,15 @@ def _press_settings(setup, settings: dict) -> str:
 
 def tiers_for(result: xr.Dataset, policy: str, budget: float, allocation: str = "uniform") -> xr.DataArray:
     """The replayed tiers of one (policy, allocation, budget) as the analyses take them:
-    ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy."""
+    ``[sample, event, layer, kv_head, pos]`` with ``event_step``, labelled with the policy
+    (``FMM()(ds, tiers=tiers_for(result, "h2o", 0.3))``).
+
+    Args:
+        result: A replay result.
+        policy: The run's policy label.
+        budget: The run's β.
+        allocation: The run's allocation label.
+    """
     tiers = result["tiers"]
     if "allocation" in tiers.dims:
         tiers = tiers.sel(allocation=allocation)
@@ -329,8 +337,13 @@ def tiers_for(result: xr.Dataset, policy: str, budget: float, allocation: str = 
     return tiers
 
 
-def save_result(result: xr.Dataset, path) -> None:
+def save_result(result: xr.Dataset, path: str | os.PathLike) -> None:
     """Write a replay result as a Zarr v3 store (checksummed chunks), under a temporary name
-    renamed into place when complete; an existing path is refused, never overwritten."""
+    renamed into place when complete; an existing path is refused, never overwritten.
+
+    Args:
+        result: A replay result.
+        path: The new store.
+    """
     with written_in_place(path) as partial:
         write_variables(result, partial, mode="w-")

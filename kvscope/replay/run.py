@@ -1,11 +1,11 @@
-"""Running a replay: :func:`replay` plans it (:mod:`kvscope.replay.plan`), runs its tasks
-(:mod:`kvscope.replay.tasks`) and builds the result (:mod:`kvscope.replay.result`).
+"""Running a replay: [`replay`][kvscope.replay.replay] plans it (``kvscope.replay.plan``), runs its tasks
+(``kvscope.replay.tasks``) and builds the result (``kvscope.replay.result``).
 
-:func:`run_pieces` runs the tasks in this process (runs of a step
-advanced by a thread pool), in worker processes forked from it (:class:`ForkedWorkers`), or on a
+``run_pieces`` runs the tasks in this process (runs of a step
+advanced by a thread pool), in worker processes forked from it (``ForkedWorkers``), or on a
 ``dask.distributed`` client: each worker opens the trace by
 its path and writes its snapshots into the result store's chunks of its own units (chunked by
-the task's block), and sends back only its small per-unit records, which :meth:`Outputs.absorb`
+the task's block), and sends back only its small per-unit records, which ``Outputs.absorb``
 puts in place.
 """
 
@@ -16,7 +16,7 @@ import functools
 import os
 import time
 from dataclasses import replace
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import xarray as xr
 
@@ -29,13 +29,20 @@ from .result import Outputs, _attrs, _press_settings
 from .store import TierStore, result_folder, write_variables
 from .tasks import oracle_splits, probe, replay_piece
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import distributed
+
+    from ..policies import Allocation, Policy
+
 
 def replay(
-    trace,
-    policies,
-    budgets,
+    trace: str | os.PathLike | xr.Dataset,
+    policies: str | Policy | list[str | Policy],
+    budgets: float | list[float],
     *,
-    allocations=None,
+    allocations: str | Allocation | list[str | Allocation] | None = None,
     observe: str = "renorm",
     horizon: int = defaults.HORIZON,
     horizons: list[int] | None = None,
@@ -54,48 +61,71 @@ def replay(
     question_agnostic: bool = False,
     layers_per_task: int | None = None,
     kv_heads_per_task: int | None = None,
-    client=None,
-    progress=None,
-    out=None,
+    client: distributed.Client | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    out: str | os.PathLike | None = None,
 ) -> xr.Dataset:
     """Replay ``policies`` × ``budgets`` against a trace; returns the Dataset described in
-    :mod:`kvscope.replay`, dims ``(policy, budget, sample, event|step, layer, kv_head, pos)``.
+    [`kvscope.replay`][kvscope.replay], dims ``(policy, budget, sample, event|step, layer, kv_head, pos)``.
 
-    ``trace``: a store path or an opened trace. ``policies``: names, ``name:key=value``
-    strings or policy objects. ``budgets``: shares β of ``FP_bytes(P + S)`` in (0, 1].
-    ``allocations``: how each budget is split across layers and KV heads (names,
-    ``name:key=value`` strings or :class:`~kvscope.policies.Allocation` objects; default
-    ``uniform``): every policy runs under every allocation.
-    ``errors``: attention and output errors when q/k/v are recorded. ``validate``: check
-    every policy invariant at every step (tests). ``processes``: worker processes forked
-    from this one that take the tasks (Linux; default: up to 2 for a grid of at least
-    :data:`kvscope.defaults.REPLAY_FORK_CELLS` run × step × unit × position cells from a trace
-    given by its path; 0: none). ``threads``: where this process runs the tasks itself, cache
-    states advanced in parallel within a step (default: up to 2; numpy releases the GIL inside
-    its loops).
-    ``resample``: what the confidence intervals resample, ``samples`` (prompts) or ``units``.
-    ``kv_itemsize``: bytes per full-precision K/V element in the byte model (2: 16-bit; 4
-    compares with a live cache of an fp32 model). ``question_agnostic``: refuse a trace whose
-    prefill held the question (the protocol is fixed when a trace is recorded: on a trace made
-    with ``trace --question-agnostic`` every policy first compresses at the end of the context,
-    and the question's steps are decode steps). ``progress(done, total)`` is called per step
-    (per task on a cluster).
-
-    The replay runs as tasks of one sample and a block of ``layers_per_task`` layers ×
+    Every policy runs under every allocation at every budget. The replay runs as tasks of one sample and a block of ``layers_per_task`` layers ×
     ``kv_heads_per_task`` KV heads (default: as many layers as
-    :data:`kvscope.defaults.REPLAY_TASK_BYTES` hold — all of them for a small trace — and every
+    ``kvscope.defaults.REPLAY_TASK_BYTES`` hold — all of them for a small trace — and every
     KV head, or some of one layer's where that layer alone does not fit and the allocations allow
-    it; :mod:`kvscope.replay.plan`), in this process, in ``processes`` forked from it or, given a
+    it; ``kvscope.replay.plan``), in this process, in ``processes`` forked from it or, given a
     ``dask.distributed`` ``client``, on its workers (the trace given by its path; workers and this
     process share the result's folder). The numbers are the same either way.
 
     The tiers are streamed to a Zarr store as they are taken (memory never holds them all),
     and the result's ``tiers`` is a dask array reading that store, every other variable in
-    memory (:mod:`kvscope.replay.store`). ``out``: the result store is written there (under a
+    memory (``kvscope.replay.store``). ``out``: the result store is written there (under a
     temporary name, renamed into place when complete; an existing path is refused) and
-    returned as :func:`open_result` opens it. Without ``out`` the tiers go to a temporary
+    returned as [`open_result`][kvscope.open_result] opens it. Without ``out`` the tiers go to a temporary
     store, removed once nothing can read it lazily any more (``.load()`` to keep them). A
     failed replay leaves no store behind.
+
+    Args:
+        trace: A store path or an opened trace.
+        policies: Names, ``name:key=value`` strings or policy objects.
+        budgets: Shares β of ``FP_bytes(P + S)`` in (0, 1] ([budget](concepts.md#budget)).
+        allocations: How each budget is split across layers and KV heads: names,
+            ``name:key=value`` strings or [`Allocation`][kvscope.policies.Allocation] objects
+            (default ``uniform``).
+        observe: What a policy observes at each step: ``renorm`` (the full-KV row restricted to
+            what it keeps) or ``exact`` (recomputed from the recorded query; needs q/k/v).
+        horizon: FMM's horizon ``H`` (steps).
+        horizons: The FMM(H) curve's horizons (default 1, 2, 4, … ``H``).
+        every: Steps between events (default: the trace's ``w``).
+        m: Global LIR's misses before an episode is eligible.
+        h_lir: Global LIR's reactivation horizon in events (None: any time later).
+        delta: The lag δ of P01/P10 (events).
+        errors: Attention and output errors where q/k/v are recorded.
+        validate: Check every policy invariant at every step (tests).
+        threads: Where this process runs the tasks itself, cache states advanced in parallel
+            within a step (default: up to 2; numpy releases the GIL inside its loops).
+        processes: Worker processes forked from this one that take the tasks (Linux; default:
+            up to 2 for a grid of at least ``kvscope.defaults.REPLAY_FORK_CELLS`` run × step ×
+            unit × position cells from a trace given by its path; 0: none).
+        n_boot: Bootstrap resamples of the confidence intervals.
+        seed: Seed of the bootstrap.
+        resample: What the confidence intervals resample: ``samples`` (prompts) or ``units``.
+        kv_itemsize: Bytes per full-precision K/V element in the byte model (2: 16-bit; 4
+            compares with a live cache of an fp32 model).
+        question_agnostic: Refuse a trace whose prefill held the question (the protocol is
+            fixed when a trace is recorded: on a trace made with ``trace --question-agnostic``
+            every policy first compresses at the end of the context, and the question's steps
+            are decode steps).
+        layers_per_task: Layers of one sample per task (default: as many as 2 GiB hold).
+        kv_heads_per_task: KV heads of those layers per task (default: all).
+        client: A ``dask.distributed`` client whose workers take the tasks.
+        progress: Called as ``progress(done, total)`` per step (per task on a cluster).
+        out: Write the result store there (an existing path is refused).
+
+    Returns:
+        The result: one run per (policy, allocation, budget).
+
+    Raises:
+        KvscopeError: Bad input, or a trace the runs cannot use (one line).
     """
     from ..storage.store import open_trace
 
@@ -130,7 +160,7 @@ def replay(
 def _run(
     setup: ReplaySetup, outputs, block: tuple[int, int], client, threads: int | None, processes: int, progress
 ) -> str:
-    """Every task (:mod:`kvscope.replay.plan`, :mod:`kvscope.replay.tasks`): on the ``client``, in
+    """Every task (``kvscope.replay.plan``, ``kvscope.replay.tasks``): on the ``client``, in
     ``processes`` forked workers, or in this process with the runs of a step advanced by ``threads``
     (default: up to 2; numpy releases the GIL inside its loops). Returns where they ran (the result's
     ``replay_workers``): ``dask:N`` (N worker threads), ``forked:N`` or ``threads:N``."""
@@ -185,7 +215,7 @@ def _torch_one_thread(uses_torch: bool):
 
 
 def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, pool=None, progress=None) -> None:
-    """Every task of ``setup`` (:func:`plan` with ``block`` = (layers, KV heads) per task), in this
+    """Every task of ``setup`` (``plan`` with ``block`` = (layers, KV heads) per task), in this
     process or on the dask ``client``, their records absorbed into ``outputs`` and the sample's budgets set."""
     pieces = plan(setup, *block)
     oracle = any(a.clairvoyant for a in setup.allocations)
@@ -223,11 +253,11 @@ def _remote(function, setup_state: dict, *args):
 
 
 class _StorePath(str):
-    """The result store's folder, opened as a :class:`TierStore` by the worker."""
+    """The result store's folder, opened as a ``TierStore`` by the worker."""
 
 
 def _gather(client, function, state, pieces, *args, progress=None, setup=None) -> list:
-    """``function(setup, piece, *args)`` per piece on the cluster (or :class:`ForkedWorkers`),
+    """``function(setup, piece, *args)`` per piece on the cluster (or ``ForkedWorkers``),
     results in the pieces' order (``progress(k)`` with a finished task's steps)."""
     results: list = [None] * len(pieces)
     calls = [(function, state, piece, *args) for piece in pieces]

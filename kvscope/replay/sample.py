@@ -1,6 +1,6 @@
 """One sample replayed: every (policy, budget) run driven through the same steps.
 
-Per step ``t`` (the loop of :mod:`kvscope.replay`)::
+Per step ``t`` (the loop of [`kvscope.replay`][kvscope.replay]):
 
     t = 0    driver.prefill(colsum, tail)            every run, from the trace's prompt attention
     t ≥ 1    driver.append(P − 1 + t)                the new key at full precision (every run)
@@ -91,7 +91,7 @@ def _step(advance, run: Run, inputs: StepInputs, horizon: int) -> None:
 
 
 class SampleReplay:
-    """Sample ``s`` of ``setup`` (a :class:`kvscope.replay.ReplaySetup`) under every run of the
+    """Sample ``s`` of ``setup`` (a [`kvscope.replay.ReplaySetup`][kvscope.replay.ReplaySetup]) under every run of the
     grid, recorded into ``outputs``."""
 
     def __init__(self, setup, s: int, outputs: Outputs | None, splits: dict | None = None):
@@ -135,7 +135,7 @@ class SampleReplay:
     def oracle_probes(self, policy, oracle, budget) -> tuple[np.ndarray, np.ndarray]:
         """``(capacities, loss) [candidate, layer, kv_head]`` for the oracle allocation: the
         policy replayed on this sample with every unit at each candidate capacity
-        (:meth:`~kvscope.policies.allocation.Oracle.candidates`: levels of the room above its
+        ([`candidates`][kvscope.policies.allocation.Oracle.candidates]: levels of the room above its
         floor, and the splits of uniform, pyramid, adakv and the replay's other allocations),
         and each unit's loss there — its FMM, FMM fp or output error summed over the events. A unit's
         decisions depend only on its own capacity, so these are the losses of any split."""
@@ -200,7 +200,7 @@ class SampleReplay:
             run.finish()
 
     def _inputs(self, t: int) -> StepInputs:
-        """Step ``t``'s :class:`StepInputs`; the future-mass stream advances here (and only here)."""
+        """Step ``t``'s ``StepInputs``; the future-mass stream advances here (and only here)."""
         r = self.reader
         resolved = self.stream.add(t, r.row(t))
         event = self.event_of.get(t)
@@ -236,7 +236,7 @@ class SampleReplay:
 
     def _appended(self, inputs: StepInputs) -> None:
         """Step ``t ≥ 1`` begins: every run appends the new key (at full precision); the errors of
-        the runs that :func:`only_evicted` are then measured together (:func:`evicted_errors`)."""
+        the runs that ``only_evicted`` are then measured together (``evicted_errors``)."""
         qpos = int(self.reader.query_pos[inputs.t])
         for run in self.runs:
             run.driver.append(qpos)

@@ -8,12 +8,12 @@ and a result store appears at its path only once it is complete.
 
 Every chunk of every array is written (``write_empty_chunks``: also those equal to the fill
 value), so a chunk missing from a result store is damage, never an all-NaN block; the group's
-attributes carry their own CRC32C (:func:`attributes_checksum`), since a result is written once.
+attributes carry their own CRC32C (``attributes_checksum``), since a result is written once.
 
 Two writers racing for the same path each write their own partial folder; the first rename
 wins, the second fails (Linux refuses to rename onto a non-empty directory) and its partial
 folder is removed, so a result store is always one writer's complete result. Every chunk
-carries a CRC32C checksum after the compressor (:func:`kvscope.storage.store.compressors`), so a
+carries a CRC32C checksum after the compressor (``kvscope.storage.store.compressors``), so a
 damaged chunk is refused when read.
 """
 
@@ -89,7 +89,7 @@ def rename_into_place(partial: Path, path: Path) -> None:
 @contextlib.contextmanager
 def result_folder(out):
     """The folder a replay streams into: ``out``'s partial folder, or a temporary one (removed
-    here if the replay fails; afterwards :func:`lazy_tiers` owns it)."""
+    here if the replay fails; afterwards ``lazy_tiers`` owns it)."""
     if out is not None:
         with written_in_place(out) as partial:
             yield partial
@@ -104,14 +104,14 @@ def result_folder(out):
 
 def tier_chunks(shape: tuple[int, ...], block: tuple[int, int] | None = None) -> tuple[int, ...]:
     """One chunk per snapshot and ``block`` of (layers, KV heads) (default all): ``[1, 1, 1, 1, 1,
-    layers, kv_heads, pos]`` — a replay task of some units writes chunks of its own (SPEC §5)."""
+    layers, kv_heads, pos]`` — a replay task of some units writes chunks of its own (docs/replay.md)."""
     chunks = (1,) * SNAPSHOT_INDEX + tuple(shape[SNAPSHOT_INDEX:])
     return chunks if block is None else chunks[:SNAPSHOT_INDEX] + tuple(block) + chunks[-1:]
 
 
 class TierStore:
     """``tiers [policy, allocation, budget, sample, event, layer, kv_head, pos]`` int8 in the group at
-    ``root``, each snapshot written as it is taken; :meth:`complete` then writes −1 (none)
+    ``root``, each snapshot written as it is taken; ``complete`` then writes −1 (none)
     into the snapshots never taken (events past a sample's steps). ``block``: the (layers, KV
     heads) of one chunk (a task's). Without ``shape``, the existing store at ``root`` (a dask worker's view)."""
 

@@ -1,10 +1,10 @@
-"""What one replay task does (:class:`~kvscope.replay.plan.Piece`: one sample, a block of layers ×
-KV heads, some policies): the trace restricted to its units (:func:`restricted`); for the
-oracle allocation first its units' losses at the candidate capacities (:func:`probe`, phase 1),
-from which the split is chosen over every task of the sample (:func:`oracle_splits`); then its
-runs (:func:`replay_piece`, phase 2), their snapshots written into the result store through a
-:class:`TierWindow`, its small per-unit records returned. Where the tasks run:
-:mod:`kvscope.replay.run`.
+"""What one replay task does (``Piece``: one sample, a block of layers ×
+KV heads, some policies): the trace restricted to its units (``restricted``); for the
+oracle allocation first its units' losses at the candidate capacities (``probe``, phase 1),
+from which the split is chosen over every task of the sample (``oracle_splits``); then its
+runs (``replay_piece``, phase 2), their snapshots written into the result store through a
+``TierWindow``, its small per-unit records returned. Where the tasks run:
+``kvscope.replay.run``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def restricted(setup, piece: Piece):
 def probe(setup, piece: Piece) -> dict:
     """Phase 1 of the oracle allocation: ``{(policy, allocation, budget): (capacities, loss)}``
     ``[candidate, layer, kv_head]`` over the task's units
-    (:meth:`~kvscope.replay.sample.SampleReplay.oracle_probes`)."""
+    (``oracle_probes``)."""
     oracles = [(ai, a) for ai, a in enumerate(setup.allocations) if a.clairvoyant]
     sample = SampleReplay(restricted(setup, piece), 0, None)
     return {
@@ -68,9 +68,9 @@ class TierWindow:
     """A task's view of the result's tiers: a snapshot of its run ``(j, allocation, budget,
     0, event)`` is written at the replay's ``(policy, allocation, budget, sample, event)`` and the
     task's units — once every run of the task has taken its snapshot of that event, all of them
-    in one write (:meth:`TierStore.write_runs`; the runs call from the pool's threads), on a
-    writer thread of its own while the runs go on (at most :data:`WRITES_AHEAD` events queued;
-    :meth:`complete` waits for them and raises a failed write)."""
+    in one write (``TierStore.write_runs``; the runs call from the pool's threads), on a
+    writer thread of its own while the runs go on (at most ``WRITES_AHEAD`` events queued;
+    ``complete`` waits for them and raises a failed write)."""
 
     WRITES_AHEAD = 2
 
@@ -136,7 +136,7 @@ class TierWindow:
 
 def replay_piece(setup, piece: Piece, store: TierStore, splits: dict, pool=None, progress=None):
     """Phase 2: the task's runs, their snapshots written to ``store``; returns its record (an
-    :class:`Outputs` of one sample and its units, tiers dropped) and the snapshots taken."""
+    ``Outputs`` of one sample and its units, tiers dropped) and the snapshots taken."""
     sub = restricted(setup, piece)
     window = TierWindow(store, piece)
     part = Outputs.allocate(sub, None, tiers=window)

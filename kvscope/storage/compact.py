@@ -1,14 +1,14 @@
 """``kvscope compact IN OUT --rows FORMAT``: a copy of a complete trace whose probability rows
-are stored in a lossy row format (:mod:`kvscope.storage.rowformat`: rounded once here, then written
+are stored in a lossy row format (``kvscope.storage.rowformat``: rounded once here, then written
 through the store's usual lossless codecs), everything else as it was, bit for bit.
 
     summary = compact("traces/demo.zarr", "traces/demo-round4.zarr", "round4")
 
-The input is read through the checks of :func:`kvscope.storage.store.check_store` (every chunk's
+The input is read through the checks of ``kvscope.storage.store.check_store`` (every chunk's
 CRC32C, chunks missing inside the committed steps refused); only a complete trace stored
 exactly is converted (rounding a rounded store would add a second error). The copy is written
 chunk by chunk (memory: one chunk) under a temporary name beside ``OUT``, checked with
-:func:`kvscope.storage.verify.verify` (the rows against the format's widened tolerance) and only then
+``kvscope.storage.verify.verify`` (the rows against the format's widened tolerance) and only then
 renamed to ``OUT``; on any failure nothing is left. ``OUT`` must not exist.
 """
 
@@ -28,11 +28,23 @@ from .store import check_store, consolidate, create, walking_members
 CLEVEL = 9  # zstd's level for the rows: written once, offline; on rounded rows ~4% smaller than level 1
 
 
-def compact(src, dst, rows: str, level: int = CLEVEL) -> dict:
-    """Write ``dst``, the trace ``src`` with its rows in format ``rows``, compressed with zstd at
-    ``level`` (blosc's 1–9; 9: ~2% smaller than 6 on rounded rows and ~25× slower); returns
-    ``{"rows", "in_bytes", "out_bytes", "attn_in_bytes", "attn_out_bytes", "attn_raw_bytes"}``
-    (``attn_raw_bytes``: the committed rows' values × their itemsize, uncompressed)."""
+def compact(src: str | os.PathLike, dst: str | os.PathLike, rows: str, level: int = CLEVEL) -> dict:
+    """Write ``dst``, the trace ``src`` with its rows in format ``rows`` (the module docstring).
+
+    Args:
+        src: A complete trace whose rows are exact.
+        dst: The new store (it must not exist).
+        rows: The row format: ``exact``, or a lossy one (``round4``, ``round3-peaks``, …;
+            ``kvscope.storage.rowformat.FORMATS``).
+        level: zstd's level (blosc's 1–9; 9: ~2% smaller than 6 on rounded rows and ~25× slower).
+
+    Returns:
+        ``{"rows", "in_bytes", "out_bytes", "attn_in_bytes", "attn_out_bytes", "attn_raw_bytes"}``
+        (``attn_raw_bytes``: the committed rows' values × their itemsize, uncompressed).
+
+    Raises:
+        KvscopeError: A partial or already lossy trace, an existing ``dst``, a bad format or level.
+    """
     fmt = row_format(rows)
     if not (isinstance(level, int) and not isinstance(level, bool) and 1 <= level <= 9):
         raise KvscopeError(f"--level must be an integer in 1..9 (got {level!r})")

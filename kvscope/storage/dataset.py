@@ -27,24 +27,36 @@ from .rowformat import RowFormat
 
 @xr.register_dataset_accessor("kvscope")
 class TraceAccessor:
+    """``ds.kvscope`` of a trace opened with [`open_trace`][kvscope.open_trace]: what the trace
+    was recorded with and the model's geometry, read from its attributes and coordinates (the
+    module docstring).
+
+    Args:
+        ds: The trace.
+    """
+
     def __init__(self, ds: xr.Dataset):
         self._ds = ds
 
     @property
     def attrs(self) -> dict:
+        """The trace's group attributes."""
         return self._ds.attrs
 
     # -- recording settings ------------------------------------------------------------------
     @property
     def w(self) -> int:
+        """The window size the trace was recorded with."""
         return int(self.attrs.get("w", defaults.W))
 
     @property
     def n_sink(self) -> int:
+        """The sinks the trace was recorded with."""
         return int(self.attrs.get("n_sink", defaults.N_SINK))
 
     @property
     def obs_window(self) -> int:
+        """The last prefill rows stored (``prefill_tail``)."""
         return int(self.attrs.get("obs_window", defaults.OBS_WINDOW))
 
     @property
@@ -54,11 +66,12 @@ class TraceAccessor:
 
     @property
     def resolution(self) -> str:
+        """``token`` (one value per position) or ``window`` (window sums)."""
         return str(self.attrs.get("resolution", "token"))
 
     @functools.cached_property
     def rows(self) -> RowFormat:
-        """How the probability rows are stored (:mod:`kvscope.storage.rowformat`; exact unless compacted)."""
+        """How the probability rows are stored (``kvscope.storage.rowformat``; exact unless compacted)."""
         return RowFormat.of(self.attrs)
 
     @property
@@ -74,6 +87,7 @@ class TraceAccessor:
     # -- the model ---------------------------------------------------------------------------
     @functools.cached_property
     def model(self) -> ModelSpec:
+        """The model's geometry: layers, heads, the attention rule of each layer, cache geometry."""
         ds = self._ds
         config = (self.attrs.get("model") or {}).get("config") or {}
         if not (config.get("head_dim") or "dim" in ds.sizes):
@@ -98,6 +112,7 @@ class TraceAccessor:
 
     @property
     def has_qkv(self) -> bool:
+        """The trace recorded q/k/v (``--record qkv``)."""
         return all(name in self._ds for name in ("q", "k", "v"))
 
     @functools.cached_property
@@ -144,6 +159,10 @@ class TraceAccessor:
         return np.asarray(self.attrs.get("question_tokens", [0] * self._ds.sizes["sample"]), dtype=np.int64)
 
     def generated(self, s: int) -> np.ndarray:
-        """Token ids sample ``s`` generated (after a forced question)."""
+        """Token ids sample ``s`` generated (after a forced question).
+
+        Args:
+            s: The sample's index.
+        """
         start = int(self.prompt_len[s] + self.question_tokens[s])
         return np.asarray(self._ds["tokens"].values[s, start : int(self.prompt_len[s] + self.n_steps[s])])

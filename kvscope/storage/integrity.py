@@ -1,25 +1,25 @@
 """What a trace store must be before any number is read from it (docs/trace-format.md,
 "Guarantees").
 
-On open (:func:`check_store`), in order, each failure one :class:`~kvscope.errors.StoreError`
+On open (``check_store``), in order, each failure one [`StoreError`][kvscope.errors.StoreError]
 line naming what and where:
 
 1. the group's attributes: types and ranges (status, committed steps per sample, heads,
    resolution, dtype, ``w``, sinks, observation window, block of steps, the model's sizes,
    the number of shards of a store written by shards);
-2. every array of the schema that the attributes imply (:func:`kvscope.storage.store.schema`): present,
+2. every array of the schema that the attributes imply (``kvscope.storage.store.schema``): present,
    with its dims, dtype, shape, chunks, fill value, and a CRC32C checksum on every data array;
 3. the small arrays that say which rows exist: coordinates are their indices, prompt lengths
    fit the store, ``n_steps`` equals the committed steps of a complete store, ``query_pos`` is
    ``P − 1 + t`` and ``token_id`` is ``tokens[P + t]`` for every committed step, token ids lie
    in the vocabulary.
 
-Every read then goes through :class:`TraceStore`: a chunk is decoded only after its CRC32C
+Every read then goes through ``TraceStore``: a chunk is decoded only after its CRC32C
 matched, and a chunk missing where the committed steps need it is an error, never fill
-values. A failing chunk raises :class:`DamagedStore`, naming the array, the chunk and
+values. A failing chunk raises ``DamagedStore``, naming the array, the chunk and
 ``kvscope verify``. Values inside the rows (NaN where a probability belongs, probabilities
 outside [0, 1], rows that do not sum to 1) are checked by the readers that decode them
-(:mod:`kvscope.analysis.kernels`, replay's reader) and by ``kvscope verify``.
+(``kvscope.analysis.kernels``, replay's reader) and by ``kvscope verify``.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def _zarr_parses(path, name: str, meta: dict) -> None:
 
 
 def _check_geometry(config: dict, need) -> None:
-    """The cache-geometry keys of a model config (:class:`kvscope.model.spec.ModelSpec`), where given."""
+    """The cache-geometry keys of a model config (``kvscope.model.spec.ModelSpec``), where given."""
     n_layers, n_heads = config["n_layers"], config["n_heads"]
     layers = config.get("attention_layers") or []
     ok = isinstance(layers, list) and all(is_int(x) for x in layers) and layers == sorted(set(layers))
@@ -288,7 +288,7 @@ def _finite(x) -> bool:
 
 
 def expected_layout(path, attrs: dict, metas: dict):
-    """The :class:`~kvscope.storage.store.Layout` the attributes describe (positions from ``tokens``,
+    """The ``Layout`` the attributes describe (positions from ``tokens``,
     steps from ``attn``: the schema then checks that every array agrees)."""
     for name in ("attn", "tokens"):
         if name not in metas:
@@ -340,7 +340,7 @@ SMALL = ("prompt_len", "n_steps", "query_pos", "token_id", "tokens", "prefill_ta
 
 
 def check_small_arrays(path, attrs: dict, layout, arrays):
-    """``(store, committed, prompt_len, small)``: a :class:`TraceStore` with the committed
+    """``(store, committed, prompt_len, small)``: a ``TraceStore`` with the committed
     region's rules, and the small arrays read through it and checked (module docstring, 3)."""
     import zarr
 
@@ -405,7 +405,7 @@ def _check_positions(path, small: dict, committed, prompt_len, layout, attrs) ->
 class ChunkRules:
     """Which chunks of which arrays the committed steps need, and which carry a CRC32C.
 
-    ``written`` per array (:attr:`kvscope.storage.store.ArraySpec.written`): ``static`` (always),
+    ``written`` per array (``kvscope.storage.store.ArraySpec.written``): ``static`` (always),
     ``sample`` (samples with a committed step), ``any`` (once any step is committed), ``steps``
     (blocks of committed steps), ``events`` (events at committed steps), ``positions`` (blocks
     of positions that have q/k/v: ``< P + committed − 1``)."""
@@ -464,7 +464,7 @@ class ChunkRules:
 
 
 class TraceStore(LocalStore):
-    """A read-only :class:`zarr.storage.LocalStore` that refuses damaged chunks (module docstring)."""
+    """A read-only ``zarr.storage.LocalStore`` that refuses damaged chunks (module docstring)."""
 
     def __init__(self, root, *, read_only: bool = True, rules: ChunkRules | None = None):
         super().__init__(root, read_only=True)

@@ -54,7 +54,7 @@ def writable(folder: Path) -> bool:
 
 
 def figure_path(path, flag: str = "--plot") -> Path:
-    """A figure file: :func:`output_path`, not a folder, with a format matplotlib writes."""
+    """A figure file: ``output_path``, not a folder, with a format matplotlib writes."""
     p = output_path(path, flag, file=True)
     if p.is_dir():
         raise KvscopeError(f"{flag} {p} is a folder; name a file such as figure.png")

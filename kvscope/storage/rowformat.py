@@ -17,14 +17,14 @@ one, so the top-``k`` set of any range of the row that leaves out at most ``n_si
 The values are rounded once, when a store is written in the format; the chunks then go through
 the store's usual lossless codecs. The dropped bits are zeros, which bit-shuffle and zstd store
 almost for free, and any zarr reader reads the rows without kvscope (no codec to know). For a
-value ``p`` stored as ``d``, with ``m`` the dtype's smallest normal (2^-14 fp16, 2^-126 fp32)::
+value ``p`` stored as ``d``, with ``m`` the dtype's smallest normal (2^-14 fp16, 2^-126 fp32):
 
     |d − p| ≤ h · max(p, m),   h = 2^-(K+1)
 
 (a normal value keeps ``K`` bits after its leading one: half a unit in the last kept place; a
 subnormal's spacing is that of ``m``). Hence a row of ``n`` values that summed to 1 within the
 dtype's tolerance ``T(n)`` sums to 1 within ``T(n) + h · (1 + T(n) + n·m)``
-(:attr:`RowFormat.slack` is the ``h`` the row checks add; 0 for exact rows). Zeros stay 0
+(``RowFormat.slack`` is the ``h`` the row checks add; 0 for exact rows). Zeros stay 0
 and NaN stays NaN, so the positions a row covers do not change.
 
 ``…-carry`` (``roundK-carry``, ``roundK-peaks-carry``) feeds each rounding error forward
@@ -34,7 +34,7 @@ positions): in position order, each value to round becomes ``y_i = p_i + c_{i-1}
 clamped into ``[0, max(1, p_i)]``, and leaves ``c_i = y_i − d_i`` to the next; a value kept
 exact (peaks, zeros, NaN, or one whose ``d_i`` would reach the kept) passes ``c`` on
 unchanged. Then ``d_i − p_i = c_{i-1} − c_i``, so a window's errors telescope: with ``M`` the
-window's largest rounded value and ``s = h / (1 − h)``::
+window's largest rounded value and ``s = h / (1 − h)``:
 
     |c_i| ≤ s · max(M, m)                                 (induction: docs/trace-format.md)
     |Σ_{window} d − Σ_{window} p| = |c_last| ≤ s · max(M, m)        (a window's mass)
@@ -171,7 +171,7 @@ EXACT = RowFormat("exact")
 
 
 def row_format(name: str) -> RowFormat:
-    """The format called ``name`` (one of :data:`FORMATS`), else one line listing them."""
+    """The format called ``name`` (one of ``FORMATS``), else one line listing them."""
     if name not in FORMATS:
         raise KvscopeError(f"--rows {name!r} is not a row format; choose one of {', '.join(FORMATS)}")
     if name == "exact":
@@ -190,7 +190,7 @@ def _grid(y: np.ndarray, keepbits: int, smallest_normal: float) -> np.ndarray:
 
 def _window_starts(n: int, n_sink: int, w: int) -> np.ndarray:
     """``[pos]`` True where a window of a row of ``n`` tokens starts: 0 (the sinks), then every
-    ``w`` from ``n_sink``. (Rows of windows, ``w = 1``, are not carried: :meth:`RowFormat.round`.)"""
+    ``w`` from ``n_sink``. (Rows of windows, ``w = 1``, are not carried: ``RowFormat.round``.)"""
     i = np.arange(n)
     return (i == 0) | ((i >= n_sink) & ((i - n_sink) % w == 0))
 

@@ -1,6 +1,6 @@
-"""The trace store's schema (SPEC §3, docs/trace-format.md): every array a store holds, with its
-dims, dtype, shape, chunks and fill value, from the sizes of one store (:class:`Layout`).
-:func:`kvscope.storage.store.create` makes exactly these arrays; :mod:`kvscope.storage.integrity` checks a
+"""The trace store's schema (docs/trace-format.md#arrays): every array a store holds, with its
+dims, dtype, shape, chunks and fill value, from the sizes of one store (``Layout``).
+``kvscope.storage.store.create`` makes exactly these arrays; ``kvscope.storage.integrity`` checks a
 store against them before anything is read."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Layout:
 
     @classmethod
     def geometry(cls, config: dict) -> dict:
-        """The geometry fields of a layout from a store's model config (:meth:`ModelSpec.config`)."""
+        """The geometry fields of a layout from a store's model config (``ModelSpec.config``)."""
         n_kv = config["n_kv_heads"]
         key_heads = config.get("key_heads") or n_kv
         return {
@@ -115,7 +115,7 @@ def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float
 
 
 def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
-    """``(coordinates, arrays)`` of a store with layout ``L`` (SPEC §3; the module docstring).
+    """``(coordinates, arrays)`` of a store with layout ``L`` (docs/trace-format.md#arrays; the module docstring).
     Rows and prefill arrays are chunked per sample, block of steps and layer; q/k/v per
     sample, layer and block of positions."""
     hs, f = L.head_dim_name, L.dtype

@@ -1,10 +1,10 @@
-"""Trace store: schema, creation, opening and validation (SPEC §3, docs/trace-format.md).
+"""Trace store: schema, creation, opening and validation (docs/trace-format.md#arrays).
 
 One Zarr v3 group per trace. Every array carries ``dimension_names`` so that
 ``xarray.open_zarr`` gives named dims; 1-D coordinate arrays carry the index of each dim.
 
 Arrays (shapes with dims; ``Hs`` = the stored head dim: ``kv_head``, ``head``, or ``head``
-of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
+of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens):
 
     attn            [sample, step, layer, Hs, pos]          f16/f32  decode rows, NaN beyond query_pos
                     [sample, step, layer, Hs, window]       (resolution=window: window sums)
@@ -29,7 +29,7 @@ of length 1 for ``--heads mean``; ``T`` = max prompt length + max_new_tokens)::
     policy_tiers    [sample, event, layer, kv_head, pos]    i8       optional (trace --policy): tiers of the
                                                                      live cache after deciding at steps
                                                                      0, w, 2w, … (−1 none, 0 EVICTED, 1 Q, 2 FP)
-    policy_bytes    [sample, step]                          f64      its bytes by the SPEC §5 accounting
+    policy_bytes    [sample, step]                          f64      its bytes by the byte model (docs/concepts.md#budget)
     policy_cache_bytes [sample, step]                       i64      nbytes of its tensors
 """
 
@@ -42,6 +42,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from ..model.spec import ModelSpec
 from . import dataset  # noqa: F401  (registers the ds.kvscope accessor on every opened trace)
 from .rowformat import ROW_ARRAYS, RowFormat
 from .schema import SCHEMA_VERSION, Layout, schema
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 
 @contextlib.contextmanager
@@ -64,7 +68,7 @@ def walking_members():
 
 
 def consolidate(path) -> None:
-    """Consolidate a store's metadata (only once it is complete: SPEC §2). zarr's note that
+    """Consolidate a store's metadata (only once it is complete: docs/trace-format.md#capture). zarr's note that
     consolidated metadata is not part of the v3 specification is kvscope's to know, not the
     user's (a shard of ``trace --dask`` consolidates inside a worker, whose stderr is the CLI's)."""
     import zarr
@@ -111,9 +115,9 @@ def compressors(clevel: int = 1):
 
 
 def create(path: Path, layout: Layout, attrs: dict, row_clevel: int = 1) -> None:
-    """Create the group and preallocate every array of :func:`schema` at full size (chunks
+    """Create the group and preallocate every array of ``schema`` at full size (chunks
     are written later); coordinates hold the index of their dim; ``row_clevel``: zstd's level
-    for the probability rows (:data:`kvscope.storage.rowformat.ROW_ARRAYS`)."""
+    for the probability rows (``kvscope.storage.rowformat.ROW_ARRAYS``)."""
     import zarr
 
     root = zarr.open_group(str(path), mode="w", zarr_format=3, attributes=attrs)
@@ -157,7 +161,7 @@ def read_attrs(path: str | os.PathLike) -> dict:
 
 @dataclass
 class CheckedStore:
-    """A trace store that passed every check of :mod:`kvscope.storage.integrity` on open."""
+    """A trace store that passed every check of ``kvscope.storage.integrity`` on open."""
 
     path: Path
     attrs: dict
@@ -169,7 +173,7 @@ class CheckedStore:
 
 
 def check_store(path: str | os.PathLike) -> CheckedStore:
-    """Attributes, schema and the small arrays of a trace (:mod:`kvscope.storage.integrity`), one line
+    """Attributes, schema and the small arrays of a trace (``kvscope.storage.integrity``), one line
     naming what and where for the first problem."""
     from .integrity import check_attrs, check_schema, check_small_arrays, read_metas
 
@@ -181,16 +185,24 @@ def check_store(path: str | os.PathLike) -> CheckedStore:
     return CheckedStore(p, attrs, layout, store, committed, prompt_len, small)
 
 
-def open_trace(path: str | os.PathLike, chunks=None):
+def open_trace(path: str | os.PathLike, chunks: str | dict | None = None) -> xr.Dataset:
     """Open a trace as a lazily loaded ``xarray.Dataset`` with named dims and coordinates,
-    after the checks of :func:`check_store`; every chunk it reads is checked too.
+    after the checks of ``check_store``; every chunk it reads is checked too.
 
-    ``chunks=None`` gives lazily indexed arrays; ``chunks={}`` dask arrays with the store's
-    chunks (one block of steps × one layer); ``chunks="analysis"`` dask arrays of as many of
-    those blocks of steps as :func:`analysis_chunks` puts in one task; any other value is passed
-    to xarray. Only committed
-    steps are visible: ``n_steps`` and ``query_pos`` say which rows exist, and in a partial store
-    uncommitted rows read as NaN (lazily: a partial store opens dask-backed)."""
+    Only committed steps are visible: ``n_steps`` and ``query_pos`` say which rows exist, and in
+    a partial store uncommitted rows read as NaN (lazily: a partial store opens dask-backed).
+    The Dataset has the ``ds.kvscope`` accessor
+    ([`TraceAccessor`][kvscope.storage.dataset.TraceAccessor]).
+
+    Args:
+        path: The store (``*.zarr``).
+        chunks: None gives lazily indexed arrays; ``{}`` dask arrays with the store's chunks
+            (one block of steps × one layer); ``"analysis"`` dask arrays of as many of those
+            blocks of steps as one analysis task reads; any other value is passed to xarray.
+
+    Raises:
+        StoreError: Not a trace store, or a damaged one (one line naming the problem).
+    """
     import xarray as xr
 
     checked = check_store(path)

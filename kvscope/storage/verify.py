@@ -1,9 +1,9 @@
 """``kvscope verify``: every committed chunk of a trace read, checked, and its values tested.
 
-    1. the checks on open (:mod:`kvscope.storage.integrity`): attributes, schema, the small arrays —
+    1. the checks on open (``kvscope.storage.integrity``): attributes, schema, the small arrays —
        a store that fails them is reported with that one problem (nothing else can be trusted);
     2. every chunk the committed steps need: present, its CRC32C matching, decodable;
-    3. its values (:data:`CHECKS`):
+    3. its values (``CHECKS``):
          attention rows      probabilities in [0, 1], finite up to the query, NaN beyond it,
                              each row summing to 1 within the tolerance of its dtype
                              (window resolution: window sums and sinks together) — to 1 − σ
@@ -14,14 +14,14 @@
          rope parameters     finite; inverse frequencies ≥ 0, scalings > 0
          policy arrays       tier codes −1/0/1/2, bytes ≥ 0
     4. ``deep``: rows of a sample of steps recomputed from the recorded q/k with the model's
-       attention rule (:mod:`kvscope.model.attention`) and compared with the stored rows.
+       attention rule (``kvscope.model.attention``) and compared with the stored rows.
 
 Each problem is one line naming the array and the chunk (its block index along every dim).
-A replay result (``kvscope replay --out``) is checked by :func:`kvscope.replay.check.verify_result`.
+A replay result (``kvscope replay --out``) is checked by ``kvscope.replay.check.verify_result``.
 
 Row-sum tolerance of ``n`` stored values: ``T(n) = 2^-10 + n·2^-24`` for fp16 (each value rounded
 to 11 significant bits, subnormals to 2^-24), ``10^-5 + n·2^-23`` for fp32; rows of a lossy row
-format (:mod:`kvscope.storage.rowformat`, relative error ``ρ``) add ``ρ·(1 + T(n) + n·m)``, ``m`` the
+format (``kvscope.storage.rowformat``, relative error ``ρ``) add ``ρ·(1 + T(n) + n·m)``, ``m`` the
 dtype's smallest normal.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ MAX_PROBLEMS = 200  # lines reported; the count says how many more
 
 @dataclass
 class Problem:
+    """One problem of a store: an array, its chunk, and what is wrong."""
+
     array: str
     chunk: str  # block index along every dim, or "-" for the store as a whole
     what: str
@@ -56,8 +59,21 @@ class Problem:
 
 @dataclass
 class Report:
+    """What [`verify`][kvscope.storage.verify.verify] found.
+
+    Attributes:
+        path: The store.
+        kind: ``trace`` or ``replay result``.
+        problems: The first problems found (at most 50), each naming its array and chunk.
+        n_problems: Problems found in all.
+        chunks: Chunks read.
+        rows: Attention rows checked.
+        deep_rows: Rows recomputed from q/k (``deep``).
+        seconds: Wall time.
+    """
+
     path: str
-    kind: str  # trace | replay result
+    kind: str
     problems: list[Problem] = field(default_factory=list)
     n_problems: int = 0
     chunks: int = 0
@@ -67,14 +83,23 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """No problem was found."""
         return self.n_problems == 0
 
-    def add(self, array: str, chunk, what: str) -> None:
+    def add(self, array: str, chunk: str | tuple, what: str) -> None:
+        """Record a problem.
+
+        Args:
+            array: The array.
+            chunk: Its block index along every dim, or ``"-"`` for the store as a whole.
+            what: What is wrong.
+        """
         self.n_problems += 1
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(Problem(array, chunk if isinstance(chunk, str) else _index(chunk), what))
 
     def doc(self) -> dict:
+        """The report as JSON (``kvscope verify --json``)."""
         return {**{k: v for k, v in asdict(self).items() if k != "problems"}, "ok": self.ok,
                 "problems": [p.line() for p in self.problems]}  # fmt: skip
 
@@ -100,13 +125,13 @@ class Context:
 
     @property
     def slack(self) -> float:
-        """The relative error of the rows' format (:mod:`kvscope.storage.rowformat`; 0: exact)."""
+        """The relative error of the rows' format (``kvscope.storage.rowformat``; 0: exact)."""
         return RowFormat.of(self.checked.attrs).slack
 
 
 def _rows(report: Report, ctx: Context, array: str, index, rows: np.ndarray, qpos: np.ndarray, shares=None) -> None:
     """Probability rows ``rows [a, b, pos]`` whose queries sit at ``qpos [a]`` (−1: no row),
-    checked in the compiled pass every reader uses (:func:`kvscope.analysis.kernels.block_stats`),
+    checked in the compiled pass every reader uses (``kvscope.analysis.kernels.block_stats``),
     with the tolerance of the store's row format; ``shares [a, b]``: their learned sink's."""
     from ..analysis.kernels import row_checks, row_totals, rows_problem
 
@@ -126,7 +151,7 @@ def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray, sh
 
 def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray, shares=None):
     """Window sums ``[1, step, 1, Hs, window]`` and sinks ``[…, sink]`` of one block of steps:
-    together they are the row (:func:`kvscope.windows.window_rows`), checked over units with the
+    together they are the row (``kvscope.windows.window_rows``), checked over units with the
     last existing unit standing in for the query position."""
     from ..windows import window_rows
 
@@ -235,9 +260,19 @@ def check_policy(report: Report, ctx: Context, array: str, index, origin, data: 
 # -- the passes -------------------------------------------------------------------------------
 
 
-def verify(path, deep: bool = False, deep_rows: int = 64) -> Report:
-    """The report of a trace store (module docstring); a replay result's is
-    :func:`kvscope.replay.check.verify_result`."""
+def verify(path: str | os.PathLike, deep: bool = False, deep_rows: int = 64) -> Report:
+    """The report of a trace store: every committed chunk read, checked, and its values tested
+    (``kvscope verify``; the module docstring); a replay result's is
+    ``kvscope.replay.check.verify_result``.
+
+    Args:
+        path: The store.
+        deep: Also recompute rows of a sample of steps from the recorded q/k and compare.
+        deep_rows: Rows recomputed with ``deep``.
+
+    Returns:
+        The problems found (none: ``report.ok``).
+    """
     from .store import check_store, read_attrs
 
     started = time.perf_counter()
@@ -290,7 +325,7 @@ SLAB_BYTES = 64 * 2**20  # chunks read together (zarr decodes them concurrently)
 
 def _slabs(rules, spec):
     """Runs of required blocks that differ only along one dim (the one with the most blocks after
-    ``sample``), of at most :data:`SLAB_BYTES`: ``(first block index, dim, count)``."""
+    ``sample``), of at most ``SLAB_BYTES``: ``(first block index, dim, count)``."""
     grid = [math.ceil(n / c) for n, c in zip(spec.shape, spec.chunks, strict=True)]
     dim = max(range(1, len(grid)), key=lambda d: grid[d], default=0)
     per_chunk = math.prod(spec.chunks) * np.dtype(spec.dtype).itemsize

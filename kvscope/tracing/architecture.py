@@ -1,10 +1,10 @@
 """Which models kvscope traces exactly, and the one-line refusal of the rest (docs/architectures.md).
 
-Before anything is written, one probe forward (:func:`kvscope.tracing.capture.probe`) shows
+Before anything is written, one probe forward (``kvscope.tracing.capture.probe``) shows
 which attention modules call kvscope's attention function and with what tensors. The model is
 traced when every such module fits one cache geometry that the model spec describes
-(:mod:`kvscope.model.spec`) and hands the function nothing the attention rule does not model;
-otherwise it is refused in one line that says why::
+(``kvscope.model.spec``) and hands the function nothing the attention rule does not model;
+otherwise it is refused in one line that says why:
 
     spec = inspect(model, settings)       # the ModelSpec of what the probe saw, or KvscopeError
 """
@@ -24,7 +24,7 @@ HARMLESS_TENSORS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", 
 
 def inspect(model, attn: str = "sdpa", record_qkv: bool = False) -> ModelSpec:
     """The model spec of ``model`` (whose attention already routes through kvscope's function,
-    kernel ``attn``), its attention layers as the probe saw them; a :class:`KvscopeError` naming
+    kernel ``attn``), its attention layers as the probe saw them; a [`KvscopeError`][kvscope.errors.KvscopeError] naming
     the reason where kvscope cannot trace it exactly.
 
     A model that attends inside its own modules (BLOOM and MPT with ALiBi, GPT-1, …) never calls
@@ -90,7 +90,7 @@ def _probed(name: str, how, model):
 
 
 def _weights_spec(name: str, model, record_qkv: bool) -> ModelSpec:
-    """The spec of a model kvscope records through ``output_attentions`` (:func:`inspect`): its
+    """The spec of a model kvscope records through ``output_attentions`` (``inspect``): its
     heads from the probabilities, its KV heads and head size from the keys its cache holds."""
     model.set_attn_implementation("eager")  # what such a model computes whatever it is asked
     shapes, keys = _probed(name, weights_probe, model)

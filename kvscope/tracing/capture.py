@@ -1,17 +1,17 @@
-"""Attention capture through transformers' ``AttentionInterface`` (SPEC §2).
+"""Attention capture through transformers' ``AttentionInterface`` (docs/trace-format.md#capture).
 
 kvscope registers one attention function per fast kernel (``kvscope_fused`` for sdpa,
 ``kvscope_eager``, ``kvscope_fa2`` for flash_attention_2) together with the matching
 ``AttentionMaskInterface`` entry. The function computes the layer output with the
-kernel the user chose and, when a :class:`AttentionRecorder` is active, recomputes the
+kernel the user chose and, when a ``AttentionRecorder`` is active, recomputes the
 probabilities of the *new query rows only* in fp32 with the attention rule of
-:mod:`kvscope.model.attention` (the layer's scaling and softcap as the model passes them; the
-sliding window and padding through transformers' mask)::
+``kvscope.model.attention`` (the layer's scaling and softcap as the model passes them; the
+sliding window and padding through transformers' mask):
 
     a = softmax(mask(softcap(q · kᵀ · scaling)))          # [batch, head, q, kv]
 
 Under ``attn_output="probs"`` the layer's output is computed from those probabilities
-instead (``out = a·V``, :meth:`AttentionRecorder.attend`) wherever the recorder computes all
+instead (``out = a·V``, ``AttentionRecorder.attend``) wherever the recorder computes all
 of them — one pass over the keys instead of two, equal to the kernel's output up to float
 summation order; the default ``kernel`` keeps the untraced model's outputs bit for bit.
 
@@ -21,8 +21,8 @@ that routes through ``AttentionInterface``.
 Key slots are mapped to absolute positions: the keys handed to the function are always
 the last ``kv`` slots of the sequence (dynamic layers return every slot, sliding-window
 layers the window), so slot ``s = seq_len − kv + j`` and position ``p = s − pad[b]``
-under left padding — except for the keys of a live policy cache (:mod:`kvscope.live`),
-which hands over a :class:`SlotView` with its keys: the absolute position of every slot per
+under left padding — except for the keys of a live policy cache ([`kvscope.live`][kvscope.live]),
+which hands over a ``SlotView`` with its keys: the absolute position of every slot per
 KV head, and which slots are padding (heads that keep fewer positions than others). The
 function then masks the padding per head and scatters rows onto positions by that map.
 """
@@ -81,8 +81,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
     """transformers' ``mask`` (bool: True = attend; float: additive) for the rows
-    ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for :func:`kvscope.model.attention.softmax`.
-    ``None`` with more than one query row means sdpa's upper-left causal alignment (SPEC appendix)."""
+    ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for ``kvscope.model.attention.softmax``.
+    ``None`` with more than one query row means sdpa's upper-left causal alignment (docs/trace-format.md#capture)."""
     if mask is None:
         if full_q_len == 1:
             return None, None
@@ -103,7 +103,7 @@ def attention_probs(
     sink: torch.Tensor | None = None,  # [head] learned sink logits
 ) -> torch.Tensor:
     """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key`` (the rule of
-    :mod:`kvscope.model.attention`; the heads of a GQA group stacked as rows, keys never copied).
+    ``kvscope.model.attention``; the heads of a GQA group stacked as rows, keys never copied).
     Rows whose every key is masked (left-padding query rows) come out as zeros, not NaN."""
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
@@ -143,7 +143,7 @@ class AttentionRecorder:
     ``heads``: ``all`` keeps every query head, ``kv`` averages the heads that share a KV
     head (a kv-group row, still sums to 1), ``mean`` averages all heads (one row).
     ``attn_output``: ``kernel`` leaves the layer's output to the model's kernel; ``probs``
-    lets :meth:`attend` compute it from the recorded probabilities wherever the recorder
+    lets ``attend`` compute it from the recorded probabilities wherever the recorder
     computes all of them (decode rows, unpadded causal prefills).
 
     ``n_units``: the cache units of a layer that kv-group rows average over (the model spec's
@@ -278,7 +278,7 @@ class AttentionRecorder:
 
     def attend(self, module, query, key, value, mask, scaling, softcap, sink=None) -> torch.Tensor | None:
         """The layer's output ``[batch, q, head, D]`` from the probabilities the recorder
-        computes anyway, the forward recorded as by :meth:`observe` (when enabled)::
+        computes anyway, the forward recorded as by ``observe`` (when enabled):
 
             out = a.to(value.dtype) · V          # a: the rule's fp32 probabilities (eager's convention)
 
@@ -303,7 +303,7 @@ class AttentionRecorder:
 
     def causal_prefill(self, query, key, value, mask, scaling, softcap, sink=None):
         """``(out [batch, P, head, D], (colsum, tail))`` of an unpadded causal prefill from one
-        blocked pass (:meth:`_causal_blocks`): the output ``a · V`` made of the probabilities the
+        blocked pass (``_causal_blocks``): the output ``a · V`` made of the probabilities the
         column sums are summed from. None for any other forward (the kernel's output then)."""
         b, h, q_len, _ = query.shape
         if self.ctx is None or not self._is_causal_prefill(mask, q_len, key.shape[2]):
@@ -320,7 +320,7 @@ class AttentionRecorder:
 
     def _prefill(self, query, key, mask, scaling, softcap, n_kv, blocks=None, sink=None):
         """Column sums, last ``obs_window`` rows and the last row of the prompt (``blocks``:
-        the causal prefill's ``(colsum, tail)`` when :meth:`attend` computed them)."""
+        the causal prefill's ``(colsum, tail)`` when ``attend`` computed them)."""
         q_len, kv_len = query.shape[2], key.shape[2]
         if blocks is not None:
             colsum, tail = blocks
@@ -348,8 +348,8 @@ class AttentionRecorder:
     def observe_weights(self, layer: int, weights: torch.Tensor) -> None:
         """Stored layer ``layer`` from the model's own probabilities of this forward's query rows
         ``weights [batch, head, q, kv]`` (``output_attentions``): a model whose attention does not
-        call kvscope's function (:mod:`kvscope.tracing.architecture`). Decode rows and the
-        prompt's column sums and tail as :meth:`observe` keeps them."""
+        call kvscope's function (``kvscope.tracing.architecture``). Decode rows and the
+        prompt's column sums and tail as ``observe`` keeps them."""
         ctx = self.ctx
         if ctx is None or not self.enabled:
             return
@@ -574,7 +574,7 @@ def probe(model, n_tokens: int = PROBE_TOKENS) -> Probe:
     """Which of ``model``'s layers attend through kvscope's attention function, and with what:
     one forward of ``n_tokens`` tokens with the function registered (nothing recorded), then a
     decode step as a trace's. The model must already use a kvscope implementation
-    (:func:`implementation_name`)."""
+    (``implementation_name``)."""
     from transformers import Cache
 
     seen = Probe(n_tokens=n_tokens)

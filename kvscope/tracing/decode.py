@@ -1,7 +1,7 @@
 """The decode loop of ``kvscope trace``: one batch of prompts, step by step, into blocks.
 
 Step ``t`` is the forward whose query sits at ``prompt_len − 1 + t`` (step 0 = the last
-prefill row); its sampled token is ``tokens[prompt_len + t]`` (SPEC §1). Greedy by default;
+prefill row); its sampled token is ``tokens[prompt_len + t]`` (docs/concepts.md#steps-and-rows). Greedy by default;
 ``temperature > 0`` samples with a seeded ``torch.Generator``. With ``--question-agnostic``
 the prefill is the context only and the question's ``Q`` tokens are *forced*: step ``t < Q``
 emits question token ``t`` (whatever the model predicts), so the question is decoded into the
@@ -180,7 +180,7 @@ def decode_all(
     model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
 ) -> None:
     """Every unfinished batch of ``batches`` (lists of consecutive sample indices of ``encoded``:
-    :func:`kvscope.tracing.shard.batches`), in turn; ``progress(steps_done, steps_total, tokens,
+    ``kvscope.tracing.shard.batches``), in turn; ``progress(steps_done, steps_total, tokens,
     seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
@@ -366,7 +366,7 @@ class CacheRecords:
         self.layout = layout
         self.every = layout.window
         self.events: dict[int, np.ndarray] = {}  # event → tiers [layer, kv_head, pos]
-        self.bytes: dict[int, tuple[float, int]] = {}  # step → (SPEC accounting, actual)
+        self.bytes: dict[int, tuple[float, int]] = {}  # step → (byte model, actual): docs/concepts.md#budget
 
     def add_step(self, t: int, cache) -> None:
         self.bytes[t] = (cache.bytes_model[-1], cache.bytes_actual[-1])

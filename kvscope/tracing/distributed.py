@@ -2,11 +2,11 @@
 
     trace_dask(client, prompts, "out.zarr", settings)   one task per worker, then finalize
 
-Task ``i`` runs :func:`kvscope.tracing.runner.trace` with ``shard=Shard(i, n)`` — the code path
+Task ``i`` runs ``kvscope.tracing.runner.trace`` with ``shard=Shard(i, n)`` — the code path
 of ``trace --shard i/n``: it loads the model once and decodes its batches; the first task to
 arrive creates the store. Each task is placed on its own worker (``n`` = the cluster's workers;
 on ``--resume`` the ``n`` the store was begun with); with ``--device cuda`` a worker that sees
-several GPUs decodes on ``cuda:(i mod GPUs)`` (:func:`worker_device`). Every task runs torch with this process's
+several GPUs decodes on ``cuda:(i mod GPUs)`` (``worker_device``). Every task runs torch with this process's
 thread count, so that a cluster's store equals a single-process trace's bit for bit (CPU
 kernels' sums depend on the thread count; dask starts its workers with one thread).
 """
@@ -73,7 +73,7 @@ def trace_dask(
 
 
 def refuse_early(prompts, out, settings: TraceSettings, *, resume=False, force=False, cache=None) -> dict | None:
-    """What :func:`trace_dask` refuses before any worker loads the model (the command line calls
+    """What ``trace_dask`` refuses before any worker loads the model (the command line calls
     it before it starts a cluster); the store's attrs when resuming."""
     settings.check()
     check_cache(settings, cache)

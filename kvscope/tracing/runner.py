@@ -4,18 +4,18 @@
     trace_loaded(model, tokenizer, source, prompts, out, s)  with a model already loaded
 
 The store is created under a temporary name and renamed into place (``out`` is either absent
-or an openable store); the decode loop (:mod:`kvscope.tracing.decode`) hands blocks of steps
+or an openable store); the decode loop (``kvscope.tracing.decode``) hands blocks of steps
 to a background writer that commits each block once it is durable. ``resume=True`` continues
 a partial store made with the same settings.
 
 ``shard=Shard(i, n)`` (``trace --shard i/n``) decodes only the batches of shard ``i``
-(:mod:`kvscope.tracing.shard`) into a store that ``n`` shards write together: the first shard
+(``kvscope.tracing.shard``) into a store that ``n`` shards write together: the first shard
 to arrive creates it (under a temporary name, renamed into place: a shard that loses the race
 opens the winner's), every shard commits its own samples, and the shard that commits the last
-sample marks the store complete (:func:`finalize` does it later if that shard died first).
+sample marks the store complete (``finalize`` does it later if that shard died first).
 
 A *cache factory* (``cache=``) decides the KV cache each batch decodes with: by default a
-cache the model makes itself (a ``DynamicCache`` for most); :class:`kvscope.live.LivePolicy` makes a recording policy cache, whose
+cache the model makes itself (a ``DynamicCache`` for most); ``kvscope.live.LivePolicy`` makes a recording policy cache, whose
 tiers and bytes are written with each block (``trace --policy``). A factory is called as
 ``factory(model, layout, batch)`` (``batch``: the sample indices it decodes) and has ``settings()`` (compared on resume) and ``describe(model)``.
 """
@@ -83,7 +83,14 @@ def check_cache(settings: TraceSettings, cache) -> None:
 
 @dataclass
 class Progress:
-    """What a progress callback receives after every decode step."""
+    """What a progress callback receives after every decode step.
+
+    Attributes:
+        steps_done: Decode steps done so far (all samples).
+        steps_total: Decode steps at most.
+        tokens_per_s: Decoded tokens per second so far.
+        bytes_written: Bytes written to the store so far.
+    """
 
     steps_done: int
     steps_total: int
@@ -93,8 +100,18 @@ class Progress:
 
 @dataclass
 class TraceResult:
-    """What a trace decoded: ``steps`` and ``texts`` of ``samples`` (all of the store's
-    ``n_samples``, or a shard's); ``complete``: the store is complete now."""
+    """What a trace decoded.
+
+    Attributes:
+        path: The store.
+        n_samples: The store's samples.
+        steps: Decode steps of each sample decoded here.
+        seconds: Wall time.
+        bytes_written: Bytes written to the store.
+        texts: The generated text of each sample decoded here.
+        samples: The samples decoded here (all of the store's, or a shard's).
+        complete: The store is complete now.
+    """
 
     path: Path
     n_samples: int
@@ -120,7 +137,7 @@ def trace(
 ) -> TraceResult:
     """Decode ``prompts`` with attention capture and write a trace store at ``out``.
 
-    ``overrides`` set fields of :class:`TraceSettings` (e.g. ``max_new_tokens=64``);
+    ``overrides`` set fields of [`TraceSettings`][kvscope.TraceSettings] (e.g. ``max_new_tokens=64``);
     ``cache``: a cache factory; ``shard``: decode that shard's samples only (module docstring)."""
     settings = settings or TraceSettings()
     for key, value in overrides.items():
@@ -248,7 +265,7 @@ def trace_loaded(
     cache=None,
     shard: Shard | None = None,
 ) -> TraceResult:
-    """:func:`trace` with a model that is already loaded (benchmarks reuse one model)."""
+    """``trace`` with a model that is already loaded (benchmarks reuse one model)."""
     started = time.perf_counter()
     out = Path(out)
     check_cache(settings, cache)
@@ -313,7 +330,7 @@ def trace_loaded(
 
 def traced_spec(model, attn: str, record_qkv: bool = False) -> ModelSpec:
     """Route ``model``'s attention through kvscope's function for kernel ``attn`` and return the
-    spec of what it computes (:func:`kvscope.tracing.architecture.inspect`: refused in one line
+    spec of what it computes (``kvscope.tracing.architecture.inspect``: refused in one line
     where kvscope cannot trace it exactly)."""
     register()
     name = (model.config.architectures or [type(model).__name__])[0]
@@ -326,7 +343,7 @@ def traced_spec(model, attn: str, record_qkv: bool = False) -> ModelSpec:
 
 def _writer_locks(out: Path, shard: Shard | None) -> list[StoreLock]:
     """The locks a writer of an existing store holds: the store's (exclusive; shared by shards)
-    and a shard's own (module docstring of :mod:`kvscope.tracing.writer`)."""
+    and a shard's own (module docstring of ``kvscope.tracing.writer``)."""
     if shard is None:
         return [StoreLock(out).acquire()]
     store = StoreLock(out, shared=True).acquire()
@@ -414,7 +431,7 @@ def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None
 
 
 def _complete(out: Path) -> bool:
-    """Mark the store complete and consolidate its metadata (only now: SPEC §2)."""
+    """Mark the store complete and consolidate its metadata (only now: docs/trace-format.md#capture)."""
     import zarr
 
     group = zarr.open_group(str(out), mode="r+")
@@ -437,7 +454,7 @@ def _texts(out: Path, tokenizer, n_question: list[int], samples: list[int]) -> t
 
 
 def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, prompts, settings_doc, cache) -> dict:
-    """Group attributes of a new store (SPEC §3)."""
+    """Group attributes of a new store (docs/trace-format.md#arrays)."""
     import torch
     import transformers
 

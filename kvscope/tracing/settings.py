@@ -1,4 +1,4 @@
-"""What determines a trace's contents: :class:`TraceSettings`, checked where they are defined.
+"""What determines a trace's contents: ``TraceSettings``, checked where they are defined.
 
 A module of its own, light to import (no torch, transformers or zarr), so that the CLI refuses
 an option out of range before it loads any of them.
@@ -22,31 +22,70 @@ HEAD_MODES = ("all", "kv", "mean")
 
 @dataclass
 class TraceSettings:
-    """Everything that determines a trace's contents (compared on ``--resume``)."""
+    """Everything that determines a trace's contents (compared on ``resume``).
+
+    ``kvscope.trace(prompts, out, max_new_tokens=64)`` sets fields by name; the command line's
+    ``kvscope trace`` options are the same (``--max-new-tokens``; ``--sinks`` for ``n_sink``,
+    ``--record qkv`` for ``record_qkv``, ``--ignore-eos`` for ``stop_at_eos=False``). Checked
+    by [`check`][kvscope.TraceSettings.check] before any model loads.
+
+    Attributes:
+        model: The model: a short name (``kvscope models``), a Hugging Face folder, a ``.gguf``
+            file or a hub id.
+        max_new_tokens: Decode steps per prompt at most (≥ 1).
+        heads: Which attention rows are stored: ``kv``, one row per KV head (the mean over its
+            group of query heads); ``all``, every query head; ``mean``, one row per layer.
+        resolution: ``token``, one value per key position; ``window``, one per window of ``w``
+            positions after the sinks.
+        window: The window size ``w``: positions per window after the sinks (a multiple of 4).
+        n_sink: Sinks: the first positions, kept apart from the windows (≥ 0).
+        obs_window: Prefill rows stored besides the column sums (SnapKV's observation window).
+        record_qkv: Also store the post-RoPE queries, keys and values (needed by
+            ``observe="exact"``, output errors and the presses).
+        dtype: Storage dtype of the attention rows and of q/k/v: ``float16`` or ``float32``.
+        device: ``cpu`` or ``cuda[:N]``.
+        attn: The attention kernel: ``sdpa``, ``eager`` or ``flash_attention_2`` (CUDA, global
+            attention only).
+        attn_output: Where a traced layer's output comes from: ``kernel``, the chosen kernel
+            (bit for bit the untraced model), or ``probs``, the probabilities the recorder computes
+            anyway (``out = a·V``: one pass over K and V, not two; equal up to summation order).
+        model_dtype: The model's dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``,
+            ``bfloat16`` or ``float16``.
+        seed: Seed of the sampler (with ``temperature > 0``).
+        temperature: Sampling temperature; 0 decodes greedily.
+        batch_size: Prompts decoded together (left-padded).
+        block_steps: Decode steps per written block (one chunk of rows).
+        stop_at_eos: Stop a sample at its end-of-sequence token.
+        chat: Wrap each prompt in the model's chat template.
+        trust_remote_code: Let transformers run a model folder's own code.
+        question_agnostic: Prefill the context only; the question's tokens are then forced decode
+            steps (prompts with a question: ``niah``, ``vt``, JSONL with ``question``).
+    """
 
     model: str = DEFAULT_MODEL
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
-    heads: str = "kv"  # all | kv | mean
-    resolution: str = "token"  # token | window
-    window: int = defaults.W  # w, a multiple of 4
+    heads: str = "kv"  # one of HEAD_MODES
+    resolution: str = "token"
+    window: int = defaults.W
     n_sink: int = defaults.N_SINK
     obs_window: int = defaults.OBS_WINDOW
     record_qkv: bool = False
-    dtype: str = "float16"  # storage dtype of attention rows and q/k/v
+    dtype: str = "float16"
     device: str = "cpu"
-    attn: str = "sdpa"
+    attn: str = "sdpa"  # one of KERNELS
     attn_output: str = "kernel"  # one of ATTN_OUTPUTS
-    model_dtype: str = "auto"  # one of models.MODEL_DTYPES: auto is float32 on CPU, bfloat16 on CUDA
+    model_dtype: str = "auto"  # one of MODEL_DTYPES
     seed: int = 0
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0
     batch_size: int = 1
     block_steps: int = defaults.BLOCK_STEPS
     stop_at_eos: bool = True
     chat: bool = False
     trust_remote_code: bool = False
-    question_agnostic: bool = False  # prefill the context only; the question's tokens are forced steps
+    question_agnostic: bool = False
 
     def check(self) -> None:
+        """Refuse a setting out of range, one line naming its option (``KvscopeError``)."""
         self._check_kinds()
         if self.max_new_tokens < 1:
             raise KvscopeError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")

@@ -18,14 +18,27 @@ from .writer import LOCK_NAME
 
 @dataclass(frozen=True)
 class Shard:
-    """Shard ``index`` of ``count`` (0 ≤ index < count)."""
+    """Shard ``index`` of ``count``: it decodes the batches ``b`` with ``b mod count = index``
+    into a store that ``count`` shards write together (``kvscope trace --shard index/count``).
+
+    Attributes:
+        index: This shard (0 ≤ index < count).
+        count: The shards in all.
+    """
 
     index: int
     count: int
 
     @classmethod
     def parse(cls, text: str) -> Shard:
-        """``"i/n"`` → ``Shard(i, n)``; anything else one line."""
+        """``"i/n"`` → ``Shard(i, n)``; anything else one line.
+
+        Args:
+            text: ``"i/n"`` with 0 ≤ i < n.
+
+        Raises:
+            KvscopeError: Any other text.
+        """
         i, sep, n = str(text).partition("/")
         try:
             index, count = int(i), int(n)
@@ -37,6 +50,7 @@ class Shard:
 
     @property
     def label(self) -> str:
+        """``"index/count"``."""
         return f"{self.index}/{self.count}"
 
     @property
@@ -45,10 +59,21 @@ class Shard:
         return f"{LOCK_NAME}.shard-{self.index}"
 
     def batches(self, n_samples: int, batch_size: int) -> list[list[int]]:
-        """The sample indices of every batch this shard decodes."""
+        """The sample indices of every batch this shard decodes.
+
+        Args:
+            n_samples: The store's samples.
+            batch_size: Samples per batch.
+        """
         return [b for b in batches(n_samples, batch_size) if owner(b[0], batch_size, self.count) == self.index]
 
     def samples(self, n_samples: int, batch_size: int) -> list[int]:
+        """The samples this shard decodes, in order.
+
+        Args:
+            n_samples: The store's samples.
+            batch_size: Samples per batch.
+        """
         return [s for batch in self.batches(n_samples, batch_size) for s in batch]
 
 

@@ -1,6 +1,6 @@
-"""Background writer for a trace store (SPEC §2 "Writing").
+"""Background writer for a trace store (docs/trace-format.md#capture).
 
-The decode loop hands finished blocks of steps to :class:`StoreWriter`, which writes them
+The decode loop hands finished blocks of steps to ``StoreWriter``, which writes them
 on a background thread and bumps ``steps_committed`` in the group attributes only after
 the block's chunks are written (each chunk and the group's ``zarr.json`` are replaced
 atomically by zarr's LocalStore). A killed run therefore loses at most the block in flight

@@ -1,7 +1,7 @@
 """Built-in workloads: offline, deterministic prompts from a seed, with their recipes
-(``recipes/NAME.toml``) and scorers — see :mod:`kvscope.workloads.builtin`."""
+(``recipes/NAME.toml``) and scorers — see ``kvscope.workloads.builtin``."""
 
-from .builtin import (  # noqa: F401
+from .builtin import (
     QUESTION_AT,
     RECIPES,
     TOLERANCE,
@@ -16,3 +16,19 @@ from .builtin import (  # noqa: F401
     prompts_for_model,
     score,
 )
+
+__all__ = [
+    "QUESTION_AT",
+    "RECIPES",
+    "TOLERANCE",
+    "WORKLOADS",
+    "Workload",
+    "available",
+    "count_tokens",
+    "evaluate",
+    "get",
+    "load_recipe",
+    "prompts",
+    "prompts_for_model",
+    "score",
+]

@@ -18,11 +18,11 @@ chat task) and lands within 2% of ``context``.
 | ``code`` | continue standard-library source | — |
 | ``niah`` | RULER-style needle in a haystack: single, multi-key, multi-value | share of the expected numbers in the answer |
 | ``vt`` | RULER-style variable tracking | share of the chain's variables in the answer |
+| ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
+| ``passkey`` | pass-key retrieval in repeated filler (Landmark Attention) | 1 if the key is in the answer |
 
 ``niah``, ``vt`` and ``passkey`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
 starts where the template asks it, so ``--question-agnostic`` compresses the haystack before it.
-| ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
-| ``passkey`` | pass-key retrieval in repeated filler (Landmark Attention) | 1 if the key is in the answer |
 """
 
 from __future__ import annotations
@@ -37,9 +37,13 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import KvscopeError
 from ..model.prompts import Prompt, encode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 RECIPES = importlib.resources.files("kvscope.workloads") / "recipes"
 TOLERANCE = 0.02
@@ -48,20 +52,40 @@ QUESTION_AT = "question_at"  # a builder's meta key: where the question starts (
 
 @dataclass(frozen=True)
 class Workload:
+    """A built-in workload: its recipe (``recipes/NAME.toml``), how its prompts are built, and
+    how an answer is scored.
+
+    Attributes:
+        name: The workload's name (``kvscope trace --workload NAME``).
+        build: ``build(recipe, tokenizer, rng, sample index) → (make, available tokens)``, where
+            ``make(n)`` gives ``(text, expected, meta)`` with ``n`` units of filler.
+        scorer: ``scorer(output, expected) → score in [0, 1]`` (None: no task score).
+    """
+
     name: str
-    build: Callable  # (recipe, fill, rng, sample index) -> (text, expected, meta); fill(n_units) grows the prompt
+    build: Callable
     scorer: Callable[[str, object], float] | None = None
 
     @property
     def recipe(self) -> dict:
+        """The recipe: context, samples, max_new_tokens, chat, templates."""
         return load_recipe(self.name)
 
     @property
     def description(self) -> str:
+        """The recipe's one-line description."""
         return self.recipe.get("description", "")
 
 
 def load_recipe(name: str) -> dict:
+    """The recipe ``recipes/NAME.toml`` of a workload.
+
+    Args:
+        name: The workload's name.
+
+    Raises:
+        KvscopeError: The recipe is missing.
+    """
     path = RECIPES / f"{name}.toml"
     if not path.is_file():
         raise KvscopeError(f"workload recipe {path} is missing")
@@ -217,8 +241,17 @@ def build_passkey(recipe, tokenizer, rng, index):
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
-def evaluate(expression: str, names: dict) -> int:
-    """Integer arithmetic with + - * // and parentheses over ``names`` (nothing else)."""
+def evaluate(expression: str, names: dict[str, int]) -> int:
+    """Integer arithmetic with + - * // and parentheses over ``names`` (nothing else): the
+    ``reasoning`` recipes' answers.
+
+    Args:
+        expression: The expression (``"a * b + c"``).
+        names: The value of each name.
+
+    Raises:
+        KvscopeError: Anything but integers, names, + - * // and parentheses.
+    """
 
     def ev(node):
         if isinstance(node, ast.Expression):
@@ -293,17 +326,32 @@ WORKLOADS = {
 
 
 def available() -> dict[str, Workload]:
+    """Every built-in workload by name."""
     return dict(WORKLOADS)
 
 
 def get(name: str) -> Workload:
+    """The workload ``name``.
+
+    Args:
+        name: A built-in workload's name.
+
+    Raises:
+        KvscopeError: No such workload (the message lists them).
+    """
     if name not in WORKLOADS:
         raise KvscopeError(f"unknown workload {name!r} (available: {', '.join(WORKLOADS)})")
     return WORKLOADS[name]
 
 
-def count_tokens(tokenizer, text: str, chat: bool) -> int:
-    """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it)."""
+def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> int:
+    """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it).
+
+    Args:
+        tokenizer: The model's tokenizer.
+        text: The prompt.
+        chat: Wrapped in the model's chat template.
+    """
     return len(encode(tokenizer, [Prompt(text, "count")], chat)[0])
 
 
@@ -332,7 +380,7 @@ def _fit(make, tokenizer, chat: bool, context: int, limit: int | None):
 
 def prompts(
     name: str,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     context: int | None = None,
     seed: int = 0,
@@ -340,7 +388,19 @@ def prompts(
     chat: bool | None = None,
 ) -> list[Prompt]:
     """``samples`` prompts of workload ``name``, each ``context`` tokens (±2%) as the model
-    receives them; ``Prompt.expected`` holds the answer a scorer grades against."""
+    receives them; ``Prompt.expected`` holds the answer a scorer grades against.
+
+    Args:
+        name: The workload.
+        tokenizer: The model's tokenizer (lengths are counted in its tokens).
+        context: Tokens per prompt (default: the recipe's; at least 64).
+        seed: The seed: the same seed gives the same prompts.
+        samples: Prompts (default: the recipe's).
+        chat: Count with the chat template (default: the recipe's).
+
+    Raises:
+        KvscopeError: A length or count out of range, or one the workload's text cannot reach.
+    """
     workload = get(name)
     recipe = workload.recipe
     context = int(context or recipe["context"])
@@ -373,8 +433,14 @@ def prompts(
     return out
 
 
-def score(name: str, output: str, expected) -> float | None:
-    """The workload's task score of one generated text (None without a scorer)."""
+def score(name: str, output: str, expected: object) -> float | None:
+    """The workload's task score of one generated text (None without a scorer).
+
+    Args:
+        name: The workload.
+        output: The generated text.
+        expected: The prompt's ``Prompt.expected``.
+    """
     workload = get(name)
     return None if workload.scorer is None else float(workload.scorer(output, expected))
 
@@ -390,8 +456,19 @@ def prompts_for_model(
     max_new_tokens: int = 0,
     trust_remote_code: bool = False,
 ) -> list[Prompt]:
-    """:func:`prompts` with the tokenizer of ``model`` (as ``--model`` names it); refuses a
-    context that, with ``max_new_tokens``, does not fit the model before building anything."""
+    """[`prompts`][kvscope.workloads.prompts] with the tokenizer of ``model``; refuses a
+    context that, with ``max_new_tokens``, does not fit the model before building anything.
+
+    Args:
+        name: The workload.
+        model: The model as ``--model`` names it.
+        context: Tokens per prompt (default: the recipe's).
+        seed: The seed.
+        samples: Prompts (default: the recipe's).
+        chat: Count with the chat template (default: the recipe's).
+        max_new_tokens: Decode steps that must fit the model's context too.
+        trust_remote_code: Let transformers run the model folder's tokenizer code.
+    """
     import json
 
     from ..model.loading import load_tokenizer, resolve
