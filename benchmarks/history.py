@@ -8,6 +8,11 @@ For a documentation build (``docs/gen_pages.py``)::
     runs = history.load_runs(RESULTS)           # benchmark → its records, in date order
     text = history.page(runs)                   # the page; figures referenced as benchmarks/<benchmark>.png
     history.plot(name, runs[name], path)        # one PNG, or nothing where no headline figure was recorded
+    history.fill_today(text, runs)              # each <!-- today: NAME --> of a page → NAME's figures today
+
+Today's value of a figure is that of the latest valid run that measured it; a run marked
+``"baseline": true`` measured the code before a change (the "before" of a comparison) and is
+never today's (:func:`current`).
 
 The headline figures of each benchmark are named in ``HEADLINES`` and read from a record's
 ``figures`` by that benchmark's extractor below (records differ in shape: rows per store size,
@@ -22,17 +27,22 @@ import datetime
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from record import default_command  # benchmarks/record.py: the command line of a benchmark's default run
+
 RESULTS = HERE / "results"
 
 HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the benchmark reads them per row or mode
-    "trace_overhead": {  # per layer-output mode
+    "trace_overhead": {  # per layer-output mode; the bytes on disk are the same in both
         "decode_ratio": "decode, traced / untraced",
         "prefill_ratio": "prefill, traced / untraced",
         "end_to_end_ratio": "end to end, traced / untraced",
+        "disk_over_raw_fp16": "attn bytes on disk / raw fp16",
     },
     "gpu_check": {  # kernel mode, per prompt length
         "decode_ratio": "decode, traced / untraced",
@@ -45,7 +55,11 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
         "analysis_s": "FMM + churn + LIR + peaks (s)",
     },
     "verify_speed": {"ratio": "verify / plain read", "verify_s": "verify (s)"},  # per store
-    "live_memory": {"time_ratio": "decode time / full KV"},  # per quantizing policy and budget
+    "live_memory": {  # per quantizing policy and budget
+        "time_ratio": "decode time / full KV",
+        "peak_ratio": "peak cache bytes / full KV",
+        "serving_ratio": "served buffer / full KV",
+    },
     "replay_speed": {
         "replay_over_one_decode": "grid replay / one decode",
         "replay_s": "grid replay (s)",
@@ -72,16 +86,14 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
     "compact_formats": {"vs_raw": "attn / raw fp16"},  # per trace and row format
 }
 
-ABOUT = {  # benchmarks without a script of their own, and how to read a headline where it needs a word
-    "cli_startup": "What a command line pays for its imports: wall time of a fresh `kvscope` process for commands "
-    "that end early (a refusal, `--help`, `info`).",
-}
+ABOUT: dict[str, str] = {}  # benchmarks without a script of their own (the others: their script's docstring)
 READING = {
     "trace_overhead": "Before `--attn-output` existed (2026-12-02) a trace's layers returned the model's own kernel "
     "outputs: those runs are shown as `kernel`.",
     "gpu_check": "The `--attn-output kernel` overhead at 1K and 8K prompt tokens; runs marked invalid are listed, "
     "not plotted.",
-    "live_memory": "The quantizing policies (KIVI, LogQuant, QEvict): each decode's time over a full-KV decode's.",
+    "live_memory": "The quantizing policies (KIVI, LogQuant, QEvict): each decode's time over a full-KV decode's, "
+    "the cache's peak bytes and the buffer it serves attention from over the full cache's.",
     "scale": "At the run's largest context; the series say where the replay ran and how many layers the store had "
     "(a reduced run has 2).",
     "replay_speed_ab": "The grid replayed by two versions of the code (before, after) against one plain decode.",
@@ -135,6 +147,9 @@ def _trace_overhead(f: dict, keys: dict) -> dict:
     modes = [(m, f[m]) for m in ("kernel", "probs") if isinstance(f.get(m), dict)] or [("kernel", f)]
     out: dict = {}
     for key in keys:
+        if key == "disk_over_raw_fp16":
+            _put(out, key, "", f.get(key))
+            continue
         for mode, d in modes:
             _put(out, key, mode, d.get(key))
     return out
@@ -305,6 +320,12 @@ def valid(record: dict) -> bool:
     return record.get("valid", True) is not False
 
 
+def latest(records: list[dict]) -> dict | None:
+    """The latest valid run that measured the code of its day (not a baseline), if any."""
+    usable = [r for r in records if valid(r) and not r.get("baseline")]
+    return usable[-1] if usable else None
+
+
 def machine_id(machine) -> str:
     """What tells machines apart in the plots: the GPU or the processor, and the cores."""
     if not isinstance(machine, dict):
@@ -414,22 +435,21 @@ def _section(name: str, records: list[dict], figure_dir_name: str) -> list[str]:
         lines += [about, ""]
     if name in READING:
         lines += [READING[name], ""]
-    usable = [r for r in records if valid(r)]
-    if not usable:
+    last = latest(records)
+    if last is None:
         return lines + ["No valid run recorded yet.", ""]
-    latest = usable[-1]
     lines += ["**Latest run**", "", "| | |", "|---|---|"]
-    lines.append(f"| date | {_cell(latest.get('date', '—'))} |")
-    lines.append(f"| machine | {_cell(machine_words(latest.get('machine')))} |")
-    lines.append(f"| load | {_cell(load_words(latest.get('machine')))} |")
-    lines.append(f"| commit | {_cell(commit_words(latest))} |")
-    if latest.get("command"):
-        lines.append(f"| command | `{_cell(latest['command'])}` |")
-    if latest.get("note"):
-        lines.append(f"| note | {_cell(latest['note'])} |")
-    if latest.get("source"):
+    lines.append(f"| date | {_cell(last.get('date', '—'))} |")
+    lines.append(f"| machine | {_cell(machine_words(last.get('machine')))} |")
+    lines.append(f"| load | {_cell(load_words(last.get('machine')))} |")
+    lines.append(f"| commit | {_cell(commit_words(last))} |")
+    if last.get("command"):
+        lines.append(f"| command | `{_cell(last['command'])}` |")
+    if last.get("note"):
+        lines.append(f"| note | {_cell(last['note'])} |")
+    if last.get("source"):
         lines.append("| source | transcribed from the earlier written benchmark log |")
-    for (key, series), value in headline(name, latest).items():
+    for (key, series), value in headline(name, last).items():
         lines.append(f"| {_cell(series_label(name, key, series))} | {fmt(value)} |")
     lines.append("")
     if _points(name, records):
@@ -445,6 +465,8 @@ def _section(name: str, records: list[dict], figure_dir_name: str) -> list[str]:
     lines.append("    |" + "---|" * len(head))
     for record, got in zip(records, values):
         note = record.get("note", "")
+        if record.get("baseline"):
+            note = f"(baseline) {note}".strip()
         if not valid(record):
             note = f"invalid: {record.get('why_invalid', '')} {note}".strip()
         if record.get("source"):
@@ -459,6 +481,53 @@ def _section(name: str, records: list[dict], figure_dir_name: str) -> list[str]:
         lines.append("    | " + " | ".join(_cell(c) for c in cells) + " |")
     lines.append("")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# today's figures
+
+
+TODAY = re.compile(r"<!-- today: (\w+) -->")
+
+
+def current(name: str, records: list[dict]) -> dict[tuple[str, str], tuple[float, dict]]:
+    """Today's value of each headline figure of benchmark ``name``: ``(figure key, series) → (value,
+    run)`` from the latest valid run that measured it, baseline runs left out; ``HEADLINES``' order."""
+    out: dict = {}
+    for record in records:  # in date order: a later run replaces an earlier one's value
+        if valid(record) and not record.get("baseline"):
+            out.update({key: (value, record) for key, value in headline(name, record).items()})
+    order = list(HEADLINES.get(name, {}))
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0][0]) if kv[0][0] in order else len(order)))
+
+
+def today_table(name: str, records: list[dict]) -> str:
+    """A Markdown table of benchmark ``name``'s figures today: each with the run that measured it
+    (day and machine) and the command that reproduces it."""
+    figures = current(name, records)
+    if not figures:
+        return "No valid run recorded yet."
+    lines = ["| figure | today | measured | reproduce |", "|---|---|---|---|"]
+    for (key, series), (value, run) in figures.items():
+        when = f"{str(run.get('date', '—'))[:10]}, {machine_words(run.get('machine'))}"
+        command = run.get("command") or default_command(name)
+        lines.append(
+            f"| {_cell(series_label(name, key, series))} | {fmt(value)} | {_cell(when)} | `{_cell(command)}` |"
+        )
+    return "\n".join(lines)
+
+
+def fill_today(text: str, runs: dict[str, list[dict]]) -> str:
+    """``text`` with each ``<!-- today: NAME -->`` replaced by :func:`today_table` of benchmark NAME
+    (ValueError for a benchmark without records: a page cannot name figures that do not exist)."""
+
+    def table(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in runs:
+            raise ValueError(f"<!-- today: {name} -->: no benchmarks/results/{name}.jsonl")
+        return today_table(name, runs[name])
+
+    return TODAY.sub(table, text)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -105,6 +105,13 @@ def append_run(
     return path
 
 
+def default_command(name: str) -> str:
+    """The command line of benchmark ``name``'s default run: ``bash benchmarks/NAME.sh`` where that
+    script exists, else ``python benchmarks/NAME.py``."""
+    script = ROOT / "benchmarks" / f"{name}.sh"
+    return f"bash benchmarks/{name}.sh" if script.is_file() else f"python benchmarks/{name}.py"
+
+
 def add_argument(parser) -> None:
     """``--no-record``: a trial run, not appended to benchmarks/results."""
     parser.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
@@ -132,10 +139,7 @@ def append_file(args) -> Path:
             info[key] = json.loads(value)
         except json.JSONDecodeError:
             info[key] = value
-    script = ROOT / "benchmarks" / f"{args.name}.sh"
-    command = args.command or (
-        f"bash benchmarks/{args.name}.sh" if script.is_file() else f"python benchmarks/{args.name}.py"
-    )
+    command = args.command or default_command(args.name)
     if args.date:
         datetime.date.fromisoformat(args.date[:10])  # a readable date, or ValueError
     extra = {"note": args.note} if args.note else None

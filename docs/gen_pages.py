@@ -2,10 +2,12 @@
 
 * ``benchmarks.md`` and its figures: every run recorded in ``benchmarks/results/*.jsonl``
   (``benchmarks/history.py``).
+* ``performance.md``: docs/performance.md with each ``<!-- today: NAME -->`` replaced by the table
+  of benchmark NAME's figures today, from the same records (``history.fill_today``).
 * ``notebooks/*.ipynb``: the project's notebooks executed top to bottom on a small real trace of
-  the default model (traced here unless ``KVSCOPE_TRACE`` names one recorded with q/k/v), so the
-  site shows their tables and figures; mkdocs-jupyter renders them. ``KVSCOPE_DOCS_EXECUTE=0``
-  renders them unexecuted (a quick local preview).
+  the default model (three prompts, traced here unless ``KVSCOPE_TRACE`` names one recorded with
+  q/k/v), so the site shows their tables and figures; mkdocs-jupyter renders them.
+  ``KVSCOPE_DOCS_EXECUTE=0`` renders them unexecuted (a quick local preview).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def benchmark_history() -> None:
     runs = history.load_runs(ROOT / "benchmarks" / "results")
     with mkdocs_gen_files.open("benchmarks.md", "w") as page:
         page.write(history.page(runs))
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    with mkdocs_gen_files.open("performance.md", "w") as page:
+        page.write(history.fill_today(performance, runs))
     with tempfile.TemporaryDirectory() as tmp:
         for name, records in runs.items():
             figure = Path(tmp) / f"{name}.png"
@@ -38,13 +43,16 @@ def benchmark_history() -> None:
 
 
 def small_trace(folder: Path) -> Path:
-    """A prose prompt of the default model, 40 steps, q/k/v recorded (as the notebook tests use)."""
+    """Three prose prompts of the default model (~250 tokens each), 120 steps, q/k/v recorded:
+    intervals over prompts, and events enough for every metric (an LIR episode needs 4 + 8 events
+    after a window is selected)."""
     import pydoc_data.topics as topics
 
     import kvscope
 
     out = folder / "docs-qkv.zarr"
-    kvscope.trace(topics.topics["assignment"][:1000], out, max_new_tokens=40, stop_at_eos=False, record_qkv=True)
+    texts = [topics.topics[name][:1000] for name in ("assignment", "if", "while")]
+    kvscope.trace(texts, out, max_new_tokens=120, stop_at_eos=False, record_qkv=True)
     return out
 
 

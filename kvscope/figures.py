@@ -22,3 +22,8 @@ def axes(ax=None, width: float = 7.0, height: float = 4.2, ncols: int = 1):
 def save(fig, path, dpi: int = 120) -> None:
     """Write ``fig`` (format from the suffix: PNG, PDF, SVG, …)."""
     fig.savefig(path, dpi=dpi)
+
+
+def no_data(ax, why: str) -> None:
+    """Say on ``ax`` why it holds nothing to draw (a figure is never silently empty)."""
+    ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", wrap=True)

@@ -138,7 +138,7 @@ def plot_tiers(
     from matplotlib.colors import ListedColormap
 
     layer = int(result["layer"].values[result.sizes["layer"] // 2]) if layer is None else layer
-    sample = int(result["full_bytes"].argmax()) if sample is None else sample
+    sample = int(np.argmax(result["full_bytes"].values)) if sample is None else sample
     tiers = result["tiers"].sel(policy=policy, allocation=allocation, budget=budget, layer=layer)
     tiers = tiers.isel(sample=sample, kv_head=head)
     length = int((tiers >= 0).sum("pos").max())

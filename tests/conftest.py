@@ -134,6 +134,20 @@ def qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def prompts_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
+    """A real SmolLM2 trace with q/k/v of three prose prompts (~170 tokens each), 40 steps: what
+    needs several samples (intervals over prompts) at a small cost (the notebooks)."""
+    import pydoc_data.topics as topics
+
+    import kvscope
+
+    out = tmp_path_factory.mktemp("prompts") / "prompts-qkv.zarr"
+    texts = [topics.topics[name][:700] for name in ("assignment", "if", "while")]
+    kvscope.trace(texts, out, max_new_tokens=40, stop_at_eos=False, block_steps=16, record_qkv=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def small_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
     """A real SmolLM2 trace with q/k/v from the command line: one 300-token prose prompt, 16
     steps (validate and tune's live checks decode it again)."""

@@ -62,7 +62,8 @@ def test_the_page_names_every_benchmark_and_shows_each_ones_latest_headline_valu
     text = history.page(runs)
     for name, records in runs.items():
         section = _section(text, name)
-        latest = [r for r in records if history.valid(r)][-1]
+        latest = history.latest(records)  # valid, and not the baseline of a comparison
+        assert latest is [r for r in records if history.valid(r) and not r.get("baseline")][-1]
         figures = history.headline(name, latest)
         assert figures, f"{name}: its latest run has no headline figure"
         for (key, series), value in figures.items():
@@ -174,3 +175,53 @@ def test_record_append_adds_a_report_written_elsewhere(tmp_path, monkeypatch, el
     else:
         assert r["machine"]["cores"] and "processor" in r["machine"]
     assert history.headline("gpu_check", r) == {}  # no overhead rows: nothing to show, no error
+
+
+def test_todays_figures_come_from_the_latest_run_that_measured_each_never_from_a_baseline(tmp_path):
+    """Three hand-written runs: the first measures both figures, the second only the ratio, the
+    third (the latest) measured the code before a change. Today: the second's ratio with its
+    command, the first's verify time with the benchmark's default command (it recorded none)."""
+    third = {**TWO[0], "date": "2026-12-03", "figures": {"store": "synthetic", "ratio": 9.9}, "baseline": True}
+    _write(tmp_path, "verify_speed", [TWO[1], TWO[0] | {"figures": {"store": "synthetic", "ratio": 1.21}}, third])
+    runs = history.load_runs(tmp_path)
+    today = history.current("verify_speed", runs["verify_speed"])
+    assert {k: v for k, (v, _) in today.items()} == {
+        ("ratio", "synthetic store"): 1.21,
+        ("verify_s", "synthetic store"): 1.07,
+    }
+    assert history.today_table("verify_speed", runs["verify_speed"]).splitlines() == [
+        "| figure | today | measured | reproduce |",
+        "|---|---|---|---|",
+        "| verify / plain read, synthetic store | 1.21 | 2026-12-02, Test CPU, 2 cores | `python benchmarks/verify_speed.py` |",
+        "| verify (s), synthetic store | 1.07 | 2026-12-01, CPU, 2 cores | `python benchmarks/verify_speed.py` |",
+    ]
+    assert history.latest(runs["verify_speed"])["figures"]["ratio"] == 1.21  # the history page's latest run too
+    text = "before\n\n<!-- today: verify_speed -->\n\nafter\n"
+    assert history.fill_today(text, runs) == (
+        "before\n\n" + history.today_table("verify_speed", runs["verify_speed"]) + "\n\nafter\n"
+    )
+    with pytest.raises(ValueError, match="no benchmarks/results/scale.jsonl"):
+        history.fill_today("<!-- today: scale -->", runs)
+
+
+def test_the_performance_page_shows_todays_figures_of_every_benchmark_and_no_lab_log():
+    """docs/performance.md names the benchmarks whose figures it shows (generated when the site is
+    built: docs/gen_pages.py); every benchmark with records but the A/B of two code versions is
+    there, each figure with the command that reproduces it. The page itself holds no dated
+    figure and no commit; the lab log it replaced is gone from the docs."""
+    source = (ROOT / "docs" / "performance.md").read_text()
+    runs = history.load_runs(RESULTS)
+    shown = history.TODAY.findall(source)
+    assert sorted(shown) == sorted(set(runs) - {"replay_speed_ab"})
+    page = history.fill_today(source, runs)
+    for name in shown:
+        for (key, series), (value, run) in history.current(name, runs[name]).items():
+            command = run.get("command") or record.default_command(name)
+            row = f"| {history.series_label(name, key, series)} | {history.fmt(value)} | "
+            assert row in page.replace("\\|", "|") and f"`{command}`" in page, (name, key, series)
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", source), "dates belong in the records"
+    assert not re.search(r"\b[0-9a-f]{7}\b", source), "commits belong in the records"
+    assert not re.search(r"\b(morning|afternoon|evening|tonight|yesterday)\b", source, re.IGNORECASE)
+    assert not (ROOT / "docs" / "performance-log.md").exists()
+    for path in [ROOT / "README.md", ROOT / "mkdocs.yml", *(ROOT / "docs").rglob("*.md")]:
+        assert "performance-log" not in path.read_text(), path.name

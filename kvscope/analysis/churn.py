@@ -113,7 +113,8 @@ class Churn(SelectionMetric):
         }
 
     def table(self, s: dict) -> list[tuple[str, str]]:
-        return [("mean churn (Jaccard distance)", fmt(s["churn"]) + ci_text(*s["ci95"])), ("95% CI", s["ci"])]
+        value = fmt(s["churn"], why="fewer than two events in the trace") + ci_text(*s["ci95"])
+        return [("mean churn (Jaccard distance)", value), ("95% CI", s["ci"])]
 
     def plot(self, result: xr.Dataset, ax=None):
         from ..figures import axes

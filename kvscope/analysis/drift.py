@@ -134,7 +134,9 @@ class Drift(HistoryOracle):
     ) -> Figure:
         """Rank trajectories (rank 0 = the heaviest window by cumulative score) of the windows that
         left the top set and came back — of the (sample, layer, head) with the most such windows
-        unless given; the current top 8 where none came back.
+        unless given; where none came back, of the 8 best-ranked candidates at the last event that
+        has any. An event where a window is not a candidate (not yet existing, a sink or in the
+        protected local tail) leaves a gap in its line.
 
         Args:
             result: What the metric returned.
@@ -144,7 +146,7 @@ class Drift(HistoryOracle):
             head: The head.
             n: Windows drawn at most.
         """
-        from ..figures import axes
+        from ..figures import axes, no_data
 
         hdim = "kv_head" if "kv_head" in result["rank"].dims else "head"
         returning = result["returning"].sum("window")  # [sample, layer, H]
@@ -152,19 +154,33 @@ class Drift(HistoryOracle):
         s = s if sample is None else sample
         li = li if layer is None else list(result["layer"].values).index(layer)
         h = h if head is None else head
-        rank = result["rank"].isel(sample=s, layer=li, **{hdim: h})  # [event, window]
+        rank = result["rank"].isel(sample=s, layer=li, **{hdim: h}).values  # [event, window], −1: not a candidate
         back = result["returning"].isel(sample=s, layer=li, **{hdim: h}).values  # [window]
-        shown = np.nonzero(back)[0][:n] if back.any() else np.argsort(rank.isel(event=-1).values)[:8]
+        candidates = np.nonzero((rank >= 0).any(axis=1))[0]  # events with any candidate
+        if back.any():
+            shown = np.nonzero(back)[0][:n]
+        elif candidates.size:
+            last = rank[candidates[-1]]
+            shown = [j for j in np.argsort(np.where(last >= 0, last, np.iinfo(last.dtype).max))[:8] if last[j] >= 0]
+        else:
+            shown = []
         fig, ax = axes(ax, 9, 4)
         for j in shown:
-            ax.plot(result["event_step"].values, rank.sel(window=j).values, marker=".", label=f"window {j}")
+            ax.plot(result["event_step"].values, np.where(rank[:, j] >= 0, rank[:, j], np.nan), marker=".",
+                    label=f"window {j}")  # fmt: skip
         ax.invert_yaxis()
         ax.set_xlabel("step")
         ax.set_ylabel("rank by cumulative score")
-        what = "left the top set and returned" if back.any() else "(none returned here: the current top 8)"
         layer_id = int(result["layer"].values[li])
-        ax.set_title(f"sample {s}, layer {layer_id}, {hdim} {h}: {int(back.sum())} windows {what}")
-        ax.legend(fontsize=7, ncol=2)
+        if back.any():
+            what = f"{int(back.sum())} windows left the top set and returned"
+        else:
+            what = f"none left the top set and returned here: the {len(shown)} best-ranked now"
+        ax.set_title(f"sample {s}, layer {layer_id}, {hdim} {h}: {what}")
+        if len(shown):
+            ax.legend(fontsize=7, ncol=2)
+        else:
+            no_data(ax, "no window is a candidate at any event (all are sinks or in the protected tail)")
         return fig
 
 

@@ -235,31 +235,41 @@ class FMM(SelectionMetric):
 
     def table(self, s: dict) -> list[tuple[str, str]]:
         head = f"FMM@{s['H']} ({s['selection']}, top {s['top_frac']:.0%}, local {s['local']})"
+        why = f"no event has H = {s['H']} later steps in the trace" if not s["n_events"] else "no future mass"
         rows = [
-            (head, fmt(s["fmm"]) + ci_text(*s["ci95"])),
+            (head, fmt(s["fmm"], why=why) + ci_text(*s["ci95"])),
             ("95% CI", s["ci"]),
             ("events scored / censored", f"{s['n_events']} / {s['n_censored']}"),
         ]
-        return rows + [(f"FMM(H={h})", fmt(v)) for h, v in s["curve"].items()]
+        return rows + [(f"FMM(H={h})", fmt(v, why=f"no event has {h} later steps")) for h, v in s["curve"].items()]
 
     def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
-        """FMM(H) with its bootstrap CI band.
+        """FMM(H) with its bootstrap CI band; where there is no interval (one sample) the legend
+        says so, and where no event was scored the axes say why instead of drawing nothing.
 
         Args:
             result: What the metric returned.
             ax: Draw into this axes (default: a new figure).
         """
-        from ..figures import axes
+        from ..figures import axes, no_data
 
         fig, ax = axes(ax)
         h = result["horizon"].values
-        ax.plot(h, result["curve"].values, marker="o", label=f"FMM ({result.attrs['selection']})")
-        ax.fill_between(h, result["curve_low"].values, result["curve_high"].values, alpha=0.25, label="95% CI")
+        curve, low, high = (result[k].values for k in ("curve", "curve_low", "curve_high"))
+        ax.plot(h, curve, marker="o", label=f"FMM ({result.attrs['selection']})")
+        if np.isfinite(low).any():
+            ax.fill_between(h, low, high, alpha=0.25, label="95% CI")
+        else:
+            ax.plot([], [], " ", label="no 95% CI: " + result.attrs["ci"].removeprefix("none: "))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("horizon H (steps)")
         ax.set_ylabel("future missed mass")
-        ax.set_ylim(0, max(0.05, float(np.nanmax(result["curve_high"].values)) * 1.15))
+        shown = np.concatenate([curve, high])
+        top = float(np.max(shown[np.isfinite(shown)], initial=0.0))
+        ax.set_ylim(0, max(0.05, top * 1.15))
         ax.set_title(f"Future Missed Mass, top {result.attrs['top_frac']:.0%} windows by history")
+        if not np.isfinite(curve).any():
+            no_data(ax, "no event scored: the trace ends before any event's horizon")
         ax.legend()
         return fig
 

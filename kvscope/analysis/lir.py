@@ -195,12 +195,16 @@ class LIR(SelectionMetric):
         }
 
     def table(self, s: dict) -> list[tuple[str, str]]:
+        unit = s.get("granularity", "window")
+        why = f"no eligible episode (a selected {unit} missing {s['m']} events in a row"
+        why += ")" if s["H_lir"] == "none" else f" with {s['H_lir']} events after it inside the trace)"
+        later = f"with a candidate event {s['delta']} later"
         return [
-            (f"Global LIR (m={s['m']}, H_lir={s['H_lir']})", fmt(s["lir"]) + ci_text(*s["ci95"])),
+            (f"Global LIR (m={s['m']}, H_lir={s['H_lir']})", fmt(s["lir"], why=why) + ci_text(*s["ci95"])),
             ("95% CI", s["ci"]),
             ("episodes eligible / reactivated", f"{s['eligible']} / {s['reactivated']}"),
-            (f"P01 cold→hot (δ={s['delta']})", fmt(s["p01"])),
-            ("P10 hot→cold", fmt(s["p10"])),
+            (f"P01 cold→hot (δ={s['delta']})", fmt(s["p01"], why=f"no unselected {unit} {later}")),
+            ("P10 hot→cold", fmt(s["p10"], why=f"no selected {unit} {later}")),
         ]
 
     def plot(self, result: xr.Dataset, ax=None):

@@ -174,9 +174,11 @@ def nums(values) -> list:
     return [num(v) for v in np.asarray(values).ravel()]
 
 
-def fmt(x, spec: str = ".3f") -> str:
-    """A table cell: ``n/a`` for a missing number."""
-    return "n/a" if x is None else format(x, spec)
+def fmt(x, spec: str = ".3f", why: str | None = None) -> str:
+    """A table cell: ``n/a`` for a missing number, followed by ``why`` it is missing when given."""
+    if x is None:
+        return f"n/a: {why}" if why else "n/a"
+    return format(x, spec)
 
 
 def layer_means(values: np.ndarray) -> np.ndarray:
