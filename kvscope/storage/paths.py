@@ -107,6 +107,7 @@ def _folder_of(path) -> Path:
 
 
 def human_bytes(n: float) -> str:
+    """``n`` bytes in words, in powers of 1024: ``512 B``, ``1.5 KB``, ``3.2 MB``."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1024 or unit == "TB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
