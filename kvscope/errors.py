@@ -15,13 +15,17 @@ class StoreError(KvscopeError):
 
 
 class JSONTooDeep(ValueError):
-    """JSON nested deeper than Python's parser recurses (``json.loads`` raises RecursionError)."""
+    """JSON nested deeper than Python's parser recurses (`json.loads` raises RecursionError)."""
 
 
 def parse_json(text: str | bytes):
-    """``json.loads(text)``, where every way hostile text fails it is a ``ValueError`` (invalid
-    JSON, bytes that are not UTF-8, and — as :class:`JSONTooDeep` — arrays or objects nested
-    thousands of levels deep, which ``json.loads`` ends with a RecursionError)."""
+    """`json.loads(text)`, where every way hostile text fails it is a `ValueError`: invalid JSON,
+    bytes that are not UTF-8, and (as `JSONTooDeep`) arrays or objects nested thousands of
+    levels deep, which `json.loads` ends with a RecursionError.
+
+    Args:
+        text: The JSON document.
+    """
     try:
         return json.loads(text)
     except RecursionError:
