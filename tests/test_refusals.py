@@ -77,14 +77,27 @@ def test_a_config_transformers_rejects_is_one_line_with_its_reason(tmp_path, tin
     assert not out.exists()
 
 
-def test_truncated_safetensors_are_named(tmp_path, tiny_models):
-    folder, out = tmp_path / "model", tmp_path / "never.zarr"
-    shutil.copytree(tiny_models["llama"], folder)
+def test_truncated_weights_are_named(tmp_path, tiny_models):
+    import torch
+    from safetensors.torch import load_file
+
+    tiny, out = tiny_models["llama"], tmp_path / "never.zarr"
+    folder = tmp_path / "model"
+    shutil.copytree(tiny, folder)
     weights = folder / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
     proc = run_cli(*trace_args(folder, out))
     one_line_error(proc, f"model weights {weights} are truncated or damaged: Error while deserializing header")
+    pickled = tmp_path / "pickled"  # a pytorch_model.bin (a zip file torch.save wrote) cut short
+    shutil.copytree(tiny, pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(tiny / "model.safetensors"), pickled / "pytorch_model.bin")
+    with open(pickled / "pytorch_model.bin", "r+b") as f:
+        f.truncate(4096)
+    one_line_error(
+        run_main(*trace_args(pickled, out)),
+        f"model weights {pickled / 'pytorch_model.bin'} are truncated or damaged: PytorchStreamReader failed",
+    )
     assert not out.exists()
 
 

@@ -336,9 +336,9 @@ def _config_file(source: ModelSource) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of the exception that ``exc`` was raised from, first of all (transformers
-    wraps its validators' ValueError in a StrictDataclass…Error that says only which validator
-    failed); its type is named unless it is a ValueError."""
+    """The first line of the exception at the root of ``exc``'s chain (transformers wraps its
+    validators' ValueError in a StrictDataclass…Error that names only the validator); its type
+    is named unless it is a ValueError."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return first_line(exc, named=not isinstance(exc, ValueError))
@@ -390,22 +390,37 @@ def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_re
         )
     except OSError as exc:
         raise KvscopeError(f"cannot load model {source.spec!r}: {first_line(exc)}") from exc
-    except (SafetensorError, pickle.UnpicklingError) as exc:
-        raise weights_refused(source, exc) from None
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError) as exc:
+        refused = weights_refused(source, exc)
+        if refused is None:  # a RuntimeError no weights file explains
+            raise
+        raise refused from None
     return model.to(device).eval(), tokenizer
 
 
-def weights_refused(source: ModelSource, exc: Exception) -> KvscopeError:
-    """One line for weights that ``from_pretrained`` could not read, naming the file (found by
-    reading each file's header again): a safetensors file truncated or damaged, or a pickled
-    ``pytorch_model.bin`` that torch's weights-only load refuses — kvscope never loads a pickle
-    otherwise, as that runs whatever code it holds — with the command that converts it."""
+def weights_refused(source: ModelSource, exc: Exception) -> KvscopeError | None:
+    """One line for weights that ``from_pretrained`` could not read (``exc``), naming the file
+    found by reading each weights file again: a safetensors file or a ``pytorch_model.bin``
+    truncated or damaged, or a pickle that torch's weights-only load refuses — kvscope never
+    loads a pickle otherwise, as that runs whatever code it holds — with the command that
+    converts it. None where no file explains ``exc``."""
     folder = Path(source.load_path)
-    if not isinstance(exc, pickle.UnpicklingError):  # safetensors' SafetensorError
+    if isinstance(exc, (pickle.UnpicklingError, RuntimeError)):
+        bad = [(f, why) for f in sorted(folder.glob("*.bin")) if (why := _unreadable_bin(f)) is not None]
+        pickles = [f for f, why in bad if isinstance(why, pickle.UnpicklingError)]
+        if isinstance(exc, pickle.UnpicklingError):
+            return _unsafe_pickle(pickles[0] if pickles else None, source, exc)
+        if not bad:
+            return None
+        file, exc = bad[0]
+    else:  # safetensors' SafetensorError
         file = next((f for f in sorted(folder.glob("*.safetensors")) if not _safetensors_open(f)), None)
-        return KvscopeError(f"model weights {file or source.spec} are truncated or damaged: {first_line(exc)}")
-    file = next((f for f in sorted(folder.glob("*.bin")) if not _weights_only_loads(f)), None)
-    where = file or folder / "pytorch_model.bin"
+    reason = first_line(exc).split(". ")[0]  # torch's reader goes on about its internals
+    return KvscopeError(f"model weights {file or source.spec} are truncated or damaged: {reason}")
+
+
+def _unsafe_pickle(file: Path | None, source: ModelSource, exc: Exception) -> KvscopeError:
+    where = file or Path(source.load_path) / "pytorch_model.bin"
     convert = (
         "import torch, safetensors.torch as st; "
         f"sd = torch.load({str(where)!r}, weights_only=False); "
@@ -430,17 +445,18 @@ def _safetensors_open(path: Path) -> bool:
         return False
 
 
-def _weights_only_loads(path: Path) -> bool:
-    """torch's weights-only unpickler takes ``path`` (mapped, not read: only its pickle is parsed)."""
+def _unreadable_bin(path: Path) -> Exception | None:
+    """Why torch's weights-only load refuses ``path``, or None. A zip file (what ``torch.save``
+    writes) is mapped, not read: only its pickle is parsed."""
+    import zipfile
+
     import torch
 
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return True
-    except pickle.UnpicklingError:
-        return False
-    except Exception:  # noqa: BLE001 - another failure (an old format mmap cannot map) is not this refusal
-        return True
+        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        return exc
+    return None
 
 
 def _unpickler_reason(exc: BaseException) -> str:
