@@ -1,4 +1,7 @@
-"""The one exception type that the CLI turns into a single line and exit code 2."""
+"""The one exception type that the CLI turns into a single line and exit code 2, and the JSON
+parse every reader of a file a user hands kvscope goes through."""
+
+import json
 
 __all__ = ["KvscopeError", "StoreError", "first_line"]
 
@@ -9,6 +12,24 @@ class KvscopeError(Exception):
 
 class StoreError(KvscopeError):
     """A trace store that cannot be opened or written as asked."""
+
+
+class JSONTooDeep(ValueError):
+    """JSON nested deeper than Python's parser recurses (`json.loads` raises RecursionError)."""
+
+
+def parse_json(text: str | bytes):
+    """`json.loads(text)`, where every way hostile text fails it is a `ValueError`: invalid JSON,
+    bytes that are not UTF-8, and (as `JSONTooDeep`) arrays or objects nested thousands of
+    levels deep, which `json.loads` ends with a RecursionError.
+
+    Args:
+        text: The JSON document.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JSONTooDeep("JSON nested deeper than Python's parser recurses") from None
 
 
 def first_line(exc: BaseException, *, named: bool = False) -> str:

@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from ..errors import KvscopeError
+from ..storage.paths import human_bytes  # noqa: F401 - sizes in words, for every command
 
 EXIT_BAD_INPUT = 2
 
@@ -56,14 +57,6 @@ def in_codec(exc: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def progress_bar(label: str, quiet: bool, what: str = "", fields: dict | None = None):

@@ -17,13 +17,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import KvscopeError, first_line
+from ..errors import KvscopeError, first_line, parse_json
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
@@ -199,8 +200,8 @@ def resolve(spec: str, allow_hub: bool = True) -> ModelSource:
 def read_config(path: Path) -> dict:
     """A model's ``config.json`` as a dict (one line when it is not a readable JSON object)."""
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
+        config = parse_json(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deep
         raise KvscopeError(f"model config {path} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):
         raise KvscopeError(f"model config {path} is not a JSON object")
@@ -312,15 +313,47 @@ def _gguf_to_folder(gguf: Path, tmp: Path) -> None:
     )
 
 
+def model_config(source: ModelSource, trust_remote_code: bool = False):
+    """The transformers config of ``source``, as its own class validates it: a config.json whose
+    values it refuses (heads that do not divide the hidden size, a ``per_layer_config`` naming
+    layers the model lacks, a string where a number belongs, …) is one line quoting its reason."""
+    from transformers import AutoConfig
+
+    check_code(source, trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(
+            source.load_path, trust_remote_code=trust_remote_code, local_files_only=source.kind != "hub"
+        )
+    except OSError as exc:
+        raise KvscopeError(f"cannot load the config of model {source.spec!r}: {first_line(exc)}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a config class raises on values it refuses
+        raise KvscopeError(f"transformers refuses the model config {_config_file(source)}: {_reason(exc)}") from None
+
+
+def _config_file(source: ModelSource) -> str:
+    local = source.kind != "hub"
+    return str(Path(source.load_path) / "config.json") if local else f"config.json of {source.spec}"
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of the exception at the root of ``exc``'s chain (transformers wraps its
+    validators' ValueError in a StrictDataclass…Error that names only the validator); its type
+    is named unless it is a ValueError."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return first_line(exc, named=not isinstance(exc, ValueError))
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The tokenizer of ``source`` alone (no weights loaded)."""
     from transformers import AutoTokenizer
 
-    check_code(source, trust_remote_code)
+    config = model_config(source, trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(
-            source.load_path, trust_remote_code=trust_remote_code, local_files_only=source.kind != "hub"
-        )
+            source.load_path, config=config, trust_remote_code=trust_remote_code,
+            local_files_only=source.kind != "hub",
+        )  # fmt: skip
     except OSError as exc:
         raise KvscopeError(f"cannot load the tokenizer of {source.load_path}: {first_line(exc)}") from exc
 
@@ -336,6 +369,7 @@ def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_re
     """Load (model, tokenizer) in eval mode on ``device``, its weights in ``dtype`` (``MODEL_DTYPES``)."""
     check_model_dtype(dtype)
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {
@@ -344,17 +378,91 @@ def load(source: ModelSource, device: str = "cpu", dtype: str = "auto", trust_re
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[dtype]
-    check_code(source, trust_remote_code)
-    offline = {"local_files_only": source.kind != "hub"}
+    config = model_config(source, trust_remote_code)
+    shared = {"config": config, "trust_remote_code": trust_remote_code, "local_files_only": source.kind != "hub"}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.load_path, trust_remote_code=trust_remote_code, **offline)
+        tokenizer = AutoTokenizer.from_pretrained(source.load_path, **shared)
         model = AutoModelForCausalLM.from_pretrained(
             source.load_path,
             dtype=torch_dtype,
-            trust_remote_code=trust_remote_code,
             attn_implementation="eager",  # every architecture has it; kvscope then sets its own
-            **offline,
+            **shared,
         )
     except OSError as exc:
         raise KvscopeError(f"cannot load model {source.spec!r}: {first_line(exc)}") from exc
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError) as exc:
+        refused = weights_refused(source, exc)
+        if refused is None:  # a RuntimeError no weights file explains
+            raise
+        raise refused from None
     return model.to(device).eval(), tokenizer
+
+
+def weights_refused(source: ModelSource, exc: Exception) -> KvscopeError | None:
+    """One line for weights that ``from_pretrained`` could not read (``exc``), naming the file
+    found by reading each weights file again: a safetensors file or a ``pytorch_model.bin``
+    truncated or damaged, or a pickle that torch's weights-only load refuses — kvscope never
+    loads a pickle otherwise, as that runs whatever code it holds — with the command that
+    converts it. None where no file explains ``exc``."""
+    folder = Path(source.load_path)
+    if isinstance(exc, (pickle.UnpicklingError, RuntimeError)):
+        bad = [(f, why) for f in sorted(folder.glob("*.bin")) if (why := _unreadable_bin(f)) is not None]
+        pickles = [f for f, why in bad if isinstance(why, pickle.UnpicklingError)]
+        if isinstance(exc, pickle.UnpicklingError):
+            return _unsafe_pickle(pickles[0] if pickles else None, source, exc)
+        if not bad:
+            return None
+        file, exc = bad[0]
+    else:  # safetensors' SafetensorError
+        file = next((f for f in sorted(folder.glob("*.safetensors")) if not _safetensors_open(f)), None)
+    reason = first_line(exc).split(". ")[0]  # torch's reader goes on about its internals
+    return KvscopeError(f"model weights {file or source.spec} are truncated or damaged: {reason}")
+
+
+def _unsafe_pickle(file: Path | None, source: ModelSource, exc: Exception) -> KvscopeError:
+    where = file or Path(source.load_path) / "pytorch_model.bin"
+    convert = (
+        "import torch, safetensors.torch as st; "
+        f"sd = torch.load({str(where)!r}, weights_only=False); "
+        "st.save_file({k: v.contiguous().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}, "
+        f"{str(where.with_name('model.safetensors'))!r}, metadata={{'format': 'pt'}})"
+    )
+    return KvscopeError(
+        f"model weights {file or source.spec} are a pickle that torch's weights-only load refuses "
+        f"({_unpickler_reason(exc)}); loading it otherwise would run the code it may hold, which kvscope never "
+        f'does. If you trust the file, convert it to safetensors once — python -c "{convert}" — and move '
+        f"{where.name} out of {where.parent}"
+    )
+
+
+def _safetensors_open(path: Path) -> bool:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
+
+
+def _unreadable_bin(path: Path) -> Exception | None:
+    """Why torch's weights-only load refuses ``path``, or None. A zip file (what ``torch.save``
+    writes) is mapped, not read: only its pickle is parsed."""
+    import zipfile
+
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        return exc
+    return None
+
+
+def _unpickler_reason(exc: BaseException) -> str:
+    """What torch's weights-only unpickler refused: the line of its long message that names the
+    global it met (its wording varies by torch version and by global), else its first line."""
+    for line in str(exc).splitlines():
+        if "GLOBAL" in line:
+            return line.split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".")
+    return first_line(exc)

@@ -12,11 +12,10 @@ eos_ids(model, tokenizer)                       the ids that end generation
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import KvscopeError
+from ..errors import KvscopeError, parse_json
 
 
 @dataclass
@@ -131,8 +130,8 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
+            obj = parse_json(line)
+        except ValueError:  # not JSON, or nested too deep
             raise KvscopeError(f"{p}:{n}: not a JSON object") from None
         if not isinstance(obj, dict):
             raise KvscopeError(f"{p}:{n}: not a JSON object")

@@ -22,7 +22,6 @@ they are computed. ``kvscope verify`` reads every chunk and reports each problem
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import re
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from ..errors import StoreError, first_line
+from ..errors import StoreError, first_line, parse_json
 from ..storage.integrity import (
     ChunkRules,
     DamagedStore,
@@ -216,8 +215,8 @@ def check_attrs(path, attrs: dict) -> dict:
 
 def _json_object(text: str) -> dict | None:
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = parse_json(text)
+    except ValueError:  # not JSON, or nested too deep
         return None
     return value if isinstance(value, dict) else None
 

@@ -23,7 +23,9 @@ import xarray as xr
 from ..analysis.churn import ChurnStream, valid_events
 from ..analysis.common import selection_codes
 from ..analysis.lir import LIR, LirStream
-from .store import RUN, TIER_DIMS, TierStore, write_variables, written_in_place
+from ..storage.schema import CHUNK_OVERHEAD, METADATA_BYTES, chunked_bytes, on_disk
+from .check import COORDINATES, VARIABLES
+from .store import RUN, TIER_DIMS, TierStore, tier_chunks, write_variables, written_in_place
 
 TIERS = ("FP", "Q", "EVICTED")
 
@@ -169,6 +171,31 @@ class RunRecord:
         o.allocated[i] = np.broadcast_to(state.spec.capacity, o.allocated[i].shape)
         o.eligible[i], o.reactivated[i], transitions = self.lir_stream.counts()  # [layer, kv_head], …, [L, H, 4]
         o.transitions[i] = transitions.sum((0, 1))
+
+
+def result_bytes(setup, block: tuple[int, int] | None = None, fs_block: int = 1, whole: bool = True) -> int:
+    """About the most the result of ``setup`` takes on disk, in whole blocks of ``fs_block`` bytes:
+    its tiers uncompressed in chunks of ``block`` (a task's layers, KV heads) and, if ``whole``,
+    every other variable of a result (``kvscope.replay.check.VARIABLES``) uncompressed in one
+    chunk, a chunk of each coordinate, and each array's metadata, in its own ``zarr.json`` and
+    again in the group's consolidated copy."""
+    n_events = len(setup.steps)
+    sizes = {
+        "policy": len(setup.policies), "allocation": len(setup.allocations), "budget": len(setup.budgets),
+        "sample": setup.n_samples, "event": n_events, "event_pair": max(0, n_events - 1), "layer": setup.n_layers,
+        "kv_head": setup.n_kv, "pos": setup.n_pos, "step": setup.n_step_total, "horizon": len(setup.horizons),
+        "tier": len(TIERS),
+    }  # fmt: skip
+    shape = tuple(sizes[d] for d in TIER_DIMS)
+    total = chunked_bytes(shape, tier_chunks(shape, block), 1, fs_block)
+    if not whole:
+        return total
+    for name, variable in VARIABLES.items():
+        if name != "tiers":
+            data = int(np.prod([sizes[d] for d in variable.dims])) * np.dtype(variable.dtypes[0]).itemsize
+            total += on_disk(data + CHUNK_OVERHEAD, fs_block)
+    total += len(COORDINATES) * on_disk(METADATA_BYTES, fs_block)  # labels and indices: small
+    return total + (len(VARIABLES) + len(COORDINATES)) * (on_disk(METADATA_BYTES, fs_block) + METADATA_BYTES)
 
 
 def _per_run(values: np.ndarray, reduce, lead: int = 3) -> np.ndarray:

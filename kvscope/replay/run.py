@@ -142,7 +142,8 @@ def replay(
     processes = _processes(setup, processes, client, path)
     workers = sum(client.nthreads().values()) if client is not None else processes
     block = _block(setup, layers_per_task, kv_heads_per_task, workers, 2 if client is not None else 1)
-    with result_folder(out) as root:
+    needs = functools.partial(_result.result_bytes, setup, block)
+    with result_folder(out, needs) as root:
         outputs = _result.Outputs.allocate(setup, root, block=block)
         ran_on = _run(setup, outputs, block, client, threads, processes, progress)
         outputs.tiers.complete()

@@ -10,6 +10,9 @@ Every chunk of every array is written (``write_empty_chunks``: also those equal 
 value), so a chunk missing from a result store is damage, never an all-NaN block; the group's
 attributes carry their own CRC32C (``attributes_checksum``), since a result is written once.
 
+A disk (or quota) that fills up is one line naming what was being written and the space it
+needs (``kvscope.storage.paths.no_space``), once the partial folder is removed.
+
 Two writers racing for the same path each write their own partial folder; the first rename
 wins, the second fails (Linux refuses to rename onto a non-empty directory) and its partial
 folder is removed, so a result store is always one writer's complete result. Every chunk
@@ -28,12 +31,14 @@ import shutil
 import tempfile
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
 from ..errors import KvscopeError
+from ..storage.paths import block_size, disk_full, no_space
 from ..storage.store import compressors
 
 RUN = ("policy", "allocation", "budget")  # one run of a replay result: the leading dims of its arrays
@@ -87,19 +92,32 @@ def rename_into_place(partial: Path, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def result_folder(out):
+def result_folder(out, needs: Callable[[int, bool], int] | None = None):
     """The folder a replay streams into: ``out``'s partial folder, or a temporary one (removed
-    here if the replay fails; afterwards ``lazy_tiers`` owns it)."""
-    if out is not None:
-        with written_in_place(out) as partial:
-            yield partial
-        return
-    root = Path(tempfile.mkdtemp(prefix="kvscope-replay-"))
+    here if the replay fails; afterwards ``lazy_tiers`` owns it). A full disk is one line
+    saying what was being written and the space it needs: ``needs(block, whole)``, the bytes
+    of the whole result (``whole``) or of its tiers alone in a temporary folder, in whole blocks
+    of the file system's ``block`` bytes (``kvscope.replay.result.result_bytes``)."""
+    where = Path(out if out is not None else tempfile.gettempdir())
     try:
-        yield root
-    except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
-        raise
+        if out is not None:
+            with written_in_place(out) as partial:
+                yield partial
+            return
+        root = Path(tempfile.mkdtemp(prefix="kvscope-replay-"))
+        try:
+            yield root
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        what, then = "the replay result", "the partial result is removed"
+        if out is None:
+            what, then = "the replayed tiers in the temporary folder", f"{then}; set TMPDIR to a folder with space"
+        needed = needs(block_size(where), out is not None) if needs is not None else None
+        raise no_space(where, what, needed, then) from exc
 
 
 def tier_chunks(shape: tuple[int, ...], block: tuple[int, int] | None = None) -> tuple[int, ...]:

@@ -24,7 +24,6 @@ outside [0, 1], rows that do not sum to 1) are checked by the readers that decod
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from ..errors import KvscopeError, StoreError, first_line
+from ..errors import JSONTooDeep, KvscopeError, StoreError, first_line, parse_json
 from .rowformat import RowFormat
 from .schema import Layout, schema
 
@@ -122,16 +121,24 @@ def group_attributes(path, noun: str) -> dict:
     meta = p / "zarr.json"
     if not p.is_dir() or not meta.is_file():
         raise StoreError(f"{p} is not a Zarr v3 store (no zarr.json)")
-    try:
-        doc = json.loads(meta.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise StoreError(f"{p}/zarr.json is unreadable or truncated ({exc.__class__.__name__})") from exc
+    doc = read_json(meta)
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise StoreError(f"{p} is not a Zarr v3 group")
     attrs = doc.get("attributes")
     if not isinstance(attrs, dict):
         raise StoreError(f"{p}: the group's attributes are not a JSON object")
     return attrs
+
+
+def read_json(meta: Path):
+    """The JSON document in the metadata file ``meta`` (a ``zarr.json``), or one line naming it:
+    unreadable, truncated or not JSON, or nested too deep to be read."""
+    try:
+        return parse_json(meta.read_bytes().decode("utf-8"))
+    except JSONTooDeep:
+        raise StoreError(f"{meta} nests its JSON too deep to be read") from None
+    except (ValueError, OSError) as exc:  # ValueError: not JSON, not UTF-8
+        raise StoreError(f"{meta} is unreadable or truncated ({exc.__class__.__name__})") from None
 
 
 # -- 2. the schema --------------------------------------------------------------------------
@@ -144,10 +151,7 @@ def read_metas(path: Path) -> dict[str, dict]:
         meta = path / entry / "zarr.json"
         if not meta.is_file():
             continue
-        try:
-            doc = json.loads(meta.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            raise StoreError(f"{path}/{entry}/zarr.json is unreadable or truncated") from None
+        doc = read_json(meta)
         if not isinstance(doc, dict):
             raise StoreError(f"{path}/{entry}/zarr.json is not a JSON object")
         if doc.get("node_type") == "array":

@@ -180,3 +180,33 @@ def _sink_arrays(L: Layout, hs: str, sizes: dict, rows: dict, per_layer: dict) -
         _spec("prefill_learned_sink", ("sample", "layer", hs), "float32", sizes, per_layer, "sample"),
         _spec("prefill_tail_learned_sink", ("sample", "layer", hs, "obs"), "float32", sizes, per_layer, "sample"),
     ]
+
+
+CHUNK_OVERHEAD = 32  # bytes a chunk may take beyond its data: blosc's header (16 at most), the CRC32C (4)
+METADATA_BYTES = 2048  # an array's zarr.json, at most (the group's also holds the prompts)
+
+
+def on_disk(n: int, block: int = 1) -> int:
+    """``n`` bytes of a file rounded up to whole blocks of ``block`` bytes (the file system's allocation unit)."""
+    return -(-n // block) * block
+
+
+def chunked_bytes(shape, chunks, itemsize: int, block: int = 1) -> int:
+    """The most an array of ``shape`` in ``chunks`` takes on disk, every chunk written uncompressed
+    (``on_disk``, with its ``CHUNK_OVERHEAD``)."""
+    import math
+
+    n_chunks = math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True))
+    return n_chunks * on_disk(math.prod(chunks) * itemsize + CHUNK_OVERHEAD, block)
+
+
+def store_bytes(layout: Layout, block: int = 1) -> int:
+    """The most a store with ``layout`` takes on disk: every chunk of every array uncompressed
+    (compression shrinks attention rows about twofold) in whole blocks of ``block`` bytes, and
+    the arrays' metadata."""
+    import numpy as np
+
+    coords, arrays = schema(layout)
+    total = sum(chunked_bytes((n,), (n,), 4, block) for _, n in coords)
+    total += sum(chunked_bytes(a.shape, a.chunks, np.dtype(a.dtype).itemsize, block) for a in arrays)
+    return total + (len(coords) + len(arrays) + 1) * on_disk(METADATA_BYTES, block)

@@ -295,11 +295,9 @@ def verify(path: str | os.PathLike, deep: bool = False, deep_rows: int = 64) -> 
 def check_consolidated(report: Report, path: Path) -> None:
     """The consolidated copy of the metadata (a complete store's ``zarr.json``) equals each
     array's own: kvscope reads the arrays' own, other readers (xarray's default) the copy."""
-    import json
+    from .integrity import read_json, read_metas
 
-    from .integrity import read_metas
-
-    copy = json.loads((path / "zarr.json").read_text()).get("consolidated_metadata")
+    copy = read_json(path / "zarr.json").get("consolidated_metadata")
     if copy is None:
         return
     entries = copy.get("metadata") if isinstance(copy, dict) else None

@@ -39,8 +39,8 @@ from ..model.prompts import Prompt, as_prompts, check_context, encode_prompts, e
 from ..model.rope import Rope
 from ..model.spec import ModelSpec
 from ..storage.integrity import is_int
-from ..storage.paths import output_path
-from ..storage.schema import SCHEMA_VERSION, Layout
+from ..storage.paths import block_size, disk_full, no_space, output_path
+from ..storage.schema import SCHEMA_VERSION, Layout, store_bytes
 from ..storage.store import check_store, consolidate, create, read_attrs
 from .architecture import inspect
 from .capture import implementation_name, register
@@ -317,11 +317,13 @@ def trace_loaded(
         texts, steps = _texts(out, tokenizer, [len(q) for q in questions], samples)
         seconds = time.perf_counter() - started
         return TraceResult(out, len(encoded), steps, seconds, writer.bytes_written, texts, samples, complete)
-    except BaseException:
+    except BaseException as exc:
         if existing is None and shard is None:
             _discard_uncommitted(out, writer)
         elif writer is not None:
             writer.abandon()  # the blocks already handed over are written and committed
+        if disk_full(exc):
+            raise _no_space(out, layout) from exc
         raise
     finally:
         for lock in reversed(locks + (writer.locks if writer is not None else [])):
@@ -527,12 +529,32 @@ def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | 
         shutil.rmtree(tmp, ignore_errors=True)
         if shard is not None and isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
             return None
+        if disk_full(exc):
+            raise _no_space(out, layout) from exc
         if isinstance(exc, OSError):
             raise StoreError(f"cannot create {out}: {exc.strerror or exc}") from exc
         raise
     for lock in locks:
         lock.path = out
     return locks
+
+
+def _no_space(out: Path, layout: Layout) -> StoreError:
+    """A trace that filled the disk (``kvscope.storage.paths.no_space``), once what it
+    wrote is cleaned up: the steps it committed are kept, and ``--resume`` continues them; the
+    block it was writing is not committed (its rows stay hidden until it is written again)."""
+    try:
+        attrs = read_attrs(out)
+    except KvscopeError:
+        attrs = None
+    if attrs is None:
+        then = "nothing was kept: free space and run it again"
+    elif attrs["status"] == "complete":
+        then = "every step is written and the store is complete, but its consolidated metadata is missing"
+    else:
+        steps = sum(attrs["steps_committed"])
+        then = f"its {steps} committed steps are kept: free space, then run the same command with --resume"
+    return no_space(out, "the trace store", store_bytes(layout, block_size(out)), then)
 
 
 def remove_store(out: Path) -> None:
