@@ -419,11 +419,12 @@ def report(doc: dict, folder: Path, page: Path, figure_path: Path) -> None:
             "breaks": breaks(records, name, best[name], "kl"),
             "grid": grid_cells(records, name, best[name]),
         }
+    doc["figure"] = figure_points(records, names, best)  # what the figure plots: the page's means
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(doc, indent=1))
     (folder / "summary.md").write_text(summary_md(doc))
     page.write_text(summary_md(doc))
-    figure(figure_points(records, names, best), figure_path)
+    figure(doc["figure"], figure_path)
     print(summary_md(doc))
 
 
