@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import doctest
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,17 @@ def test_the_sessions_of_the_concepts_page_print_what_they_show():
         runner.run(test, clear_globs=False)
         globs = test.globs
     assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_command_lines_of_the_concepts_page_print_what_they_show(tmp_path):
+    """Each ``$ kvscope …`` line of a console block, run in an empty folder: its one line, exit 2."""
+    blocks = re.findall(r"```console\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    pairs = re.findall(r"^\$ (kvscope .+)\n(kvscope: error: .+)$", "".join(blocks), re.MULTILINE)
+    assert pairs
+    for command, shown in pairs:
+        argv = [sys.executable, "-m", "kvscope", *shlex.split(command)[1:]]
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+        assert (proc.returncode, proc.stdout + proc.stderr) == (2, shown + "\n"), command
 
 
 def test_the_toy_table_is_the_toy_trace():
