@@ -118,7 +118,7 @@ def figures(doc: dict, folder: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("horizon H (steps)")
     ax.set_ylabel("FMM of the top-20% history oracle")
-    ax.legend()
+    fig.legend(loc="outside lower center", ncol=len(doc))
     save(fig, folder / "fmm_curves.png")
 
 

@@ -43,7 +43,7 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
     budgets = result["budget"].values
     runs = run_lines(result)
 
-    def lines(ax, values_of, ylabel, title, with_ci=False, legend=True):
+    def lines(ax, values_of, ylabel, title, with_ci=False, legend=False):
         for label, r in runs:
             if str(r["policy_name"].values) == "full":
                 continue  # the reference: 0 at 100% of the memory
@@ -61,7 +61,7 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         if legend:
-            ax.legend(ncol=2 if len(runs) > 4 else 1)
+            ax.legend()
 
     lines(
         axes[0],
@@ -69,6 +69,7 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
         f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)",
         "Future Missed Mass vs memory",
         with_ci=True,
+        legend=ax is not None,  # axes given: the legend in the first; else one for the figure, above the panels
     )
     if has_err:
         lines(
@@ -78,6 +79,8 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
             "Output error vs memory",
             legend=False,  # the same lines as beside it
         )
+    if ax is None:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=min(len(runs), 4))
     ax = axes[-1]
     tiers = np.stack([r["tier_mean"].values for _, r in runs])  # [run, budget, tier]
     width = 0.8 / len(budgets)

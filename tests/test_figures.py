@@ -107,7 +107,7 @@ def test_the_benchmark_history_draws_legibly(tmp_path):
     runs = history.load_runs(ROOT / "benchmarks" / "results")
     # one plot function draws them all: the two with the most panels and the most legend entries
     panels = max(runs, key=lambda n: len(history.HEADLINES.get(n, {})))
-    entries = max(runs, key=lambda n: len({r.get("machine") for r in runs[n]}) + len(runs[n]))
+    entries = max(runs, key=lambda n: len({history.machine_id(r.get("machine")) for r in runs[n]}) + len(runs[n]))
     drawn = [name for name in {panels, entries} if history.plot(name, runs[name], tmp_path / f"{name}.png")]
     assert drawn
     for name in drawn:
