@@ -13,8 +13,8 @@ at ``DPI``. Text of ``f`` points in a figure ``W`` inches wide, rendered at ``DP
 
 and every text must show at ``MIN_PT`` (9 pt) or more. With ``WIDTH`` = 8 in, ``DPI`` = 120
 and ``SMALL_PT`` = 9 pt for ticks and legends, ``shown(9) = 9.4 pt``. A wider figure would
-need larger type: draw several panels in rows instead. :func:`smallest_shown` measures a
-figure; :func:`save` records it in the PNG (``tests/test_figures.py`` checks both).
+need larger type: draw several panels in rows instead. ``smallest_shown`` measures a
+figure; ``save`` records it in the PNG (``tests/test_figures.py`` checks both).
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ PNG_KEY = "kvscope smallest text pt"  # the PNG text chunk save() writes
 
 def styled(func):
     """Draw ``func``'s figure in the project's style (matplotlib's rc parameters, for the
-    duration of the call)."""
+    duration of the call).
+
+    Args:
+        func: A function that draws and returns a figure.
+    """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -62,7 +66,15 @@ def styled(func):
 def axes(ax=None, width: float = WIDTH, height: float = 4.2, ncols: int = 1, nrows: int = 1):
     """``(figure, ax)``: the figure of a given ``ax`` (a sequence of axes when the figure has
     several), or a new constrained-layout ``Figure`` of ``nrows × ncols`` axes (a flat sequence
-    when there are several) at most ``WIDTH`` inches wide, in the project's style."""
+    when there are several) at most ``WIDTH`` inches wide, in the project's style.
+
+    Args:
+        ax: Axes to draw into (their figure is returned), or None for a new figure.
+        width: Inches (at most ``WIDTH``).
+        height: Inches.
+        ncols: Columns of axes.
+        nrows: Rows of axes.
+    """
     if ax is not None:
         first = ax[0] if ncols * nrows > 1 else ax
         return first.figure, ax
@@ -80,7 +92,13 @@ def axes(ax=None, width: float = WIDTH, height: float = 4.2, ncols: int = 1, nro
 
 def mosaic(layout: list[list[str]], width: float = WIDTH, height: float = 4.2):
     """``(figure, {name: ax})``: a constrained-layout ``Figure`` of named panels laid out as
-    ``layout`` (matplotlib's ``subplot_mosaic``: a name repeated spans cells), in the style."""
+    ``layout`` (matplotlib's ``subplot_mosaic``: a name repeated spans cells), in the style.
+
+    Args:
+        layout: Rows of panel names.
+        width: Inches (at most ``WIDTH``).
+        height: Inches.
+    """
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -93,13 +111,22 @@ def mosaic(layout: list[list[str]], width: float = WIDTH, height: float = 4.2):
 
 
 def shown_points(fontsize: float, width_px: float, dpi: float = DPI) -> float:
-    """Points at which text of ``fontsize`` pt shows in an image ``width_px`` wide rendered at
-    ``dpi`` (module docstring)."""
+    """Points at which text shows in an image on the documentation site (module docstring).
+
+    Args:
+        fontsize: Points of the text in the figure.
+        width_px: Width of the image in pixels.
+        dpi: Pixels per inch it was rendered at.
+    """
     return fontsize * dpi / 72 * min(1.0, DISPLAY_PX / width_px) * 72 / 96
 
 
 def smallest_text(fig) -> float:
-    """The smallest font size (pt) of the visible, non-empty text of ``fig`` as it draws."""
+    """The smallest font size (pt) of the visible, non-empty text of a figure as it draws.
+
+    Args:
+        fig: A matplotlib figure.
+    """
     from matplotlib.text import Text
 
     fig.draw_without_rendering()
@@ -108,13 +135,24 @@ def smallest_text(fig) -> float:
 
 
 def smallest_shown(fig, dpi: float = DPI) -> float:
-    """:func:`shown_points` of the smallest text of ``fig`` saved at ``dpi``."""
+    """``shown_points`` of the smallest text of a figure saved at ``dpi``.
+
+    Args:
+        fig: A matplotlib figure.
+        dpi: Pixels per inch it is saved at.
+    """
     return shown_points(smallest_text(fig), fig.get_figwidth() * dpi, dpi)
 
 
 def save(fig, path, dpi: int = DPI) -> None:
     """Write ``fig`` (format from the suffix: PNG, PDF, SVG, …); a PNG records its smallest
-    text size (``PNG_KEY``) so that the documentation's figures can be checked."""
+    text size (``PNG_KEY``) so that the documentation's figures can be checked.
+
+    Args:
+        fig: A matplotlib figure.
+        path: Where to write it.
+        dpi: Pixels per inch.
+    """
     from pathlib import Path
 
     metadata = {PNG_KEY: f"{smallest_text(fig):g}"} if Path(path).suffix.lower() == ".png" else None

@@ -79,7 +79,7 @@ return dy == 1 ? first + text : first + '–' + (first + dy - 1) + text + ' …'
 
 
 def figure(**kwargs):
-    """Bokeh's ``figure`` with the project's text size (:data:`kvscope.figures.BOKEH_PX`: the
+    """Bokeh's ``figure`` with the project's text size (``kvscope.figures.BOKEH_PX``: the
     explorer is shown at one CSS pixel per pixel, so no text is smaller than 9 pt)."""
     f = bokeh_figure(**kwargs)
     f.title.text_font_size = BOKEH_PX
