@@ -76,6 +76,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import kvscope
+    from kvscope.figures import save
     from kvscope.plots import plot_allocation
     from kvscope.report import comparison
 
@@ -97,7 +98,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         rows = comparison(r)
         doc["workloads"][name] = {"rows": rows, "replay_seconds": seconds}
-        plot_allocation(r, "h2o", budgets[0]).savefig(folder / f"{name}.png", dpi=120)
+        save(plot_allocation(r, "h2o", budgets[0]), folder / f"{name}.png")
         markdown += ["", f"## {name} (replay of all {len(rows)} runs: {seconds:.0f} s)"]
         markdown += allocation_tables(name, rows, budgets)
     if args.tune_workload in traces:

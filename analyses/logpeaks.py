@@ -3,11 +3,13 @@ and workload with bootstrap CIs, the fit against exponential and uniform alterna
 attention LogQuant's FP set covers versus a recency window of the same size.
 
     python analyses/logpeaks.py [--context 1024]          → results/logpeaks/{summary.md,summary.json,*.png}
+    python analyses/logpeaks.py --redraw                  the figure again from results/logpeaks/summary.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -21,19 +23,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.add_argument("--layers-every", type=int, default=3, help="α with its CI for every n-th layer")
+    ap.add_argument("--redraw", action="store_true", help="only the figure, from the folder's summary.json")
     args = ap.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    folder = Path(args.results) / "logpeaks"
+    if args.redraw:
+        figure(json.loads((folder / "summary.json").read_text())["workloads"], folder)
+        return
 
     import kvscope
     from kvscope import analysis as A
 
-    folder = Path(args.results) / "logpeaks"
     folder.mkdir(parents=True, exist_ok=True)
     doc, rows = {}, []
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4), constrained_layout=True)
     for name, path in ensure_traces(args).items():
         ds = kvscope.open_trace(path, chunks={})
         r = A.peaks(ds, n_boot=300)
@@ -65,23 +66,7 @@ def main() -> None:
             f"| {best} (ΔAIC exp {aic['exponential'] - aic['power']:+.0f}, uniform {aic['uniform'] - aic['power']:+.0f}) "
             f"| {cov_lq:.3f} | {cov_rc:.3f} | {doc[name]['n_peaks']} |"
         )
-        line = axes[0].errorbar(
-            layers, per_layer[:, 0], yerr=[per_layer[:, 0] - per_layer[:, 1], per_layer[:, 2] - per_layer[:, 0]],
-            marker="o", capsize=3, label=name,
-        )  # fmt: skip
-        color = line[0].get_color()
-        axes[1].plot(doc[name]["coverage_logquant_layer"], color=color, label=f"{name}: LogQuant FP set")
-        axes[1].plot(doc[name]["coverage_recency_layer"], color=color, linestyle="--", label=f"{name}: recency window")
-    axes[0].axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    axes[0].set_xlabel("layer")
-    axes[0].set_ylabel("α (peak density ∝ d^−α), 95% CI")
-    axes[0].set_title("distance decay of attention peaks")
-    axes[0].legend(fontsize=7)
-    axes[1].set_xlabel("layer")
-    axes[1].set_ylabel("non-sink attention covered")
-    axes[1].set_title("LogQuant FP set (W = 32) vs a recency window of equal size")
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.savefig(folder / "alpha_and_coverage.png", dpi=110)
+    figure(doc, folder)
     markdown = [
         f"Default model ({args.model}), {args.context}-token prompts; top-8 peaks per row (sinks and the query's own "
         "position excluded), exposure-normalized log2 histogram, discrete truncated power-law MLE with a bootstrap "
@@ -96,6 +81,31 @@ def main() -> None:
         "![alpha and coverage](alpha_and_coverage.png)",
     ]
     write_summary(folder, "Log-peak study", {"settings": vars(args), "workloads": doc}, markdown)
+
+
+def figure(doc: dict, folder: Path) -> None:
+    """alpha_and_coverage.png from the summary's per-workload numbers: α per layer with its CI,
+    and the coverage of LogQuant's FP set against a recency window of the same size."""
+    from kvscope.figures import axes, save
+
+    fig, (top, bottom) = axes(height=7.6, nrows=2)
+    for name, d in doc.items():
+        layers = [int(x) for x in d["alpha_layer"]]
+        a = np.array([d["alpha_layer"][str(x)] for x in layers])  # [layer, (α, low, high)]
+        line = top.errorbar(layers, a[:, 0], yerr=[a[:, 0] - a[:, 1], a[:, 2] - a[:, 0]], marker="o", capsize=3,
+                            label=name)  # fmt: skip
+        color = line[0].get_color()
+        bottom.plot(d["coverage_logquant_layer"], color=color, label=name)
+        bottom.plot(d["coverage_recency_layer"], color=color, linestyle="--")
+    top.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    top.set_xlabel("layer")
+    top.set_ylabel("α (peak density ∝ d^−α)")
+    top.set_title("Distance decay of attention peaks, 95% CI")
+    top.legend(ncol=len(doc))
+    bottom.set_xlabel("layer")
+    bottom.set_ylabel("non-sink attention covered")
+    bottom.set_title("LogQuant FP set, W = 32 (solid) vs a recency window of equal size (dashed)")
+    save(fig, folder / "alpha_and_coverage.png")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 workload and per layer, on the default model.
 
     python analyses/observation.py [--context 1024]      → results/observation/{summary.md,summary.json,*.png}
+    python analyses/observation.py --redraw              the figures again from results/observation/summary.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -20,19 +22,18 @@ from workload_traces import add_arguments, ensure_traces, write_summary  # noqa:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
+    ap.add_argument("--redraw", action="store_true", help="only the figures, from the folder's summary.json")
     args = ap.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    folder = Path(args.results) / "observation"
+    if args.redraw:
+        figures(json.loads((folder / "summary.json").read_text())["workloads"], folder)
+        return
 
     import kvscope
     from kvscope import analysis as A
 
-    folder = Path(args.results) / "observation"
     folder.mkdir(parents=True, exist_ok=True)
     doc, rows = {}, []
-    per_layer = {}
     for name, path in ensure_traces(args).items():
         ds = kvscope.open_trace(path, chunks={})
         r = A.study(ds, [A.FMM(n_boot=500), A.Churn(n_boot=500), A.LIR(n_boot=500), A.Peaks()])
@@ -60,7 +61,6 @@ def main() -> None:
             "samples": int(ds.sizes["sample"]),
             "steps": int(ds["n_steps"].values.sum()),
         }
-        per_layer[name] = doc[name]
         d = doc[name]
 
         def ci(value, bounds):
@@ -76,27 +76,7 @@ def main() -> None:
             f"| {d['p01']:.3f} / {d['p10']:.3f} | {d['top10_mass']:.3f} | {d['windows_for_80pct']:.3f} |"
         )
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-    for name, d in per_layer.items():
-        for ax, key in zip(axes, ("fmm_layer", "churn_layer", "lir_layer")):
-            ax.plot(np.arange(len(d[key])), d[key], marker=".", label=name)
-    for ax, title in zip(
-        axes, ("FMM@32 of the top-20% history oracle", "selection churn", "Global LIR (m=4, H_lir=8)")
-    ):
-        ax.set_xlabel("layer")
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    fig.savefig(folder / "per_layer.png", dpi=110)
-    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-    for name, d in doc.items():
-        hs = sorted(d["fmm_curve"])
-        ax.plot(hs, [d["fmm_curve"][h] for h in hs], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("horizon H (steps)")
-    ax.set_ylabel("FMM of the top-20% history oracle")
-    ax.legend(fontsize=8)
-    fig.savefig(folder / "fmm_curves.png", dpi=110)
-
+    figures(doc, folder)
     markdown = [
         f"Default model ({args.model}), {args.context}-token prompts per workload, windows of 8 after 4 sinks, "
         "events every 8 steps, history oracle = top 20% of candidate windows by cumulative score with the newest "
@@ -114,6 +94,32 @@ def main() -> None:
         "![FMM curves](fmm_curves.png)",
     ]
     write_summary(folder, "Observation study", {"settings": vars(args), "workloads": doc}, markdown)
+
+
+def figures(doc: dict, folder: Path) -> None:
+    """per_layer.png and fmm_curves.png from the summary's per-workload numbers."""
+    from kvscope.figures import axes, save
+
+    fig, panels = axes(height=7.5, nrows=3)
+    for name, d in doc.items():
+        for ax, key in zip(panels, ("fmm_layer", "churn_layer", "lir_layer")):
+            ax.plot(np.arange(len(d[key])), d[key], marker=".", label=name)
+    for ax, title in zip(
+        panels, ("FMM@32 of the top-20% history oracle", "selection churn", "Global LIR (m=4, H_lir=8)")
+    ):
+        ax.set_ylabel(title)
+    panels[-1].set_xlabel("layer")
+    panels[0].legend(ncol=len(doc))
+    save(fig, folder / "per_layer.png")
+    fig, ax = axes(width=6, height=4)
+    for name, d in doc.items():
+        hs = sorted(d["fmm_curve"], key=int)
+        ax.plot([int(h) for h in hs], [d["fmm_curve"][h] for h in hs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("horizon H (steps)")
+    ax.set_ylabel("FMM of the top-20% history oracle")
+    fig.legend(loc="outside lower center", ncol=len(doc))
+    save(fig, folder / "fmm_curves.png")
 
 
 if __name__ == "__main__":

@@ -242,31 +242,47 @@ def _num(x):
 
 
 # -- report -------------------------------------------------------------------------------------
-def figure(records, workloads, best: dict, path: Path) -> None:
+def figure_points(records, workloads, best: dict) -> dict:
+    """What the figure shows, per workload: the best offline metric and, per policy, its mean
+    over prompts and the mean live KL at each budget (``[[offline, kl], …]``)."""
+    out = {}
+    for name in workloads:
+        tables, policies, budgets = _tables(records, name)
+        with np.errstate(all="ignore"):
+            x, y = _mean(tables[best[name]]), _mean(tables["kl"])
+        out[name] = {
+            "metric": best[name],
+            "budgets": budgets,
+            "policies": {
+                p: [[_num(x[i, j]), _num(y[i, j])] for j in range(len(budgets))] for i, p in enumerate(policies)
+            },
+        }
+    return out
+
+
+def figure(points: dict, path: Path) -> None:
+    """Offline metric against live KL, one panel per workload (:func:`figure_points`)."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kvscope.figures import axes, save
 
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 4.2), squeeze=False)
+    fig, panels = axes(height=4.2 * len(points) + 1.4, nrows=len(points))
+    panels = panels if len(points) > 1 else [panels]
     markers = ["o", "s", "^", "D", "v"]
-    for ax, name in zip(axes[0], workloads):
-        tables, policies, budgets = _tables(records, name)
-        colors = plt.get_cmap("tab20")(np.linspace(0, 1, len(policies)))
-        off = best[name]
-        with np.errstate(all="ignore"):
-            x, y = _mean(tables[off]), _mean(tables["kl"])
-        for i, policy in enumerate(policies):
-            for j, budget in enumerate(budgets):
-                ax.scatter(x[i, j], y[i, j], color=colors[i], marker=markers[j % len(markers)], s=36,
+    for ax, (name, p) in zip(panels, points.items()):
+        colors = matplotlib.colormaps["tab20"](np.linspace(0, 1, len(p["policies"])))
+        for i, (policy, cells) in enumerate(p["policies"].items()):
+            for j, (x, y) in enumerate(cells):
+                ax.scatter(x if x is not None else np.nan, y if y is not None else np.nan, color=colors[i],
+                           marker=markers[j % len(markers)], s=36,
                            label=policy.removeprefix("press:").split(":")[0] if j == 0 else None)  # fmt: skip
-        ax.set_xlabel(f"offline {OFFLINE[off]} (replay)")
+        ax.set_xlabel(f"offline {OFFLINE[p['metric']]} (replay)")
         ax.set_ylabel("live KL to full KV (nats/token)")
         ax.set_yscale("log")
-        ax.set_title(f"{name}: markers ○ □ △ = β {', '.join(map(str, budgets))}", fontsize=9)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.set_title(f"{name}: markers ○ □ △ = β {', '.join(map(str, p['budgets']))}")
+    handles, labels = panels[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4)
+    save(fig, path)
 
 
 def summary_md(doc: dict) -> str:
@@ -403,11 +419,12 @@ def report(doc: dict, folder: Path, page: Path, figure_path: Path) -> None:
             "breaks": breaks(records, name, best[name], "kl"),
             "grid": grid_cells(records, name, best[name]),
         }
+    doc["figure"] = figure_points(records, names, best)  # what the figure plots: the page's means
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(doc, indent=1))
     (folder / "summary.md").write_text(summary_md(doc))
     page.write_text(summary_md(doc))
-    figure(records, names, best, figure_path)
+    figure(doc["figure"], figure_path)
     print(summary_md(doc))
 
 

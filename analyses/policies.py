@@ -26,6 +26,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import kvscope
+    from kvscope.figures import save
     from kvscope.plots import plot_compare
     from kvscope.report import comparison
 
@@ -45,7 +46,7 @@ def main() -> None:
         scores = task_scores(path)
         graded = [s for s in scores if s is not None]
         doc[name] = {"rows": rows, "full_kv_task_scores": scores}
-        plot_compare(r).savefig(folder / f"{name}.png", dpi=120)
+        save(plot_compare(r), folder / f"{name}.png")
         markdown += [
             "",
             f"## {name}"

@@ -568,17 +568,17 @@ def plot(name: str, runs: list[dict], path: str | Path) -> bool:
     if not points:
         return False
     import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.dates as mdates
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
+
+    from kvscope.figures import axes as figure_axes
+    from kvscope.figures import save, styled
 
     keys = [k for k in HEADLINES.get(name, {}) if any(k == c[0] for _, _, got in points for c in got)]
     series = list(dict.fromkeys(s for _, _, got in points for _, s in got))
     machines = list(dict.fromkeys(machine_id(r.get("machine")) for _, r, _ in points))
-    colours = plt.get_cmap("tab10")
+    colours = matplotlib.colormaps["tab10"]
     colour = {s: colours(i % 10) for i, s in enumerate(series)}
     marker = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(machines)}
 
@@ -593,13 +593,17 @@ def plot(name: str, runs: list[dict], path: str | Path) -> bool:
                               label="transcribed run"))  # fmt: skip
     if kinds == {True, False}:
         handles.append(Line2D([], [], linestyle="none", marker="o", color="0.3", label="recorded run"))
-    ncol = min(len(handles), 3 if len(keys) == 1 else 4)
+    ncol = min(len(handles), 3)
     legend_rows = -(-len(handles) // ncol)
-    height = 2.7 + 0.17 * legend_rows  # inches: the panels, then the legend below them
+    rows = -(-len(keys) // 2)  # panels two by two: the figure stays within the style's width
+    height = 2.8 * rows + 0.25 * legend_rows + 0.3  # inches: the panels, then the legend below them
     days = [x.replace(hour=0, minute=0, second=0, microsecond=0) for x, _, _ in points]
     first_day, last_day = min(days), max(days) + datetime.timedelta(days=1)  # whole days: the runs lie within
-    fig, axes = plt.subplots(1, len(keys), figsize=(max(6.0, min(3.7 * len(keys), 11.5)), height), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    fig, panels = styled(figure_axes)(height=height, nrows=rows, ncols=min(2, len(keys)))
+    panels = list(panels) if len(keys) > 1 else [panels]
+    for extra in panels[len(keys) :]:
+        extra.remove()
+    for ax, key in zip(panels, keys):
         for s in series:
             line = [(x, got[(key, s)], r) for x, r, got in points if (key, s) in got]
             if not line:
@@ -611,19 +615,15 @@ def plot(name: str, runs: list[dict], path: str | Path) -> bool:
                     [x], [y], linestyle="none", marker=marker[machine_id(r.get("machine"))], markersize=5,
                     markeredgecolor=colour[s], markerfacecolor="none" if hollow else colour[s], markeredgewidth=1.1,
                 )  # fmt: skip
-        ax.set_title(HEADLINES[name][key], fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.set_title(HEADLINES[name][key])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v) if v else "0"))
         ax.set_xlim(first_day, last_day)
         ax.xaxis.set_major_locator(mdates.DayLocator(interval=max(1, (last_day - first_day).days // 6)))
         ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d"))
         ax.grid(alpha=0.3, lw=0.5)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
-    bottom = (0.45 + 0.17 * legend_rows) / height
-    fig.subplots_adjust(left=0.07 if len(keys) > 1 else 0.09, right=0.98, top=0.9, wspace=0.3, bottom=bottom)
+    styled(fig.legend)(handles=handles, loc="outside lower center", ncol=ncol, frameon=False)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 

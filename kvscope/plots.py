@@ -1,6 +1,6 @@
 """Figures of replay results (the figures of the analyses are their metrics' ``plot``
-methods). Every function returns a matplotlib ``Figure`` and saves nothing
-(``kvscope.figures.save`` does)."""
+methods). Every function returns a matplotlib ``Figure`` in the project's style
+(``kvscope.figures``) and saves nothing (``kvscope.figures.save`` does)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .figures import TIER_COLORS, mosaic, styled
 from .figures import axes as figure_axes
 
 if TYPE_CHECKING:
@@ -19,23 +20,30 @@ if TYPE_CHECKING:
 __all__ = ["plot_allocation", "plot_compare", "plot_tiers", "run_lines"]
 
 
+@styled
 def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure:
     """Replay comparison: FMM and output error against the bytes each policy really used
     (hollow markers: the policy could not fit β and used more), and tier-mass stacks.
 
     Args:
         result: A replay result.
-        ax: Draw into these axes: 3 with output errors, 2 without (default: a new figure).
+        ax: Draw into these axes: 3 with output errors, 2 without (default: a new figure, the
+            line panels side by side above the stacks).
 
     Returns:
         The figure.
     """
     has_err = "output_rel_l2_mean" in result
-    fig, axes = figure_axes(ax, width=15 if has_err else 10, height=4.4, ncols=3 if has_err else 2)
+    if ax is None:
+        names = [["fmm", "err"], ["tiers", "tiers"]] if has_err else [["fmm"], ["tiers"]]
+        fig, panels = mosaic(names, height=7.6)
+        axes = [panels[name] for name in ("fmm", "err", "tiers") if name in panels]
+    else:
+        fig, axes = figure_axes(ax, ncols=3 if has_err else 2)
     budgets = result["budget"].values
     runs = run_lines(result)
 
-    def lines(ax, values_of, ylabel, title, with_ci=False):
+    def lines(ax, values_of, ylabel, title, with_ci=False, legend=False):
         for label, r in runs:
             if str(r["policy_name"].values) == "full":
                 continue  # the reference: 0 at 100% of the memory
@@ -49,29 +57,33 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
             floors = ~r["budget_reached"].values
             if floors.any():
                 ax.plot(x[floors], y[floors], "o", markerfacecolor="white", color=line.get_color())
-        ax.set_xlabel("bytes used (share of the full cache); hollow = could not fit β")
+        ax.set_xlabel("bytes used (share of the full cache)\nhollow: could not fit β")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        if legend:
+            ax.legend()
 
     lines(
         axes[0],
         lambda r: r["fmm_fp_mean"].values,
         f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)",
-        "Future Missed Mass vs memory (full KV: 0)",
+        "Future Missed Mass vs memory",
         with_ci=True,
+        legend=ax is not None,  # axes given: the legend in the first; else one for the figure, above the panels
     )
     if has_err:
         lines(
             axes[1],
             lambda r: r["output_rel_l2_mean"].values,
             "attention output relative L2 error",
-            "Output error vs memory (full KV: 0)",
+            "Output error vs memory",
+            legend=False,  # the same lines as beside it
         )
+    if ax is None:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=min(len(runs), 4))
     ax = axes[-1]
     tiers = np.stack([r["tier_mean"].values for _, r in runs])  # [run, budget, tier]
     width = 0.8 / len(budgets)
-    colors = {"FP": "#4c72b0", "Q": "#dd8452", "EVICTED": "#c44e52"}
     for bi in range(len(budgets)):
         x = np.arange(len(runs)) + (bi - (len(budgets) - 1) / 2) * width
         bottom = np.zeros(len(runs))
@@ -82,14 +94,14 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
                 values,
                 width=width * 0.9,
                 bottom=bottom,
-                color=colors.get(str(tier)),
+                color=TIER_COLORS.get(str(tier)),
                 label=str(tier) if bi == 0 else None,
             )
             bottom += values
-    ax.set_xticks(np.arange(len(runs)), [label for label, _ in runs], fontsize=7, rotation=30)
+    ax.set_xticks(np.arange(len(runs)), [label for label, _ in runs], rotation=30, ha="right")
     ax.set_ylabel("share of future attention mass")
-    ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")")
+    ax.legend()
     return fig
 
 
@@ -109,6 +121,7 @@ def run_lines(result: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
     ]
 
 
+@styled
 def plot_tiers(
     result: xr.Dataset,
     policy: str,
@@ -142,8 +155,8 @@ def plot_tiers(
     tiers = result["tiers"].sel(policy=policy, allocation=allocation, budget=budget, layer=layer)
     tiers = tiers.isel(sample=sample, kv_head=head)
     length = int((tiers >= 0).sum("pos").max())
-    fig, ax = figure_axes(ax, 9, 3)
-    cmap = ListedColormap(["#eeeeee", "#c44e52", "#dd8452", "#4c72b0"])  # none, EVICTED, Q, FP
+    fig, ax = figure_axes(ax, height=3.2)
+    cmap = ListedColormap([TIER_COLORS[t] for t in ("none", "EVICTED", "Q", "FP")])
     im = ax.imshow(tiers.values[:, :length], aspect="auto", interpolation="nearest", cmap=cmap, vmin=-1.5, vmax=2.5)
     bar = fig.colorbar(im, ax=ax, ticks=[-1, 0, 1, 2])
     bar.ax.set_yticklabels(["none", "EVICTED", "Q", "FP"])
@@ -153,6 +166,7 @@ def plot_tiers(
     return fig
 
 
+@styled
 def plot_allocation(result: xr.Dataset, policy: str, budget: float, ax: Sequence[Axes] | None = None) -> Figure:
     """How each allocation split β's bytes over the layers for one policy (bytes per layer as
     a multiple of the uniform split; the band: the smallest to the largest KV head), and every
@@ -170,7 +184,7 @@ def plot_allocation(result: xr.Dataset, policy: str, budget: float, ax: Sequence
     """
     from .report import unit_shares
 
-    fig, axes = figure_axes(ax, width=12, height=4.2, ncols=2)
+    fig, axes = figure_axes(ax, height=7.2, nrows=2)
     ax = axes[0]
     layers = result["layer"].values
     for allocation in result["allocation"].values:
@@ -180,8 +194,8 @@ def plot_allocation(result: xr.Dataset, policy: str, budget: float, ax: Sequence
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("layer")
     ax.set_ylabel("bytes per unit × uniform")
-    ax.set_title(f"{policy} at β = {budget:g}: the split (band: across KV heads)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{policy} at β = {budget:g}: the split (band: across KV heads)")
+    ax.legend(ncol=len(result["allocation"]))
     ax = axes[1]
     allocations, policies = list(result["allocation"].values), list(result["policy"].values)
     width = 0.8 / len(allocations)
@@ -195,8 +209,8 @@ def plot_allocation(result: xr.Dataset, policy: str, budget: float, ax: Sequence
             if not reached:
                 bar.set_hatch("//")
     labels = [f"{p}\n(FMM fp)" if q else p for p, q in zip(policies, quantizers, strict=True)]
-    ax.set_xticks(np.arange(len(policies)), labels, fontsize=7)
+    ax.set_xticks(np.arange(len(policies)), labels)
     ax.set_ylabel(f"FMM@{result.attrs.get('horizon', 32)}")
-    ax.set_title(f"FMM by allocation at β = {budget:g} (hatched: the policy cannot fit β)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(f"FMM by allocation at β = {budget:g} (hatched: the policy cannot fit β)")
+    ax.legend(ncol=len(allocations))
     return fig

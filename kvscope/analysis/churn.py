@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import xarray as xr
 
+from ..figures import styled
 from .common import SELECTED, Prepared, UnitData
 from .metric import Pass, SelectionMetric, ci_text, fmt, layer_means, num, nums
 
@@ -116,6 +117,7 @@ class Churn(SelectionMetric):
         value = fmt(s["churn"], why="fewer than two events in the trace") + ci_text(*s["ci95"])
         return [("mean churn (Jaccard distance)", value), ("95% CI", s["ci"])]
 
+    @styled
     def plot(self, result: xr.Dataset, ax=None):
         from ..figures import axes
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import xarray as xr
 
+from ..figures import styled
 from .common import UnitData
 from .metric import Pass, UnitMetric, fmt, num
 
@@ -100,6 +101,7 @@ class Concentration(UnitMetric):
             (f"windows needed for {k} of mass", fmt(v)) for k, v in s["windows_needed"].items()
         ]
 
+    @styled
     def plot(self, result: xr.Dataset, ax=None):
         from ..figures import axes
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import xarray as xr
 
+from ..figures import styled
 from .churn import churn_kernel, valid_events
 from .common import SELECTED, UnitData
 from .metric import HistoryOracle, Pass, nums
@@ -94,6 +95,7 @@ class Drift(HistoryOracle):
             ("windows", str(s["windows"])),
         ]
 
+    @styled
     def plot(
         self, result: xr.Dataset, ax: Axes | None = None, sample: int = 0, layer: int | None = None, head: int = 0
     ) -> Figure:
@@ -120,9 +122,10 @@ class Drift(HistoryOracle):
         ax.set_xlabel("step")
         ax.set_ylabel("window")
         ax.set_title(f"Window mass, sample {sample}, layer {layer}, {hdim} {head}")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left")
         return fig
 
+    @styled
     def plot_ranks(
         self,
         result: xr.Dataset,
@@ -178,7 +181,7 @@ class Drift(HistoryOracle):
             what = f"none left the top set and returned here: the {len(shown)} best-ranked now"
         ax.set_title(f"sample {s}, layer {layer_id}, {hdim} {h}: {what}")
         if len(shown):
-            ax.legend(fontsize=7, ncol=2)
+            ax.legend(ncol=2)
         else:
             no_data(ax, "no window is a candidate at any event (all are sinks or in the protected tail)")
         return fig

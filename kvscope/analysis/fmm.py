@@ -28,6 +28,7 @@ import numpy as np
 import xarray as xr
 
 from .. import defaults
+from ..figures import styled
 from ..params import param
 from ..tiers import TIER_EVICTED, TIER_FP, TIER_Q
 from .common import NOT_SELECTED, Prepared, UnitData
@@ -243,6 +244,7 @@ class FMM(SelectionMetric):
         ]
         return rows + [(f"FMM(H={h})", fmt(v, why=f"no event has {h} later steps")) for h, v in s["curve"].items()]
 
+    @styled
     def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
         """FMM(H) with its bootstrap CI band; where there is no interval (one sample) the legend
         says so, and where no event was scored the axes say why instead of drawing nothing.

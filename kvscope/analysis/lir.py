@@ -25,6 +25,7 @@ import numpy as np
 import xarray as xr
 
 from .. import defaults
+from ..figures import styled
 from ..params import param
 from .common import Prepared, UnitData
 from .kernels import lir_episodes
@@ -207,6 +208,7 @@ class LIR(SelectionMetric):
             ("P10 hot→cold", fmt(s["p10"], why=f"no selected {unit} {later}")),
         ]
 
+    @styled
     def plot(self, result: xr.Dataset, ax=None):
         from ..figures import axes
 

@@ -33,6 +33,7 @@ from scipy.optimize import minimize_scalar
 
 from .. import defaults
 from ..errors import KvscopeError
+from ..figures import styled
 from ..params import param
 from ..policies.logquant import fp_sets_per_step
 from .kernels import block_stats, new_checks, peak_width, refuse_bad_rows, row_totals, step_blocks
@@ -374,6 +375,7 @@ class Peaks(Bootstrapped, Metric):
         ]
         return rows + [(f"density d∈[{b['from']}, {2 * b['from']})", fmt(b["density"], ".4g")) for b in s["log2_bins"]]
 
+    @styled
     def plot(self, result: xr.Dataset, ax: Axes | None = None) -> Figure:
         """Log-log exposure-normalized peak density with the fitted power law and alternatives.
 
@@ -403,7 +405,7 @@ class Peaks(Bootstrapped, Metric):
         ax.set_xlabel("distance to the query d (log2 bins)")
         ax.set_ylabel("peaks per possible position")
         ax.set_title(f"Attention peaks (top-{result.attrs['k']}), best by AIC: {result.attrs['best_model']}")
-        ax.legend(fontsize=8)
+        ax.legend()
         return fig
 
 

@@ -22,8 +22,9 @@ from bokeh.models import (
     TapTool,
 )
 from bokeh.palettes import Inferno256
-from bokeh.plotting import figure
+from bokeh.plotting import figure as bokeh_figure
 
+from ..figures import BOKEH_PX
 from .data import Rect
 
 LOW, HIGH = 1e-5, 1.0  # log colour scale of a per-position probability; lower values take LOW's colour
@@ -77,6 +78,16 @@ return dy == 1 ? first + text : first + '–' + (first + dy - 1) + text + ' …'
 """
 
 
+def figure(**kwargs):
+    """Bokeh's ``figure`` with the project's text size (``kvscope.figures.BOKEH_PX``: the
+    explorer is shown at one CSS pixel per pixel, so no text is smaller than 9 pt)."""
+    f = bokeh_figure(**kwargs)
+    f.title.text_font_size = BOKEH_PX
+    for axis in f.axis:
+        axis.major_label_text_font_size = axis.axis_label_text_font_size = BOKEH_PX
+    return f
+
+
 class Heatmap:
     """Decode step × key position of one (sample, layer, head), with a policy's tiers over it."""
 
@@ -107,7 +118,14 @@ class Heatmap:
             source=self.tiers,
             color_mapper=LinearColorMapper(palette=list(TIER_PALETTE), low=0, high=3),
         )
-        self.fig.add_layout(ColorBar(color_mapper=mapper, width=10, title="a (mean per position)"), "right")
+        bar = ColorBar(
+            color_mapper=mapper,
+            width=10,
+            title="a (mean per position)",
+            title_text_font_size=BOKEH_PX,
+            major_label_text_font_size=BOKEH_PX,
+        )
+        self.fig.add_layout(bar, "right")
         self.fig.add_tools(
             HoverTool(
                 renderers=[heat],
@@ -192,7 +210,7 @@ class SideViews:
             line = f.line(x="layer", y=key, source=self.layers, color=color, line_width=2)
             line.nonselection_glyph = None  # a tap chooses a layer; it does not fade the others
             items.append((label, [line]))
-        f.add_layout(Legend(items=items, label_text_font_size="8pt"), "right")
+        f.add_layout(Legend(items=items, label_text_font_size=BOKEH_PX), "right")
         f.select_one(TapTool).renderers = [column]
         f.add_layout(self.chosen)
         f.add_tools(
@@ -248,7 +266,7 @@ class SideViews:
         )
         f.legend.location = "bottom_left"
         f.legend.background_fill_alpha = 0.6
-        f.legend.label_text_font_size = "8pt"
+        f.legend.label_text_font_size = BOKEH_PX
         return f
 
     def fill(self, columns: dict) -> None:

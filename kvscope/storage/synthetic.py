@@ -263,3 +263,39 @@ def _write_window_rows(g, rng, P: int, n_steps: int, layout, block_steps: int) -
             sinks[0, t - t0], rows[0, t - t0, ..., :seen] = mass[..., :n_sink], mass[..., n_sink:]
         g["attn"][0:1, t0:t1] = rows.astype(np.float16)
         g["attn_sink"][0:1, t0:t1] = sinks.astype(np.float16)
+
+
+# The toy trace of docs/concepts.md: 10 prompt tokens, 8 decode steps, one layer and one KV
+# head, 2 sinks and windows of 4. Each decode row lists the keys it attends (position: mass);
+# every other key up to the query gets 0. Multiples of 0.05, each row summing to 1.
+TOY_ROWS = (
+    {0: 0.40, 1: 0.10, 3: 0.05, 7: 0.15, 8: 0.10, 9: 0.20},  # step 0, query at position 9
+    {0: 0.40, 1: 0.10, 2: 0.10, 4: 0.15, 8: 0.05, 10: 0.20},  # step 1, query 10
+    {0: 0.40, 1: 0.10, 4: 0.20, 9: 0.05, 10: 0.10, 11: 0.15},
+    {0: 0.45, 1: 0.05, 3: 0.10, 5: 0.10, 11: 0.10, 12: 0.20},
+    {0: 0.40, 1: 0.10, 4: 0.05, 7: 0.05, 12: 0.15, 13: 0.25},
+    {0: 0.40, 1: 0.10, 6: 0.15, 8: 0.10, 13: 0.05, 14: 0.20},
+    {0: 0.35, 1: 0.10, 2: 0.05, 6: 0.20, 14: 0.10, 15: 0.20},
+    {0: 0.40, 1: 0.10, 7: 0.10, 10: 0.10, 15: 0.10, 16: 0.20},  # step 7, query 16
+)
+# the mass each prompt token received from the 10 prompt queries (row 9 = step 0 included)
+TOY_PREFILL_COLSUM = (5.1, 1.2, 0.5, 0.6, 0.4, 0.3, 0.5, 0.6, 0.6, 0.2)
+
+
+def toy_trace() -> xr.Dataset:
+    """The worked example of docs/concepts.md (``TOY_ROWS``, ``TOY_PREFILL_COLSUM``): a trace
+    Dataset of one sample, ``P = 10``, ``S = 8``, ``T = 18`` positions, ``n_sink = 2``, ``w = 4``."""
+    P, S = len(TOY_PREFILL_COLSUM), len(TOY_ROWS)
+    attn = np.full((1, S, 1, 1, P + S), np.nan, dtype=np.float32)  # [sample, step, layer, kv_head, pos]
+    for t, row in enumerate(TOY_ROWS):
+        attn[0, t, 0, 0, : P + t] = 0.0
+        for p, mass in row.items():
+            attn[0, t, 0, 0, p] = mass
+    colsum = np.full((1, 1, 1, P + S), np.nan, dtype=np.float32)
+    colsum[0, 0, 0, :P] = TOY_PREFILL_COLSUM
+    ds = dataset_from_rows(attn, prompt_len=P, prefill_colsum=colsum, w=4, n_sink=2)
+    # the prompt's last row (step 0's) is its observation window of one row
+    ds["prefill_tail"] = (("sample", "layer", "kv_head", "obs", "pos"), attn[:, :1].transpose(0, 2, 3, 1, 4))
+    ds = ds.assign_coords(prefill_tail_qpos=(("sample", "obs"), np.array([[P - 1]], dtype=np.int32)))
+    ds.attrs["obs_window"] = 1
+    return ds
