@@ -84,6 +84,7 @@ def trace(
     progress: Callable[[Progress], None] | None = None,
     cache: LivePolicy | None = None,
     shard: Shard | None = None,
+    continuation: str | list[str] | None = None,
     **overrides: Any,
 ) -> TraceResult:
     """Decode ``prompts`` with attention capture and write a trace store at ``out``.
@@ -110,6 +111,11 @@ def trace(
         cache: A cache factory instead of ``policy``/``budget`` (a
             [`LivePolicy`][kvscope.live.LivePolicy]); default: the cache the model makes itself.
         shard: Decode only this shard's batches into a store that several shards write together.
+        continuation: A given text forced as the decode steps instead of the model's tokens
+            (teacher forcing): one text for a single prompt, or one per prompt (or each
+            [`Prompt`][kvscope.model.prompts.Prompt]'s ``continuation``). Step ``t`` emits its
+            token ``t``; ``min(its tokens, max_new_tokens)`` steps, all of it with
+            ``max_new_tokens=None``; no stop at end-of-sequence; greedy only.
         **overrides: Fields of [`TraceSettings`][kvscope.TraceSettings] by name.
 
     Returns:
@@ -128,8 +134,9 @@ def trace(
 
         cache = LivePolicy(policy, budget, kv_dtype, allocation)
     return _trace(
-        prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache, shard=shard, **overrides
-    )
+        prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache, shard=shard,
+        continuation=continuation, **overrides,
+    )  # fmt: skip
 
 
 def view(ds: xr.Dataset, result: xr.Dataset | None = None, *, tokens: str = "model", title: str = "") -> Any:

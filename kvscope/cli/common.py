@@ -85,32 +85,49 @@ def add_prompt_sources(p, required: bool = True) -> None:
 
 
 def read_prompts(args):
-    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload)."""
-    from ..model.prompts import Prompt, load_prompts_file
+    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload),
+    with their continuations where the command takes them (``trace``: ``--continuation FILE``
+    for ``--prompt``, a ``"continuation"`` per JSONL line, ``--continuation-tokens N`` for a
+    workload that continues a text); ``--max-new-tokens`` left out means all of each continuation."""
+    from ..model.prompts import Prompt, continuations, load_continuation_file, load_prompts_file
 
     workload = None
+    continuation, follow = getattr(args, "continuation", None), getattr(args, "continuation_tokens", None)
+    if continuation is not None and args.prompt is None:
+        raise KvscopeError(
+            '--continuation FILE goes with a single --prompt (with --prompts, give a "continuation" on each line; '
+            "with --workload prose or code, --continuation-tokens N)"
+        )
+    if follow is not None and args.workload is None:
+        raise KvscopeError(
+            "--continuation-tokens goes with --workload prose or code (a text of your own: --continuation)"
+        )
     if args.workload is not None:
         from .. import workloads
 
         workload = workloads.get(args.workload)
         recipe = workload.recipe
-        args.max_new_tokens = args.max_new_tokens or int(recipe.get("max_new_tokens", 64))
+        follow = recipe.get("continuation_tokens", 0) if follow is None else follow
+        if not follow:
+            args.max_new_tokens = args.max_new_tokens or int(recipe.get("max_new_tokens", 64))
         args.chat = args.chat or bool(recipe.get("chat", False))
         prompts = workloads.prompts_for_model(
             args.workload, args.model, context=args.context, seed=args.seed, samples=args.samples,
-            chat=args.chat, max_new_tokens=args.max_new_tokens, trust_remote_code=args.trust_remote_code,
+            chat=args.chat, max_new_tokens=args.max_new_tokens or 0, trust_remote_code=args.trust_remote_code,
+            continuation_tokens=follow,
         )  # fmt: skip
     else:
         if args.context is not None or args.samples is not None:
             raise KvscopeError("--context and --samples go with --workload")
-        if args.max_new_tokens is None:
-            raise KvscopeError("--max-new-tokens is required (except with --workload)")
         if args.prompt is not None:
             if not args.prompt.strip():
                 raise KvscopeError("--prompt is empty")
-            prompts = [Prompt(args.prompt, "cli")]
+            given = load_continuation_file(continuation) if continuation is not None else None
+            prompts = [Prompt(args.prompt, "cli", continuation=given)]
         else:
             prompts = load_prompts_file(args.prompts)
+    if args.max_new_tokens is None and continuations(prompts) is None:
+        raise KvscopeError("--max-new-tokens is required (except with --workload or a given continuation)")
     return prompts, workload
 
 

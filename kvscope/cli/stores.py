@@ -39,6 +39,13 @@ def cmd_info(args) -> int:
     print(info["cache_line"])
     print(row_format(info["row_format"]["format"]).line())
     print(f"steps committed {info['steps_committed']}")
+    forced = [
+        f"{what} {info[key]}"
+        for key, what in (("question_tokens", "question"), ("continuation_tokens", "given continuation"))
+        if info[key] is not None
+    ]
+    if forced:
+        print("forced steps per sample: " + ", then ".join(forced))
     ratio = info["compression_ratio"]
     print(
         f"on disk {human_bytes(info['stored_bytes'])} for {human_bytes(info['logical_bytes'])} of written chunks"

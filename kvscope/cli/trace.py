@@ -24,7 +24,20 @@ def add_trace(sub) -> None:
     p = sub.add_parser("trace", help="decode prompts with attention capture into a Zarr store")
     add_prompt_sources(p, required=False)  # not with --finalize
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="required, except with --workload (recipe's)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help="required, except with --workload (recipe's) or a given continuation (all of it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--continuation", default=None, metavar="FILE",
+        help="teacher-force this UTF-8 text as the decode steps instead of the model's tokens (--prompt only; "
+        'JSONL: a "continuation" per line): step t emits its token t, min(its tokens, --max-new-tokens) steps, '
+        "no stop at EOS; after the question with --question-agnostic; greedy only",
+    )  # fmt: skip
+    p.add_argument(
+        "--continuation-tokens", type=int, default=None, metavar="N",
+        help="--workload prose|code: force the N tokens of the text that follow each prompt (as --continuation)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="store path (*.zarr); required")
     p.add_argument("--heads", default="kv", help=" | ".join(HEAD_MODES) + " (default kv: kv-group rows)")
     p.add_argument("--resolution", default="token", help="token | window")
@@ -191,17 +204,23 @@ def _print_traced(results, seconds: float, label: str, prompts, workload) -> Non
         graded = ""
         if workload is not None and workload.scorer is not None:
             graded = f" score {workload.scorer(text, prompts[n].expected):.2f} (expected {prompts[n].expected})"
-        print(f"  sample {n}: {text[:120]!r}{graded}")
+        forced = " (given continuation)" if prompts[n].continuation is not None else ""
+        print(f"  sample {n}{forced}: {text[:120]!r}{graded}")
 
 
 def _finalize(args) -> int:
     """``trace --finalize STORE``: mark a store whose samples are all done complete."""
     from ..tracing.runner import finalize
 
-    given = [f for f in ("prompt", "prompts", "workload", "out", "shard", "dask") if getattr(args, f) is not None]
+    given = [
+        f
+        for f in ("prompt", "prompts", "workload", "out", "shard", "dask", "continuation", "continuation_tokens")
+        if getattr(args, f) is not None
+    ]
     given += [f for f in ("resume", "force") if getattr(args, f)]
     if given:
-        raise KvscopeError(f"--finalize STORE takes no other trace options (got --{', --'.join(given)})")
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise KvscopeError(f"--finalize STORE takes no other trace options (got {flags})")
     done = finalize(args.finalize)
     print(f"{args.finalize} {'is now complete' if done else 'was complete already'}")
     return 0

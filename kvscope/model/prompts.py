@@ -1,18 +1,23 @@
 """Prompts: where they come from, how they become token ids, when generation stops.
 
 as_prompts("text" | ["a", "b"] | [Prompt, …])   → [Prompt]
+load_continuation_file("next.txt")              → str        (trace --continuation FILE)
 load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} or
                                                              {"context": …, "question": …} per line
+                                                             (and a "continuation" on every line or none)
 encode(tokenizer, prompts, chat)                → [[token id, …], …]   (chat template when asked)
 encode_split(tokenizer, prompts, chat)          → [(context ids, question ids), …]  (--question-agnostic)
 encode_prompts(tokenizer, prompts, chat, qa)    → (prefill ids, forced question ids) per prompt
+with_continuations(prompts, text | [text, …])   → the prompts with a given continuation each
+continuations(prompts)                          → the given continuations (every prompt's), or None
+encode_continuations(tokenizer, prompts, cap)   → the continuation ids forced as the decode steps, or None
 check_context(encoded, max_new_tokens, context) refuses prompts that do not fit the model
 eos_ids(model, tokenizer)                       the ids that end generation
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import KvscopeError, parse_json
@@ -20,7 +25,8 @@ from ..errors import KvscopeError, parse_json
 
 @dataclass
 class Prompt:
-    """One prompt: its text, where it came from, and where its question starts (if it has one).
+    """One prompt: its text, where it came from, where its question starts (if it has one), and
+    the text that continues it (if given).
 
     Attributes:
         text: The whole prompt (context and question).
@@ -28,6 +34,8 @@ class Prompt:
         expected: A workload's answer (what its scorer grades against).
         meta: A workload's details (seed, context, tokens, …).
         split: Where the question starts in ``text`` (characters); None: no question.
+        continuation: A given continuation: ``kvscope trace`` forces its tokens as the decode
+            steps instead of the model's own (teacher forcing); None: the model decodes.
     """
 
     text: str
@@ -35,20 +43,18 @@ class Prompt:
     expected: object = None
     meta: dict = field(default_factory=dict)
     split: int | None = None
+    continuation: str | None = None
 
     def __post_init__(self):
         if self.split is not None and not (isinstance(self.split, int) and 0 < self.split < len(self.text)):
             raise KvscopeError(
                 f"prompt from {self.source}: its question must start inside the text (split {self.split!r})"
             )
-        if not isinstance(self.text, str):
-            raise KvscopeError(f"prompt from {self.source} is not text (got {type(self.text).__name__})")
-        try:
-            self.text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # argv carries undecodable bytes as surrogate escapes
-            raise KvscopeError(
-                f"prompt from {self.source} is not UTF-8 text: {_not_utf8(self.text, exc.start)}"
-            ) from None
+        _check_text(self.text, f"prompt from {self.source}")
+        if self.continuation is not None:
+            _check_text(self.continuation, f"the continuation of the prompt from {self.source}")
+            if not self.continuation:
+                raise KvscopeError(f"the continuation of the prompt from {self.source} is empty")
 
     def doc(self) -> dict:
         """What the store's ``prompts`` attribute holds for this prompt."""
@@ -59,6 +65,8 @@ class Prompt:
             out["meta"] = self.meta
         if self.split is not None:
             out["split"] = self.split
+        if self.continuation is not None:
+            out["continuation"] = self.continuation
         return out
 
     @classmethod
@@ -68,7 +76,10 @@ class Prompt:
         Args:
             doc: One entry of a store's ``prompts`` attribute.
         """
-        return cls(doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {}, doc.get("split"))
+        return cls(
+            doc["text"], doc.get("source", "cli"), doc.get("expected"), doc.get("meta") or {}, doc.get("split"),
+            doc.get("continuation"),
+        )  # fmt: skip
 
     @classmethod
     def split_at(cls, context: str, question: str, source: str = "cli", **fields: object) -> Prompt:
@@ -78,7 +89,7 @@ class Prompt:
             context: The context.
             question: The question.
             source: Where it came from.
-            **fields: ``expected`` and ``meta``.
+            **fields: ``expected``, ``meta`` and ``continuation``.
         """
         return cls(context + question, source, split=len(context), **fields)
 
@@ -91,6 +102,16 @@ class Prompt:
     def question(self) -> str | None:
         """The question (None without one)."""
         return None if self.split is None else self.text[self.split :]
+
+
+def _check_text(text, what: str) -> None:
+    """``text`` is a ``str`` that encodes as UTF-8 (``what`` names it in the refusal)."""
+    if not isinstance(text, str):
+        raise KvscopeError(f"{what} is not text (got {type(text).__name__})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv carries undecodable bytes as surrogate escapes
+        raise KvscopeError(f"{what} is not UTF-8 text: {_not_utf8(text, exc.start)}") from None
 
 
 def _not_utf8(text: str, start: int) -> str:
@@ -111,20 +132,38 @@ def as_prompts(prompts) -> list[Prompt]:
     return prompts
 
 
-def load_prompts_file(path: str | Path) -> list[Prompt]:
-    """JSONL with one object per line: ``{"prompt" | "text": str, "source"?: str}``."""
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the file at ``path`` (``what`` names it in the refusals: missing,
+    unreadable, not UTF-8)."""
     p = Path(path)
     if not p.is_file():
-        raise KvscopeError(f"prompts file not found: {p}")
+        raise KvscopeError(f"{what} not found: {p}")
     try:
         raw = p.read_bytes()
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except OSError as exc:
-        raise KvscopeError(f"cannot read prompts file {p}: {exc.strerror}") from None
+        raise KvscopeError(f"cannot read {what} {p}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise KvscopeError(
-            f"prompts file {p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte offset {exc.start}"
+            f"{what} {p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte offset {exc.start}"
         ) from None
+
+
+def load_continuation_file(path: str | Path) -> str:
+    """The text of a continuation file (``trace --continuation FILE``): UTF-8, as it is (a final
+    newline included), not empty."""
+    text = read_text_file(path, "continuation file")
+    if not text:
+        raise KvscopeError(f"continuation file {path} is empty")
+    return text
+
+
+def load_prompts_file(path: str | Path) -> list[Prompt]:
+    """JSONL with one object per line: ``{"prompt" | "text": str, "source"?: str}`` or
+    ``{"context": str, "question": str, …}``, each with an optional ``"continuation": str``
+    (given on every line or on none)."""
+    p = Path(path)
+    text = read_text_file(p, "prompts file")
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -136,20 +175,24 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
         if not isinstance(obj, dict):
             raise KvscopeError(f"{p}:{n}: not a JSON object")
         source = str(obj.get("source", f"{p.name}:{n}"))
+        continuation = obj.get("continuation")
+        if continuation is not None and not (isinstance(continuation, str) and continuation):
+            raise KvscopeError(f"{p}:{n}: 'continuation' must be a non-empty string")
         if "context" in obj or "question" in obj:
             context, question = obj.get("context"), obj.get("question")
             if not all(isinstance(x, str) and x for x in (context, question)):
                 raise KvscopeError(f"{p}:{n}: 'context' and 'question' must both be non-empty strings")
-            prompts.append(Prompt.split_at(context, question, source))
+            prompts.append(Prompt.split_at(context, question, source, continuation=continuation))
             continue
         text = obj.get("prompt", obj.get("text"))
         if not isinstance(text, str) or not text:
             raise KvscopeError(
                 f"{p}:{n}: needs a non-empty string field 'prompt' or 'text' (or 'context' and 'question')"
             )
-        prompts.append(Prompt(text, source))
+        prompts.append(Prompt(text, source, continuation=continuation))
     if not prompts:
         raise KvscopeError(f"{p} holds no prompts")
+    continuations(prompts)  # on every line or none
     return prompts
 
 
@@ -212,18 +255,71 @@ def encode_prompts(
     return encoded, [[] for _ in encoded]
 
 
+def continuations(prompts: list[Prompt]) -> list[str] | None:
+    """The given continuation of every prompt, or None where no prompt has one; refuses prompts
+    of which only some have one (a trace forces every sample's steps or none)."""
+    given = [p.continuation is not None for p in prompts]
+    if not any(given):
+        return None
+    if not all(given):
+        n = given.index(False)
+        raise KvscopeError(
+            f"prompt {n} ({prompts[n].source}) has no continuation while others have one: "
+            "give a continuation to every prompt or to none"
+        )
+    return [p.continuation for p in prompts]
+
+
+def with_continuations(prompts: list[Prompt], continuation: str | list[str] | None) -> list[Prompt]:
+    """``prompts`` continued by ``continuation``: one text for a single prompt, or a list of one
+    per prompt (None: the prompts as they are)."""
+    if continuation is None:
+        return prompts
+    if isinstance(continuation, str):
+        if len(prompts) > 1:
+            raise KvscopeError(
+                f"one continuation goes with a single prompt (got {len(prompts)} prompts): give one per prompt"
+            )
+        continuation = [continuation]
+    continuation = list(continuation)
+    if len(continuation) != len(prompts):
+        raise KvscopeError(f"{len(continuation)} continuations for {len(prompts)} prompts: give one per prompt")
+    if any(p.continuation is not None for p in prompts):
+        raise KvscopeError("the prompts carry continuations of their own already")
+    return [replace(p, continuation=c) for p, c in zip(prompts, continuation)]
+
+
+def encode_continuations(tokenizer, prompts: list[Prompt], max_new_tokens: int | None) -> list[list[int]] | None:
+    """The token ids forced as each prompt's decode steps: its continuation as
+    ``tokenizer(continuation, add_special_tokens=False)`` gives them (no BOS, no EOS added), the
+    first ``max_new_tokens`` of them (None: all); None where the prompts have no continuation."""
+    texts = continuations(prompts)
+    if texts is None:
+        return None
+    out = []
+    for n, (prompt, text) in enumerate(zip(prompts, texts)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise KvscopeError(f"the continuation of prompt {n} ({prompt.source}) is empty after tokenization")
+        out.append([int(i) for i in ids[:max_new_tokens]])
+    return out
+
+
 def check_context(
-    encoded: list[list[int]], max_new_tokens: int, context: int | None, questions: list[list[int]] | None = None
+    encoded: list[list[int]],
+    max_new_tokens: int,
+    context: int | None,
+    questions: list[list[int]] | None = None,
+    forced: list[list[int]] | None = None,
 ) -> None:
-    """Refuse a prompt whose tokens (with its question's) plus ``max_new_tokens`` exceed the
-    model context."""
+    """Refuse a prompt whose tokens (with its question's) plus ``max_new_tokens`` — or the
+    tokens of its continuation, ``forced`` — exceed the model context."""
     for n, ids in enumerate(encoded):
         tokens = len(ids) + (len(questions[n]) if questions else 0)
-        if context and tokens + max_new_tokens > context:
-            raise KvscopeError(
-                f"prompt {n} has {tokens} tokens; with --max-new-tokens {max_new_tokens} "
-                f"it exceeds the model context of {context}"
-            )
+        new = len(forced[n]) if forced else max_new_tokens
+        if context and tokens + new > context:
+            what = f"its continuation's {new} tokens" if forced else f"--max-new-tokens {max_new_tokens}"
+            raise KvscopeError(f"prompt {n} has {tokens} tokens; with {what} it exceeds the model context of {context}")
 
 
 def eos_ids(model, tokenizer) -> list[int]:

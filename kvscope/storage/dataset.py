@@ -158,8 +158,20 @@ class TraceAccessor:
         """``[sample]`` forced question steps before the generated ones (0 without the protocol)."""
         return np.asarray(self.attrs.get("question_tokens", [0] * self._ds.sizes["sample"]), dtype=np.int64)
 
+    @property
+    def continued(self) -> bool:
+        """The decode steps forced a given continuation (``trace --continuation``) after any
+        question, instead of the model's own tokens."""
+        return "continuation_tokens" in self.attrs
+
+    @functools.cached_property
+    def continuation_tokens(self) -> np.ndarray:
+        """``[sample]`` forced continuation steps after the question (0 without a given continuation)."""
+        return np.asarray(self.attrs.get("continuation_tokens", [0] * self._ds.sizes["sample"]), dtype=np.int64)
+
     def generated(self, s: int) -> np.ndarray:
-        """Token ids sample ``s`` generated (after a forced question).
+        """Token ids sample ``s`` generated (after a forced question; a given continuation's
+        tokens where the trace forced one).
 
         Args:
             s: The sample's index.

@@ -98,10 +98,11 @@ def check_attrs(path, attrs) -> None:
         need(isinstance(policy, dict) and is_int(policy.get("every"), 1), "policy.every", "an integer ≥ 1", policy)
     shards = attrs.get("shards")  # a store begun by trace --shard / --dask
     need(shards is None or is_int(shards, 1), "shards", "an integer ≥ 1", shards)
-    questions = attrs.get("question_tokens")
-    if questions is not None:
-        ok = isinstance(questions, list) and len(questions) == len(committed) and all(is_int(q, 1) for q in questions)
-        need(ok, "question_tokens", f"a list of {len(committed)} counts ≥ 1", questions)
+    for name in ("question_tokens", "continuation_tokens"):  # forced steps per sample
+        counts = attrs.get(name)
+        if counts is not None:
+            ok = isinstance(counts, list) and len(counts) == len(committed) and all(is_int(c, 1) for c in counts)
+            need(ok, name, f"a list of {len(committed)} counts ≥ 1", counts)
     try:
         RowFormat.of(attrs)
     except KvscopeError as exc:

@@ -294,6 +294,8 @@ def store_info(path: str | os.PathLike) -> dict:
         "attn_output": attrs.get("attn_output", "kernel"),
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),
+        "question_tokens": attrs.get("question_tokens"),  # forced steps per sample (question-agnostic)
+        "continuation_tokens": attrs.get("continuation_tokens"),  # forced steps per sample (given continuation)
         "stored_bytes": int(total_stored),
         "logical_bytes": int(total_logical),
         "compression_ratio": (total_logical / total_stored) if total_stored else None,

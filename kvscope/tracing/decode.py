@@ -6,8 +6,11 @@ prefill row); its sampled token is ``tokens[prompt_len + t]`` (docs/concepts.md#
 the prefill is the context only and the question's ``Q`` tokens are *forced*: step ``t < Q``
 emits question token ``t`` (whatever the model predicts), so the question is decoded into the
 cache position by position and generation starts at step ``Q``; end-of-sequence counts from
-there, and a sample stops after ``Q + max_new_tokens`` steps. Rows are gathered per block of
-steps and handed to the background writer, which commits the block once it is durable.
+there, and a sample stops after ``Q + max_new_tokens`` steps. A given continuation's ``C``
+tokens (``Prompt.continuation``, at most ``max_new_tokens``) are forced the same way after the
+question: steps ``Q … Q + C − 1`` emit them, end-of-sequence never stops them, and the sample
+stops after them. Rows are gathered per block of steps and handed to the background writer,
+which commits the block once it is durable.
 
 On ``--resume`` the committed steps are decoded again with capture off (a bit-identical
 replay of the same operations) and their tokens checked against the stored ones; capture
@@ -31,13 +34,21 @@ from .writer import Block
 
 
 class BatchDecode:
-    """Decode the samples ``batch`` of ``encoded`` into ``writer`` (one block at a time)."""
+    """Decode the samples ``batch`` of ``encoded`` into ``writer`` (one block at a time);
+    ``questions``, ``continuations``: the tokens forced per sample (module docstring)."""
 
-    def __init__(self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None):
+    def __init__(
+        self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None,
+        continuations=None,
+    ):  # fmt: skip
         self.model, self.batch, self.layout, self.settings, self.writer = model, batch, layout, settings, writer
         self.prompt_ids = [encoded[s] for s in batch]
-        self.questions = [questions[s] if questions else [] for s in batch]  # forced first tokens per sample
-        self.last_step = [len(q) + settings.max_new_tokens - 1 for q in self.questions]
+        questions = [questions[s] if questions else [] for s in batch]
+        given = [continuations[s] if continuations else None for s in batch]
+        self.forced = [q + (c or []) for q, c in zip(questions, given)]  # forced tokens per sample, from step 0
+        self.last_step = [
+            len(q) + (len(c) if c is not None else settings.max_new_tokens) - 1 for q, c in zip(questions, given)
+        ]
         self.lens = [len(ids) for ids in self.prompt_ids]
         self.eos = eos
         B, S = len(batch), layout.n_steps
@@ -134,9 +145,9 @@ class BatchDecode:
             self.cache.end_step()
             self.records.add_step(t, self.cache)
         token = self.sample(out.logits[:, -1])
-        for i, question in enumerate(self.questions):
-            if t < len(question):
-                token[i] = question[t]
+        for i, forced in enumerate(self.forced):
+            if t < len(forced):
+                token[i] = forced[t]
         if self.stored_tokens is not None and t < self.committed:
             self._check_replayed(t, token)
         return token
@@ -161,7 +172,7 @@ class BatchDecode:
             if t == 0:
                 write_prefill(self.writer, self.batch, self.recorder, self.layout, self.lens, self.pad, self.dtype)
         for i in range(len(self.batch)):
-            generated = t >= len(self.questions[i])
+            generated = t >= len(self.forced[i])
             if live[i] and ((generated and int(token[i]) in self.eos) or t >= self.last_step[i]):
                 self.finished[i] = True
                 self.n_steps[i] = t + 1
@@ -177,11 +188,13 @@ class BatchDecode:
 
 
 def decode_all(
-    model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None
-) -> None:
+    model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None,
+    continuations=None,
+) -> None:  # fmt: skip
     """Every unfinished batch of ``batches`` (lists of consecutive sample indices of ``encoded``:
     ``kvscope.tracing.shard.batches``), in turn; ``progress(steps_done, steps_total, tokens,
-    seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic)."""
+    seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic);
+    ``continuations``: the tokens forced after them (given continuations; None: generated)."""
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
@@ -196,7 +209,8 @@ def decode_all(
         if all(writer.done[s] for s in batch):
             continue
         cache = cache_factory(model, layout, batch)
-        BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos, questions).run(step_done)
+        decoder = BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos, questions, continuations)
+        decoder.run(step_done)
     writer.flush()
 
 

@@ -22,7 +22,17 @@ from ..errors import KvscopeError
 from ..model.loading import resolve
 from ..model.prompts import Prompt, as_prompts
 from ..storage.paths import output_path
-from .runner import TraceResult, TraceSettings, _prepare_out, _settings_doc, check_cache, finalize, remove_store, trace
+from .runner import (
+    TraceResult,
+    TraceSettings,
+    _prepare_out,
+    _settings_doc,
+    check_cache,
+    check_continuations,
+    finalize,
+    remove_store,
+    trace,
+)
 from .shard import Shard
 
 
@@ -78,7 +88,9 @@ def refuse_early(prompts, out, settings: TraceSettings, *, resume=False, force=F
     settings.check()
     check_cache(settings, cache)
     prompts, out = as_prompts(prompts), output_path(out, "--out")
-    existing = _prepare_out(out, _settings_doc(settings, resolve(settings.model), prompts, cache), resume, force)
+    source = resolve(settings.model)
+    check_continuations(settings, prompts, source=source)  # every shard then forces as many steps
+    existing = _prepare_out(out, _settings_doc(settings, source, prompts, cache), resume, force)
     if existing is not None:
         _shard_count(out, existing, 1)
     return existing

@@ -34,8 +34,17 @@ import numpy as np
 
 from .. import __version__
 from ..errors import KvscopeError, StoreError, first_line
-from ..model.loading import ModelSource, load, resolve
-from ..model.prompts import Prompt, as_prompts, check_context, encode_prompts, eos_ids
+from ..model.loading import ModelSource, load, load_tokenizer, resolve
+from ..model.prompts import (
+    Prompt,
+    as_prompts,
+    check_context,
+    continuations,
+    encode_continuations,
+    encode_prompts,
+    eos_ids,
+    with_continuations,
+)
 from ..model.rope import Rope
 from ..model.spec import ModelSpec
 from ..storage.integrity import is_int
@@ -133,12 +142,15 @@ def trace(
     progress: Callable[[Progress], None] | None = None,
     cache=None,
     shard: Shard | None = None,
+    continuation: str | list[str] | None = None,
     **overrides,
 ) -> TraceResult:
     """Decode ``prompts`` with attention capture and write a trace store at ``out``.
 
     ``overrides`` set fields of [`TraceSettings`][kvscope.TraceSettings] (e.g. ``max_new_tokens=64``);
-    ``cache``: a cache factory; ``shard``: decode that shard's samples only (module docstring)."""
+    ``cache``: a cache factory; ``shard``: decode that shard's samples only (module docstring);
+    ``continuation``: a text (one prompt) or one per prompt, forced as the decode steps instead
+    of the model's own tokens (``Prompt.continuation``; ``check_continuations``)."""
     settings = settings or TraceSettings()
     for key, value in overrides.items():
         if not hasattr(settings, key):
@@ -146,9 +158,10 @@ def trace(
         setattr(settings, key, value)
     settings.check()
     check_cache(settings, cache)
-    prompts = as_prompts(prompts)
+    prompts = with_continuations(as_prompts(prompts), continuation)
     out = output_path(out, "--out")
     source = resolve(settings.model)
+    check_continuations(settings, prompts, source=source)
     doc = _settings_doc(settings, source, prompts, cache)
     _prepare_out(out, doc, resume, force, shard=shard)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
@@ -158,12 +171,31 @@ def trace(
     )  # fmt: skip
 
 
+def check_continuations(settings: TraceSettings, prompts: list[Prompt], tokenizer=None, source=None) -> None:
+    """Prompts with given continuations (every prompt or none) are decoded greedily — nothing is
+    sampled, every step is forced — and ``max_new_tokens=None`` becomes the longest
+    continuation's tokens (with ``tokenizer``, else the model's, loaded alone); None without
+    continuations is refused."""
+    if continuations(prompts) is None:
+        if settings.max_new_tokens is None:
+            raise KvscopeError("--max-new-tokens is required (it may be left out only with given continuations)")
+        return
+    if settings.temperature > 0:
+        raise KvscopeError(
+            "a given continuation forces every decode step and nothing is sampled: --temperature must be 0"
+        )
+    if settings.max_new_tokens is None:
+        tokenizer = tokenizer or load_tokenizer(source or resolve(settings.model), settings.trust_remote_code)
+        settings.max_new_tokens = max(map(len, encode_continuations(tokenizer, prompts, None)))
+
+
 def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache) -> dict:
     return {
         **asdict(settings),
         "cache": cache.settings() if cache is not None else None,
         "model_sha256": source.weights_sha256,
         "prompts": [p.text for p in prompts],
+        "continuations": continuations(prompts),
     }
 
 
@@ -269,22 +301,26 @@ def trace_loaded(
     started = time.perf_counter()
     out = Path(out)
     check_cache(settings, cache)
+    check_continuations(settings, prompts, tokenizer)
     settings_doc = _settings_doc(settings, source, prompts, cache)
     existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
     spec = traced_spec(model, settings.attn, settings.record_qkv)
     encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
-    check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions)
+    forced = encode_continuations(tokenizer, prompts, settings.max_new_tokens)
+    check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions, forced)
     mine = batches(len(encoded), settings.batch_size, shard)
     check_kernel(settings, spec, encoded, mine)
     if cache is not None and hasattr(cache, "check_model"):
         cache.check_model(model, spec)
     rope = Rope.from_model(model, spec.layer_index) if settings.record_qkv else None
-    layout = _layout(settings, spec, encoded, rope, cache, max(map(len, questions)))
+    layout = _layout(settings, spec, encoded, rope, cache, _n_steps(settings, questions, forced))
     locks, create = None, None
     if existing is None:
         attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, settings_doc, cache)
         if settings.question_agnostic:
             attrs["question_tokens"] = [len(q) for q in questions]
+        if forced is not None:
+            attrs["continuation_tokens"] = [len(c) for c in forced]
         if shard is not None:
             attrs["shards"] = shard.count
             locks = _create_store(out, layout, attrs, encoded, rope, shard)
@@ -310,7 +346,9 @@ def trace_loaded(
             if progress is not None:
                 progress(Progress(done_steps, total, tokens / seconds if seconds > 0 else 0.0, writer.bytes_written))
 
-        decode_all(model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions)
+        decode_all(
+            model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions, forced
+        )  # fmt: skip
         writer.close()
         complete = _complete(out) if shard is None else _complete_if_done(out)
         samples = [s for batch in mine for s in batch]
@@ -408,8 +446,15 @@ def _model_cache(model, layout: Layout, batch: list[int]) -> None:
     a cache of its own for a hybrid such as MiniMax), as ``generate`` lets it."""
 
 
-def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, n_question: int = 0) -> Layout:
-    S = settings.max_new_tokens + n_question  # forced question steps, then the generated ones
+def _n_steps(settings: TraceSettings, questions: list[list[int]], forced: list[list[int]] | None) -> int:
+    """The store's steps: each sample's forced question steps, then ``max_new_tokens`` generated
+    ones — or, with given continuations, the continuation's forced tokens (at most as many)."""
+    if forced is None:
+        return settings.max_new_tokens + max(map(len, questions))
+    return max(len(q) + len(c) for q, c in zip(questions, forced))
+
+
+def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, S: int) -> Layout:
     return Layout(
         n_samples=len(encoded),
         n_steps=S,
@@ -490,6 +535,7 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
             "chat_template": settings.chat,
             "batch_size": settings.batch_size,
             "question_agnostic": settings.question_agnostic,
+            "continuation": continuations(prompts) is not None,
         },
         "heads": settings.heads,
         "head_dim_name": layout.head_dim_name,

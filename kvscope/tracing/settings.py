@@ -32,7 +32,9 @@ class TraceSettings:
     Attributes:
         model: The model: a short name (``kvscope models``), a Hugging Face folder, a ``.gguf``
             file or a hub id.
-        max_new_tokens: Decode steps per prompt at most (≥ 1).
+        max_new_tokens: Decode steps per prompt at most (≥ 1). Prompts with a given continuation
+            (``Prompt.continuation``) force ``min(its tokens, max_new_tokens)`` steps; None: all
+            of each continuation (resolved with the tokenizer before the trace begins).
         heads: Which attention rows are stored: ``kv``, one row per KV head (the mean over its
             group of query heads); ``all``, every query head; ``mean``, one row per layer.
         resolution: ``token``, one value per key position; ``window``, one per window of ``w``
@@ -63,7 +65,7 @@ class TraceSettings:
     """
 
     model: str = DEFAULT_MODEL
-    max_new_tokens: int = defaults.MAX_NEW_TOKENS
+    max_new_tokens: int | None = defaults.MAX_NEW_TOKENS
     heads: str = "kv"  # one of HEAD_MODES
     resolution: str = "token"
     window: int = defaults.W
@@ -87,7 +89,7 @@ class TraceSettings:
     def check(self) -> None:
         """Refuse a setting out of range, one line naming its option (``KvscopeError``)."""
         self._check_kinds()
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise KvscopeError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
         if self.heads not in HEAD_MODES:
             raise KvscopeError(f"--heads must be one of {', '.join(HEAD_MODES)} (got {self.heads!r})")
@@ -131,11 +133,12 @@ class TraceSettings:
 
     def _check_kinds(self) -> None:
         """Integer settings hold integers, float settings finite numbers (``nan``, ``inf`` refused)."""
-        kinds = {"int": int, "float": float}
+        kinds = {"int": int, "float": float, "int | None": int}
         for f in fields(self):
             if f.type in kinds:
                 spec = ParamSpec(flag=_FLAGS.get(f.name))
-                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], False, by_flag=True)
+                optional = f.type.endswith("| None")
+                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], optional, by_flag=True)
                 setattr(self, f.name, value)
 
 

@@ -2,6 +2,7 @@
 (``recipes/NAME.toml``) and scorers — see ``kvscope.workloads.builtin``."""
 
 from .builtin import (
+    CONTINUATION,
     QUESTION_AT,
     RECIPES,
     TOLERANCE,
@@ -18,6 +19,7 @@ from .builtin import (
 )
 
 __all__ = [
+    "CONTINUATION",
     "QUESTION_AT",
     "RECIPES",
     "TOLERANCE",

@@ -23,6 +23,11 @@ chat task) and lands within 2% of ``context``.
 
 ``niah``, ``vt`` and ``passkey`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
 starts where the template asks it, so ``--question-agnostic`` compresses the haystack before it.
+
+``prose`` and ``code`` continue a text, and with ``continuation_tokens = N`` (the recipe's field, or
+``prompts(…, continuation_tokens=N)``, ``trace --continuation-tokens N``) each prompt carries the text of
+the ``N`` tokens that follow it as its ``Prompt.continuation``: a trace forces that text as its decode
+steps (perplexity of the real continuation, position by position).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
 RECIPES = importlib.resources.files("kvscope.workloads") / "recipes"
 TOLERANCE = 0.02
 QUESTION_AT = "question_at"  # a builder's meta key: where the question starts (niah, vt: split prompts)
+CONTINUATION = "continuation"  # a builder's meta key: the text that follows the prompt (prose, code)
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,14 @@ class Workload:
         build: ``build(recipe, tokenizer, rng, sample index) → (make, available tokens)``, where
             ``make(n)`` gives ``(text, expected, meta)`` with ``n`` units of filler.
         scorer: ``scorer(output, expected) → score in [0, 1]`` (None: no task score).
+        continues: Its prompts are cut from a longer text, whose next ``continuation_tokens``
+            tokens ``make`` gives as the prompt's continuation (``CONTINUATION`` in ``meta``).
     """
 
     name: str
     build: Callable
     scorer: Callable[[str, object], float] | None = None
+    continues: bool = False
 
     @property
     def recipe(self) -> dict:
@@ -133,23 +142,29 @@ def _token_ids(tokenizer, text: str) -> list[int]:
     return _TOKENIZED[key]
 
 
-def _continuation(text: str, rng: random.Random, tokenizer):
+def _continuation(text: str, rng: random.Random, tokenizer, follow: int = 0):
+    """``n`` consecutive tokens of ``text`` from a seeded start; with ``follow``, the text of the
+    ``follow`` tokens after them too (the start moved back where the text would end first, so a
+    prompt is the same with and without them wherever they fit)."""
     ids = _token_ids(tokenizer, text)
 
     def make(n: int):
-        start = rng_start % max(1, len(ids) - n)
-        return tokenizer.decode(ids[start : start + n]), None, {"start_token": start}
+        start = min(rng_start % max(1, len(ids) - n), max(0, len(ids) - n - follow))
+        meta = {"start_token": start}
+        if follow:
+            meta[CONTINUATION] = tokenizer.decode(ids[start + n : start + n + follow])
+        return tokenizer.decode(ids[start : start + n]), None, meta
 
     rng_start = rng.randrange(0, 1 << 30)
-    return make, len(ids)
+    return make, len(ids) - follow
 
 
 def build_prose(recipe, tokenizer, rng, index):
-    return _continuation(prose_text(), rng, tokenizer)
+    return _continuation(prose_text(), rng, tokenizer, recipe.get("continuation_tokens", 0))
 
 
 def build_code(recipe, tokenizer, rng, index):
-    return _continuation(code_text(recipe["modules"], rng), rng, tokenizer)
+    return _continuation(code_text(recipe["modules"], rng), rng, tokenizer, recipe.get("continuation_tokens", 0))
 
 
 def _haystack_words(rng: random.Random, n_words: int) -> list[str]:
@@ -316,8 +331,8 @@ def score_final_number(output: str, expected) -> float:
 
 
 WORKLOADS = {
-    "prose": Workload("prose", build_prose),
-    "code": Workload("code", build_code),
+    "prose": Workload("prose", build_prose, continues=True),
+    "code": Workload("code", build_code, continues=True),
     "niah": Workload("niah", build_niah, score_all_present),
     "vt": Workload("vt", build_vt, score_all_present),
     "reasoning": Workload("reasoning", build_reasoning, score_final_number),
@@ -386,6 +401,7 @@ def prompts(
     seed: int = 0,
     samples: int | None = None,
     chat: bool | None = None,
+    continuation_tokens: int | None = None,
 ) -> list[Prompt]:
     """``samples`` prompts of workload ``name``, each ``context`` tokens (±2%) as the model
     receives them; ``Prompt.expected`` holds the answer a scorer grades against.
@@ -397,12 +413,16 @@ def prompts(
         seed: The seed: the same seed gives the same prompts.
         samples: Prompts (default: the recipe's).
         chat: Count with the chat template (default: the recipe's).
+        continuation_tokens: A workload that continues a text (``prose``, ``code``): each prompt's
+            ``Prompt.continuation`` is the text of the next ``continuation_tokens`` tokens
+            (default: the recipe's, 0: none).
 
     Raises:
         KvscopeError: A length or count out of range, or one the workload's text cannot reach.
     """
     workload = get(name)
-    recipe = workload.recipe
+    follow = _continuation_tokens(workload, continuation_tokens)
+    recipe = {**workload.recipe, "continuation_tokens": follow}
     context = int(context or recipe["context"])
     samples = int(samples or recipe.get("samples", 1))
     chat = recipe.get("chat", False) if chat is None else chat
@@ -415,9 +435,11 @@ def prompts(
         rng = random.Random(f"{name}:{seed}:{index}")
         make, available_tokens = workload.build(recipe, tokenizer, rng, index)
         if available_tokens is not None and available_tokens < context:
-            raise KvscopeError(f"workload {name} has only {available_tokens} tokens of text; asked for {context}")
+            more = f" before the {follow} that continue it" if follow else ""
+            raise KvscopeError(f"workload {name} has only {available_tokens} tokens of text{more}; asked for {context}")
         text, expected, meta = _fit(make, tokenizer, chat, context, available_tokens)
         split = meta.pop(QUESTION_AT, None)
+        continuation = meta.pop(CONTINUATION, None)
         n = count_tokens(tokenizer, text, chat)
         if abs(n - context) > TOLERANCE * context:
             raise KvscopeError(f"workload {name}: could not reach {context} tokens (got {n})")
@@ -428,9 +450,24 @@ def prompts(
                 expected=expected,
                 meta={"workload": name, "seed": seed, "context": context, "tokens": n, **meta},
                 split=split,
+                continuation=continuation,
             )
         )
     return out
+
+
+def _continuation_tokens(workload: Workload, given: int | None) -> int:
+    """The continuation tokens asked for (``given``, else the recipe's), refused where the
+    workload does not continue a text."""
+    n = workload.recipe.get("continuation_tokens", 0) if given is None else given
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise KvscopeError(f"--continuation-tokens must be an integer ≥ 0 (got {n!r})")
+    if n and not workload.continues:
+        continuing = ", ".join(w.name for w in WORKLOADS.values() if w.continues)
+        raise KvscopeError(
+            f"--continuation-tokens: workload {workload.name} does not continue a text (only {continuing} do)"
+        )
+    return n
 
 
 def score(name: str, output: str, expected: object) -> float | None:
@@ -455,6 +492,7 @@ def prompts_for_model(
     chat: bool | None = None,
     max_new_tokens: int = 0,
     trust_remote_code: bool = False,
+    continuation_tokens: int | None = None,
 ) -> list[Prompt]:
     """[`prompts`][kvscope.workloads.prompts] with the tokenizer of ``model``; refuses a
     context that, with ``max_new_tokens``, does not fit the model before building anything.
@@ -468,6 +506,7 @@ def prompts_for_model(
         chat: Count with the chat template (default: the recipe's).
         max_new_tokens: Decode steps that must fit the model's context too.
         trust_remote_code: Let transformers run the model folder's tokenizer code.
+        continuation_tokens: Tokens of the text that continues each prompt (``prompts``).
     """
     import json
 
@@ -475,6 +514,9 @@ def prompts_for_model(
 
     workload = get(name)
     context = int(context or workload.recipe["context"])
+    follow = _continuation_tokens(workload, continuation_tokens)
+    if follow:  # the forced steps: the continuation, at most max_new_tokens of it
+        max_new_tokens = min(max_new_tokens, follow) if max_new_tokens else follow
     source = resolve(model)
     config = Path(source.load_path) / "config.json"
     if config.is_file():
@@ -486,4 +528,6 @@ def prompts_for_model(
                 f"--context {context} + --max-new-tokens {max_new_tokens} exceeds the model context of {limit}"
             )
     tokenizer = load_tokenizer(source, trust_remote_code)
-    return prompts(name, tokenizer, context=context, seed=seed, samples=samples, chat=chat)
+    return prompts(
+        name, tokenizer, context=context, seed=seed, samples=samples, chat=chat, continuation_tokens=follow
+    )  # fmt: skip
