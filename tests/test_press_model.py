@@ -299,7 +299,7 @@ def test_a_press_that_needs_the_model_refuses_a_trace_whose_keys_differ(tiny_tra
 
     import zarr
 
-    folder, trace = tiny_trace
+    _, trace = tiny_trace
     ok = run_main("replay", trace, "--policies", "press:LeverageScorePress,press:KnormPress", "--budgets", "0.5")
     assert ok.returncode == 0, ok.stderr
     changed = tmp_path / "changed.zarr"

@@ -26,8 +26,8 @@ runs on the trace's own model, live every press runs on the model
 
 from __future__ import annotations
 
-import dataclasses
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import inspect
