@@ -259,7 +259,7 @@ class PolicyLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.cache.position_shift and self.index == 0:
-            self.cache.check_positions(kwargs.get("kwargs") or {})
+            self.cache._check_positions(kwargs.get("kwargs") or {})
         return self.cache._update(self.index, key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -359,7 +359,7 @@ class PolicyCache(DynamicCache):
         self._held: np.ndarray | None = None  # [2 (FP, Q), layer, kv_head, pos] rows the pools hold
         self.tier_events: dict[int, np.ndarray] = {}  # step → tiers [layer, kv_head, pos] after deciding
 
-    def check_positions(self, attention_kwargs: dict) -> None:
+    def _check_positions(self, attention_kwargs: dict) -> None:
         """A decode forward under a re-rotating press must number its token from the rows kept
         (kvpress's protocol), as transformers does from ``PolicyLayer.get_seq_length``."""
         given = attention_kwargs.get("position_ids")

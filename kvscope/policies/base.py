@@ -32,6 +32,8 @@ from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from ..model.spec import ModelSpec
 
 NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
@@ -666,7 +668,7 @@ class Policy:
         the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
         return spelled(self)
 
-    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded=None) -> None:
+    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded: PreTrainedModel | None = None) -> None:
         """Refuse in one line, before a live cache of a model decodes anything, what this policy
         cannot do there.
 

@@ -50,8 +50,11 @@ from . import kvpress_bridge as bridge
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from ..model.rope import Rope
     from ..model.spec import ModelSpec
+    from .press_hooks import PrefillCapture, PressHooks
 
 REHEARSAL_PROMPT = 128  # tokens (at least) of the random prompt a press is tried on before it runs live
 NOTES = {  # what a position-level metric means for a press that rewrites what it keeps
@@ -166,7 +169,7 @@ class Press(Policy):
             _NEEDS_MODEL[key] = _needs_model(self, model, rope)
         return _NEEDS_MODEL[key]
 
-    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded=None) -> None:
+    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded: PreTrainedModel | None = None) -> None:
         """Refuse in one line, before anything is decoded, a press that cannot run on the model:
         its prefill under the press is rehearsed once on a random prompt of ``REHEARSAL_PROMPT``
         tokens (twice the press's largest integer parameter, if more: a window must fit).
@@ -188,8 +191,8 @@ class Press(Policy):
         q: np.ndarray | None = None,
         model: ModelSpec | None = None,
         *,
-        capture=None,
-        hooks=None,
+        capture: PrefillCapture | None = None,
+        hooks: PressHooks | None = None,
     ) -> CacheState:
         """The press's state for one sequence.
 
@@ -218,7 +221,7 @@ class Press(Policy):
         runner = bridge.PressRunner(press, spec, rope, model)
         return _PressState(self, spec, press, model, runner=runner, recorded=(k, v, q))
 
-    def hooks(self, loaded, model: ModelSpec):
+    def hooks(self, loaded: PreTrainedModel, model: ModelSpec) -> PressHooks:
         """The press's hook on the attention modules of a model, installed, for a live cache.
 
         Args:

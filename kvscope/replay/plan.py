@@ -129,6 +129,9 @@ class ReplaySetup:
         validate: Every policy invariant is checked at every step.
         kv_itemsize: Bytes per full-precision K/V element in the byte model.
         source: The trace's path (a dask worker opens it there).
+        model_presses: Labels of the presses that run on the trace's own model (they read more
+            than q, k, v; ``kvscope.replay.presses``).
+        press_model: Where that model is (``kvscope.replay.presses.TraceModel``), or None.
     """
 
     ds: xr.Dataset
