@@ -118,7 +118,6 @@ CASES = [
     ("replay-press-threshold-not-given", ["replay", "{QKV}", "--policies", "press:DMSPress:press=KnormPress", "--budgets", "0.3"], "has no ratio a budget can set (it evicts by a score threshold): give threshold=…"),
     ("replay-press-lazy-threshold-not-given", ["replay", "{QKV}", "--policies", "press:SimLayerKVPress", "--budgets", "0.3"], "give lazy_threshold=…"),
     ("replay-press-list-unclosed", ["replay", "{QKV}", "--policies", "press:ComposedPress:presses=[KnormPress", "--budgets", "0.3"], "unbalanced brackets"),
-    ("replay-press-multiline-assertion", ["replay", "{QKV}", "--policies", "press:KVComposePress", "--budgets", "0.3"], "press KVComposePress failed on layer 0"),
     ("replay-press-without-qkv", ["replay", "{PLAIN}", "--policies", "press:KnormPress", "--budgets", "0.3"], "press:KnormPress needs recorded q/k/v"),
     ("validate-press-hub-asset", ["validate", "{QKV}", "--policy", "press:KVzapPress", "--budget", "0.3"], "press KVzapPress needs its KVzap surrogate model from hub nvidia/KVzap-mlp-"),
     ("run-press-hub-asset", ["run", "--model", "{TINY}", "--prompt", "hi", "--policy", "press:QFilterPress", "--budget", "0.3"], "press QFilterPress needs its learned Q-filters from hub nthngdy/"),

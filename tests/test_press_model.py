@@ -311,8 +311,27 @@ def test_a_press_that_needs_the_model_refuses_a_trace_whose_keys_differ(tiny_tra
     proc = run_main("replay", changed, "--policies", "press:LeverageScorePress", "--budgets", "0.5", "--out", out)
     one_line_error(proc, "gives other keys than the trace recorded: layer 1")
     assert not out.exists() and tree_digest(changed) == before
+    from kvscope.replay.presses import _loaded
+
+    _loaded.cache_clear()
     proc = run_main("replay", changed, "--policies", "press:KnormPress", "--budgets", "0.5")
-    assert proc.returncode == 0  # a press that reads only q, k, v never loads the model
+    assert proc.returncode == 0 and _loaded.cache_info().currsize == 0  # q, k, v alone: the model is not loaded
+
+
+def test_the_cli_runs_the_presses_that_need_the_model(tiny_trace):
+    """``kvscope run`` (its three decodes) and ``kvscope replay`` of the presses that read more
+    than q, k, v, as a user types them."""
+    import json
+
+    folder, trace = tiny_trace
+    for label in ["press:KVzipPress", "press:CriticalKVPress:press=SnapKVPress:window_size=8"]:
+        ran = run_main("run", "--model", folder, "--prompt", "The quick brown fox jumps over the lazy dog. " * 6,
+                       "--policy", label, "--budget", "0.5", "--max-new-tokens", "3", "--json")  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        doc = json.loads(ran.stdout)["samples"][0]
+        assert doc["policy"] == label and doc["budget_reached"] and doc["kl"] >= 0
+    ran = run_main("replay", trace, "--policies", "press:KVzipPress,press:CompactorPress", "--budgets", "0.3,0.6")
+    assert ran.returncode == 0, ran.stderr
 
 
 def test_a_press_whose_model_is_gone_is_refused_in_one_line(tiny_trace, tmp_path):

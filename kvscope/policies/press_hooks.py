@@ -406,8 +406,9 @@ def weights_of(spec, module, kwargs, keys):
     h, q, n = queries.shape[1], queries.shape[2], keys.shape[2]
     layer = int(module.layer_idx)
     rows = grouped(queries[0].float(), spec.n_kv_heads)  # [kv_head, group·q, D]
-    q_pos = (torch.arange(q) + n - q).repeat(h // spec.n_kv_heads)[:, None]
-    probs = spec.rule(layer).probs(rows, keys[0].float(), q_pos, torch.arange(n))
+    device = keys.device
+    q_pos = (torch.arange(q, device=device) + n - q).repeat(h // spec.n_kv_heads)[:, None]
+    probs = spec.rule(layer).probs(rows, keys[0].float(), q_pos, torch.arange(n, device=device))
     return probs.reshape(1, h, q, n).to(hidden.dtype)
 
 
