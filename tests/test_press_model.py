@@ -367,7 +367,7 @@ def test_errors_name_what_a_press_needs():
 @pytest.fixture(scope="module")
 def tiny_setting(tiny_models, tmp_path_factory):
     """The tiny GQA model (kvscope's attention), a trace of a ~100-token prompt with q/k/v (fp32)."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     from kvscope.live import prepare
     from kvscope.model.loading import load, resolve
