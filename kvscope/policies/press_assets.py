@@ -84,6 +84,11 @@ def prepare_assets(press, model, asset: str | None = None) -> None:
             f"press {name} needs its {spec.what} from {source}, which cannot be loaded here "
             f"({first_line(error, named=True)}){hint}"
         ) from None
+    finally:
+        if asset is not None and any(type(p).__name__ == "DuoAttentionPress" for p in needing):
+            from kvpress.presses import duo_attention_press
+
+            duo_attention_press.cache.pop(model.config.name_or_path, None)  # read by this press only
 
 
 def _install_local(press, model, folder: Path) -> None:
