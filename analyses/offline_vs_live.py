@@ -51,6 +51,10 @@ PRESSES = [
     "press:ExpectedAttentionPress",
     "press:PyramidKVPress:window_size=16:beta=2",  # kvpress's window 64 is SnapKV below ~1,300 tokens
     "press:KeyDiffPress",
+    # presses that read more than q, k, v: offline on the trace's own model, its prompt prefilled once
+    "press:KVzipPress",
+    "press:LeverageScorePress",
+    "press:CompactorPress",
 ]
 POLICIES = OURS + PRESSES
 OFFLINE = {"fmm": "FMM", "fmm_fp": "FMM fp", "attn_l1": "attn L1", "output_rel_l2": "output error"}

@@ -217,6 +217,22 @@ def parse_text(kind: type, text: str):
     return _PARSERS.get(kind, str)(text)
 
 
+def split_outside_brackets(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at ``sep`` where no ``[`` is open: ``a:b=[c:d,e]`` at ``:`` → ``a``, ``b=[c:d,e]``
+    (a list inside a policy's parameter, e.g. a press's ``presses=[…]``)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char == "[") - (char == "]")
+        if depth < 0:
+            raise KvscopeError(f"unbalanced brackets in {text!r}")
+        if char == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise KvscopeError(f"unbalanced brackets in {text!r}")
+    return [*parts, text[start:]]
+
+
 def parse_bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("true", "1", "yes"):

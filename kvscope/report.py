@@ -215,6 +215,10 @@ def press_settings(result: xr.Dataset) -> list[str]:
                 spread = "" if lo == hi else f" ({lo:.4g}–{hi:.4g} by sample)"
                 parts.append(f"{key} {mean:.4g}{spread}")
             lines.append(f"{label} at β = {budget}: kvpress {', '.join(parts)}")
+    for label, note in json.loads(result.attrs.get("press_notes", "{}")).items():
+        lines.append(
+            f"{label} {note}; attn L1 and out err are not given offline (the recording holds no rewritten cache)"
+        )
     return lines
 
 

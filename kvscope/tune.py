@@ -348,14 +348,14 @@ def held_out(trace, source: str, allocation, model: str | None = None):
     """``(model source, prompts)`` of ``--check``, checked before any search: the allocation
     can run live, the prompts exist and are new to the trace."""
     from .live.inputs import live_allocation
-    from .live.validate import _model_source, recorded_model_dtype
+    from .model.loading import recorded_model_dtype, trace_model_source
     from .storage.store import open_trace
 
     if not source or not str(source).strip():
         raise KvscopeError("--check needs held-out prompts: a prompts file or a workload NAME[:seed=S]")
     live_allocation(allocation)  # the oracle has no live split without a trace
     ds = open_trace(trace) if not hasattr(trace, "kvscope") else trace
-    source_model = _model_source(trace, ds.attrs.get("model"), model)
+    source_model = trace_model_source(trace, ds.attrs.get("model"), model)
     recorded_model_dtype(trace, ds.attrs)
     return source_model, held_out_prompts(ds, source, source_model.spec)
 
@@ -366,8 +366,7 @@ def check_live(result: TuneResult, trace, source: str, *, model: str | None = No
     summaries and whether the offline ranking held."""
     from .live.cache import prepare
     from .live.run import run_loaded
-    from .live.validate import recorded_model_dtype
-    from .model.loading import load
+    from .model.loading import load, recorded_model_dtype
     from .model.prompts import encode_prompts
     from .storage.store import open_trace
 

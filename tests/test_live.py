@@ -29,8 +29,8 @@ from kvscope.tiers import TIER_Q as Q
 from .conftest import run_cli, run_main
 
 LIVE_POLICIES = [name for name, cls in available().items() if not cls.clairvoyant and not cls.reads_queries]
-# kvpress's presses run live through the bridge replay uses: a prompt press, a press reading the
-# layer's attention weights, one moving budget across heads, one across layers, one while decoding
+# kvpress's presses run live on the model's own attention modules: a prompt press, a press reading
+# the layer's attention weights, one moving budget across heads, one across layers, one while decoding
 LIVE_PRESSES = [
     "press:SnapKVPress",
     "press:ObservedAttentionPress",
@@ -173,15 +173,15 @@ def test_presses_live_hold_their_budget(loaded, prompt_ids, name):
 def test_decoding_press_live_compresses_while_decoding(loaded, prompt_ids):
     """DecodingPress never compresses the prompt and prunes to its target every
     ``compression_interval`` steps: the bytes grow by 7 rows between compressions, stay within
-    β, and its stand-in copies are counted with the serving buffers."""
+    β, and the copy its hook compresses (the cache's mirror) is counted with the serving buffers."""
     _, model, _ = loaded
     cache = PolicyCache(model, LIVE_PRESSES[4], 0.8, STEPS, check=True)
     decode(model, prompt_ids[:60], cache, STEPS)
     assert cache.state.reached and cache.state.setting == {"target_size": 73}  # ⌊0.8 · 100⌋ − 8 + 1
     held = np.asarray(cache.bytes_actual) / cache.spec.fp_bytes / (cache.n_layers * cache.n_kv)  # tokens per unit
     assert held.max() <= 80 and held[-1] < 100 and len(set(np.diff(held)) - {0.0, 1.0}) > 0
-    assert cache.state.scratch_bytes() > 0
-    assert cache.bytes_serving[-1] >= cache.state.scratch_bytes()
+    assert cache.press.scratch_bytes() > 0
+    assert cache.bytes_serving[-1] >= cache.press.scratch_bytes()
 
 
 def test_qevict_ledger_is_write_once_live(loaded, prompt_ids):

@@ -79,7 +79,7 @@ def _kind(cls) -> str:
 def cmd_policies(args) -> int:
     from ..policies import available
     from ..policies.allocation import REGISTRY as ALLOCATIONS
-    from ..policies.kvpress_bridge import INSTALL, press_names
+    from ..policies.kvpress_bridge import INSTALL
 
     doc = {
         "policies": {
@@ -87,13 +87,17 @@ def cmd_policies(args) -> int:
         },
         "allocations": {name: {"parameters": _parameter_rows(cls)} for name, cls in ALLOCATIONS.items()},
     }
-    presses = sorted(press_names())
+    presses, missing = _presses()
+    doc["presses"] = presses
     if args.json:
-        print(json.dumps({**doc, "presses": presses}, indent=1, default=str))
+        print(json.dumps(doc, indent=1, default=str))
         return 0
     from rich.table import Table
 
     for what, entries in doc.items():
+        if what == "presses":
+            _print_presses(entries, missing)
+            continue
         table = Table({"policies": "policy", "allocations": "allocation"}[what], "parameter", "default", "allowed",
                       "tune searches", "meaning", title=what)  # fmt: skip
         for name, entry in entries.items():
@@ -107,8 +111,37 @@ def cmd_policies(args) -> int:
                 )  # fmt: skip
         print_table(table, 120)
     print("spell one as name:key=value:… (kvscope replay --policies, --allocation); press:<PressClass> for kvpress")
-    print(f"kvpress's presses: {', '.join(presses)}" if presses else f"kvpress's presses need kvpress: {INSTALL}")
+    if not presses:
+        print(f"kvpress's presses need kvpress: {INSTALL}")
     return 0
+
+
+def _presses() -> tuple[dict, str | None]:
+    """kvpress's press classes (:func:`kvscope.policies.kvpress_bridge.catalog`), or why there are none."""
+    from ..errors import KvscopeError
+    from ..policies import kvpress_bridge
+
+    try:
+        return kvpress_bridge.catalog(), None
+    except KvscopeError as error:
+        return {}, str(error)
+
+
+def _print_presses(entries: dict, missing: str | None) -> None:
+    from rich.table import Table
+
+    if missing:
+        return
+    table = Table("press", "parameter", "type", "default", "β sets", title="kvpress presses (policy press:NAME)")
+    for name, entry in entries.items():
+        rows = entry["parameters"] or [{"name": "—", "type": "", "default": None}]
+        for i, row in enumerate(rows):
+            default = "required" if row.get("required") else row["default"] if row["default"] is not None else ""
+            table.add_row(
+                name if i == 0 else "", row["name"] + (" (set after construction)" if row.get("after") else ""),
+                row["type"], default, entry["budget sets"] if i == 0 else "",
+            )  # fmt: skip
+    print_table(table, 120)
 
 
 def add_models(sub) -> None:

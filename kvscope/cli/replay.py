@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import KvscopeError
+from ..params import split_outside_brackets
 from ..report import print_table
 from .common import DaskContext, add_allocation, policy_names, progress_bar, say_lossy_rows
 
@@ -88,7 +89,7 @@ def cmd_replay(args) -> int:
     from ..replay.store import refuse_existing
     from ..storage.paths import figure_path, output_path
 
-    policies = [parse(x) for x in args.policies.split(",") if x.strip()]
+    policies = [parse(x) for x in split_outside_brackets(args.policies) if x.strip()]
     if not policies:
         raise KvscopeError("--policies needs at least one policy")
     budgets = _budgets(args.budgets)

@@ -22,6 +22,9 @@ Per layer the cache holds two flat pools of rows, each row one (kv_head, positio
     k_scale, k_zero   [n_groups, D]      fp16          keys per channel per group (k_group [n_q])
                       [n_q, D/g_k]                     or per token (key_axis=token)
     q_pos, q_head     [n_q]              int32         index (k_group [n_q] int32 too)
+    nk, nv            [n_c, D − m], [n_c, D]  kv_dtype  FP rows whose keys a press pruned to D − m
+    n_pos, n_head     [n_c]              int32         channels (ThinK; the channels kept per head in
+    n_channels        [kv_head, D − m]   int64         ``n_channels``): only the kept ones are stored
     served            ``Served``   what attention reads
 
 (new FP rows wait as the tensors appended and join ``fp_*`` by one concatenation when a
@@ -67,6 +70,7 @@ from ..policies.quant import pack
 from ..tiers import TIER_FP, TIER_Q
 from ..tracing.capture import AttentionRecorder, ForwardContext, SlotView, implementation_name, offer_slots, register
 from .inputs import kv_dtype_name, live_allocation, live_policy
+from .press_link import PressLink
 from .served import Served
 
 if TYPE_CHECKING:
@@ -154,6 +158,7 @@ class _Pool:
             "fp_head": torch.empty(0, dtype=INDEX, device=device),
         }
         self.pending: list[tuple[torch.Tensor, ...]] = []  # (keys, values [n, D], pos, head [n]) in order
+        self.narrow: dict[str, torch.Tensor] | None = None  # FP rows with channel-pruned keys (module docstring)
         self.q: dict[str, torch.Tensor] | None = None  # created at the first quantization
         self.group_size = 0  # key groups all of this many consecutive rows (0: mixed sizes)
         self.served: Served | None = None  # what attention reads, from the first decode forward
@@ -181,13 +186,49 @@ class _Pool:
         out = [self._fp["fp_k"], self._fp["fp_v"], *(t for row in self.pending for t in row[:2])]
         if self.q is not None:
             out += [self.q[k] for k in ("k_codes", "v_codes", "v_scale", "v_zero", "k_scale", "k_zero")]
+        if self.narrow is not None:
+            out += [self.narrow["nk"], self.narrow["nv"]]
         return out
 
     def index_tensors(self):
         out = [self._fp["fp_pos"], self._fp["fp_head"], *(t for row in self.pending for t in row[2:])]
         if self.q is not None:
             out += [self.q[k] for k in ("q_pos", "q_head", "k_group")]
+        if self.narrow is not None:
+            out += [self.narrow[k] for k in ("n_pos", "n_head", "n_channels")]
         return out
+
+    def narrow_rows(self, keep: torch.Tensor, channels: torch.Tensor) -> None:
+        """The FP rows where ``keep [n_fp]`` move to the narrow rows, their keys stored at
+        ``channels [kv_head, D − m]`` only (the press zeroed the others)."""
+        rows = self._joined()
+        head = rows["fp_head"][keep]
+        index = channels.to(head.device)[head.long()]  # [n, D − m]
+        self.narrow = {
+            "nk": rows["fp_k"][keep].gather(1, index), "nv": rows["fp_v"][keep], "n_pos": rows["fp_pos"][keep],
+            "n_head": head, "n_channels": channels.to(head.device),
+        }  # fmt: skip
+        self.keep_fp(~keep)
+
+    def narrow_full(self):
+        """``heads, pos [n_c]``, ``keys [n_c, D]`` (zeros at the pruned channels), ``values [n_c, D]``."""
+        n = self.narrow
+        keys = torch.zeros((n["nk"].shape[0], n["nv"].shape[1]), dtype=n["nk"].dtype, device=n["nk"].device)
+        keys.scatter_(1, n["n_channels"][n["n_head"].long()], n["nk"])
+        return n["n_head"], n["n_pos"], keys, n["nv"]
+
+    def keep_narrow(self, keep: torch.Tensor) -> None:
+        """Keep the narrow rows where ``keep [n_c]``."""
+        self.narrow = {k: (v if k == "n_channels" else v[keep]) for k, v in self.narrow.items()}
+
+    def heads(self) -> torch.Tensor:
+        """The KV head of every row held (FP, narrow, Q)."""
+        parts = [self.fp_head]
+        if self.narrow is not None:
+            parts.append(self.narrow["n_head"])
+        if self.q is not None:
+            parts.append(self.q["q_head"])
+        return torch.cat(parts)
 
     def n_q(self) -> int:
         return 0 if self.q is None else int(self.q["q_pos"].shape[0])
@@ -217,10 +258,12 @@ class PolicyLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.cache.position_shift and self.index == 0:
+            self.cache._check_positions(kwargs.get("kwargs") or {})
         return self.cache._update(self.index, key_states, value_states)
 
     def get_seq_length(self) -> int:
-        return self.n_seen
+        return self.n_seen - self.cache.position_shift  # a re-rotating press numbers the rows it kept from 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # decode rows need no mask (batch 1); the prefill sees every position
@@ -293,11 +336,14 @@ class PolicyCache(DynamicCache):
         self.every = every or w
         rope = Rope.from_model(model, self.n_layers)
         self.rope = rope if rope.usable() else None
-        policy.check_live(spec, self.rope)
+        policy.check_live(spec, self.rope, loaded=model)
         self.model_spec = spec
         self.recorder = AttentionRecorder(
-            n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window, record_qkv=policy.reads_queries
-        )
+            n_layers=self.n_layers, n_stored_heads=self.n_kv, obs_window=obs_window,
+            record_qkv=policy.reads_queries and not policy.live_hooks,
+        )  # fmt: skip
+        self.position_shift = 0  # positions a re-rotating press took off the continuation's numbering
+        self.press = PressLink(self, model, policy, spec) if policy.live_hooks else None
         self.keep_tiers, self.check = keep_tiers, check
         Cache.__init__(self, layers=[PolicyLayer(self, i) for i in range(self.n_layers)])
         self.pools = [_Pool(self.head_dim, self.kv_dtype, self.device) for _ in range(self.n_layers)]
@@ -312,6 +358,17 @@ class PolicyCache(DynamicCache):
         self.bytes_serving: list[int] = []  # [step] nbytes of the served buffers (and slot maps)
         self._held: np.ndarray | None = None  # [2 (FP, Q), layer, kv_head, pos] rows the pools hold
         self.tier_events: dict[int, np.ndarray] = {}  # step → tiers [layer, kv_head, pos] after deciding
+
+    def _check_positions(self, attention_kwargs: dict) -> None:
+        """A decode forward under a re-rotating press must number its token from the rows kept
+        (kvpress's protocol), as transformers does from ``PolicyLayer.get_seq_length``."""
+        given = attention_kwargs.get("position_ids")
+        expected = self.seen - self.position_shift
+        if given is not None and int(given.reshape(-1)[-1]) != expected:
+            raise KvscopeError(
+                f"{self.policy.label()} re-rotates the keys it keeps and numbers the continuation from them "
+                f"(position {expected}, kvpress's protocol); this decode passes position {int(given.reshape(-1)[-1])}"
+            )
 
     # -- sizes ------------------------------------------------------------------------------
     @property
@@ -342,8 +399,7 @@ class PolicyCache(DynamicCache):
         Args:
             layer: The layer.
         """
-        pool = self.pools[layer]
-        heads = torch.cat([pool.fp_head, pool.q["q_head"]]) if pool.q is not None else pool.fp_head
+        heads = self.pools[layer].heads()
         return int(torch.bincount(heads.long(), minlength=self.n_kv).max()) if heads.numel() else 0
 
     def actual_bytes(self) -> tuple[int, int]:
@@ -368,7 +424,9 @@ class PolicyCache(DynamicCache):
                 self.itemsize,
                 self.obs_window,
             )
-            reads = {"model": self.model_spec} if self.policy.reads_queries else {}  # a press: fed each forward
+            reads = {"model": self.model_spec} if self.policy.reads_queries else {}
+            if self.press is not None:  # the press's decisions come from its hook on the model
+                reads["hooks"] = self.press.hooks
             state = self.policy.start(spec, rope=self.rope, **reads)
             self._held = np.zeros((2, *state.tiers.shape), dtype=bool)
             self.driver = PolicyDriver(state, allocation=self.allocation, check=self.check)
@@ -411,6 +469,8 @@ class PolicyCache(DynamicCache):
         else:  # before the pools take the new row (the served buffer may be built from them)
             keys, values, slot_pos, head_mask = self._served(layer, key_states, value_states)
             view = SlotView(keys, slot_pos, head_mask, recorder)
+        if self.press is not None:
+            self.press.entered(layer, keys if n_new > 1 else key_states, values if n_new > 1 else value_states, n_new)
         pool = self.pools[layer]
         device = key_states.device
         heads = torch.arange(self.n_kv, dtype=INDEX, device=device)
@@ -454,6 +514,10 @@ class PolicyCache(DynamicCache):
         fresh = ~torch.from_numpy(self._held[1, layer][heads.cpu().numpy(), pos.cpu().numpy()]).to(heads.device)
         if not bool(fresh.all()):
             heads, pos, keys, values = heads[fresh], pos[fresh], keys[fresh], values[fresh]
+        if pool.narrow is not None:
+            n_heads, n_pos, n_keys, n_values = pool.narrow_full()
+            heads, pos = torch.cat([heads, n_heads]), torch.cat([pos, n_pos])
+            keys, values = torch.cat([keys, n_keys.to(dtype)]), torch.cat([values, n_values.to(dtype)])
         if pool.q is not None:
             qk, qv = self._dequantized(pool.q, pool.group_size, layer)
             heads, pos = torch.cat([heads, pool.q["q_head"]]), torch.cat([pos, pool.q["q_pos"]])
@@ -576,9 +640,12 @@ class PolicyCache(DynamicCache):
                 pool.served.settle()
         if self.state.reads_forward(kind == "prefill"):
             self.state.feed(*self._forward_tensors())
+        decided = self.press.decided(kind == "prefill") if self.press is not None else {}
         used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
         self._sync()
+        if decided:
+            self.press.rewrite(decided)
         self.step += 1
         data, index = self.actual_bytes()
         self.driver.check_held(data)
@@ -586,7 +653,9 @@ class PolicyCache(DynamicCache):
         self.bytes_actual.append(data)
         self.bytes_index.append(index)
         self.bytes_serving.append(
-            sum(pool.served.nbytes() for pool in self.pools if pool.served is not None) + self.state.scratch_bytes()
+            sum(pool.served.nbytes() for pool in self.pools if pool.served is not None)
+            + self.state.scratch_bytes()
+            + (self.press.scratch_bytes() if self.press is not None else 0)
         )
         if self.check:
             self._check_content()
@@ -645,6 +714,10 @@ class PolicyCache(DynamicCache):
         keep = want_fp[pool.fp_head.cpu(), pool.fp_pos.cpu()]
         if not bool(keep.all()):
             pool.keep_fp(keep.to(pool.fp_k.device))
+        if pool.narrow is not None:
+            keep = want_fp[pool.narrow["n_head"].cpu(), pool.narrow["n_pos"].cpu()]
+            if not bool(keep.all()):
+                pool.keep_narrow(keep.to(pool.narrow["nk"].device))
         if pool.q is None:
             return
         q = pool.q
@@ -671,6 +744,8 @@ class PolicyCache(DynamicCache):
         for layer, pool in enumerate(self.pools):
             held = np.zeros((2, *tiers.shape[1:]), dtype=np.int64)  # [FP / Q, kv_head, pos]
             np.add.at(held[0], (pool.fp_head.cpu().numpy(), pool.fp_pos.cpu().numpy()), 1)
+            if pool.narrow is not None:
+                np.add.at(held[0], (pool.narrow["n_head"].cpu().numpy(), pool.narrow["n_pos"].cpu().numpy()), 1)
             if pool.q is not None:
                 np.add.at(held[1], (pool.q["q_head"].cpu().numpy(), pool.q["q_pos"].cpu().numpy()), 1)
             if pool.served is not None:  # set-wise by (head, position): the slots are a permutation
@@ -756,7 +831,12 @@ class LivePolicy:
             KvscopeError: The model or the policy cannot run live.
         """
         check_live_geometry(model, spec)
-        self.policy.check_live(spec, Rope.from_model(model, spec.n_layers))  # the press's runner drops an unusable one
+        if getattr(self.policy, "renumbers", False):
+            raise KvscopeError(
+                f"{self.policy.label()} numbers the continuation from the rows it keeps (kvpress's protocol); "
+                "kvscope trace decodes at the prompt's positions: use kvscope run"
+            )
+        self.policy.check_live(spec, Rope.from_model(model, spec.n_layers), loaded=model)
 
     def __call__(self, model, layout, batch: list[int]) -> PolicyCache:
         return PolicyCache(

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KvscopeError
-from ..model.loading import ModelSource, check_model_dtype, load, resolve
+from ..model.loading import ModelSource, load, recorded_model_dtype, trace_model_source
 from ..model.prompts import Prompt
 from ..policies import check_budget
 from ..policies.allocation import Given, check_allocatable
@@ -69,7 +69,7 @@ def validate(
         _check_live_out(store, live_out, force)
     ds = _full_kv_trace(store, question_agnostic)
     attrs = ds.attrs
-    source = _model_source(store, attrs.get("model"), model)
+    source = trace_model_source(store, attrs.get("model"), model)
     model, tokenizer = load(source, attrs.get("device", "cpu"), recorded_model_dtype(store, attrs))
     dtype = kv_storage_dtype(model, kv_dtype)
     itemsize = dtype.itemsize
@@ -149,38 +149,6 @@ def _check_live_out(store, live_out, force: bool) -> None:
     if os.path.lexists(live_out) and not force:
         raise KvscopeError(f"--live-out {live_out} exists; pass --force to overwrite it or choose another path")
     check_out(live_out, force, flag="--live-out")
-
-
-def recorded_model_dtype(store, attrs) -> str:
-    """The model dtype the store's trace settings name (checked: a store is an input too)."""
-    dtype = attrs.get("settings", {}).get("model_dtype", "auto")
-    return check_model_dtype(dtype, f"the model_dtype that {store} records")
-
-
-def _model_source(store, recorded, override: str | None) -> ModelSource:
-    """The model to re-decode with: ``override`` (``--model``: a hub id may be fetched), else the
-    model the store names, looked up locally only — a store never makes kvscope reach the network.
-    Either must have the weights sha256 the store records, when it records one."""
-    if override is not None:
-        source = resolve(override)
-    else:
-        name = recorded.get("name") if isinstance(recorded, dict) else None
-        if not isinstance(name, str) or not name:
-            raise KvscopeError(f"{store} names no model; pass --model")
-        try:
-            source = resolve(name, allow_hub=False)
-        except KvscopeError as exc:
-            raise KvscopeError(
-                f"{exc} (named by {store}: a store's model is looked up locally only; pass --model to choose one)"
-            ) from None
-    expected = recorded.get("sha256") if isinstance(recorded, dict) else None
-    if expected and source.weights_sha256 != expected:
-        got = source.weights_sha256 or "unknown (no single local weights file)"
-        raise KvscopeError(
-            f"model {source.spec!r} has weights sha256 {got}, but {store} was traced with {expected}: "
-            "pass --model with the same weights"
-        )
-    return source
 
 
 def _report(full, live, open_loop, closed, label, budget, itemsize) -> dict:

@@ -84,7 +84,7 @@ def package_folder(package: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def short_name_gguf(short: ShortName, assemble: bool = False) -> Path | None:
@@ -466,3 +466,35 @@ def _unpickler_reason(exc: BaseException) -> str:
         if "GLOBAL" in line:
             return line.split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".")
     return first_line(exc)
+
+
+def recorded_model_dtype(store, attrs) -> str:
+    """The model dtype the store's trace settings name (checked: a store is an input too)."""
+    dtype = attrs.get("settings", {}).get("model_dtype", "auto")
+    return check_model_dtype(dtype, f"the model_dtype that {store} records")
+
+
+def trace_model_source(store, recorded, override: str | None = None) -> ModelSource:
+    """The model to re-decode with: ``override`` (``--model``: a hub id may be fetched), else the
+    model the store names, looked up locally only — a store never makes kvscope reach the network.
+    Either must have the weights sha256 the store records, when it records one."""
+    if override is not None:
+        source = resolve(override)
+    else:
+        name = recorded.get("name") if isinstance(recorded, dict) else None
+        if not isinstance(name, str) or not name:
+            raise KvscopeError(f"{store} names no model; pass --model")
+        try:
+            source = resolve(name, allow_hub=False)
+        except KvscopeError as exc:
+            raise KvscopeError(
+                f"{exc} (named by {store}: a store's model is looked up locally only; pass --model to choose one)"
+            ) from None
+    expected = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if expected and source.weights_sha256 != expected:
+        got = source.weights_sha256 or "unknown (no single local weights file)"
+        raise KvscopeError(
+            f"model {source.spec!r} has weights sha256 {got}, but {store} was traced with {expected}: "
+            "pass --model with the same weights"
+        )
+    return source

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..params import make_registered, parse_spelled, registered
+from ..params import make_registered, parse_spelled, registered, split_outside_brackets
 from . import allocation
 from .allocation import Allocation
 from .base import BudgetExceeded, CacheSpec, CacheState, Ledger, LedgerError, Policy, check_budget, check_geometry
@@ -63,7 +63,7 @@ def parse(spec: str) -> Policy:
     Raises:
         KvscopeError: An unknown name or parameter, or a value out of range.
     """
-    name, *pairs = spec.strip().split(":")
+    name, *pairs = split_outside_brackets(spec.strip(), ":")
     if registered(REGISTRY, "policy", name) is Press:
         return Press.from_text(pairs)
     return parse_spelled(REGISTRY, "policy", spec)

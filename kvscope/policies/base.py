@@ -32,6 +32,8 @@ from ..tiers import TIER_EVICTED, TIER_FP, TIER_NONE, TIER_Q
 from .quant import fp_token_bytes, quantize
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from ..model.spec import ModelSpec
 
 NONE, EVICTED, Q, FP = TIER_NONE, TIER_EVICTED, TIER_Q, TIER_FP
@@ -636,7 +638,8 @@ class Policy:
     quantizes: ClassVar[bool] = False
     observes: ClassVar[bool] = False  # decisions use the rows served at each step
     observes_prefill: ClassVar[bool] = False  # decisions use the prompt's attention (colsum, tail)
-    reads_queries: ClassVar[bool] = False  # start() takes the model spec and recorded q/k/v (live: fed per forward)
+    reads_queries: ClassVar[bool] = False  # start() takes the model spec and recorded q/k/v (offline)
+    live_hooks: ClassVar[bool] = False  # live, it runs on the model's own attention modules (kvpress's presses)
     splits_itself: ClassVar[bool] = False  # sets its own split across layers and heads (no allocation)
 
     def start(
@@ -665,13 +668,14 @@ class Policy:
         the command line takes them (``evict=true``), so that ``parse(label())`` gives it back."""
         return spelled(self)
 
-    def check_live(self, model: ModelSpec, rope: Rope | None = None) -> None:
+    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded: PreTrainedModel | None = None) -> None:
         """Refuse in one line, before a live cache of a model decodes anything, what this policy
         cannot do there.
 
         Args:
             model: The model's geometry.
             rope: Its rotary parameters.
+            loaded: The transformers model itself, where there is one (kvpress's presses run on it).
 
         Raises:
             KvscopeError: The policy cannot run live on this model.

@@ -1,9 +1,11 @@
-"""NVIDIA kvpress's own press classes, driven by recorded tensors instead of a model.
+"""NVIDIA kvpress's own press classes: their arguments from text, what β sets on them, and the
+presses that read only q, k, v driven on stand-ins of the attention layers built from a recording.
 
 A press is written against a transformers attention layer: after the layer's prefill forward,
 ``press.forward_hook(module, input, kwargs, output)`` reads the layer's cache and hidden
-states and writes back the keys and values it keeps. Here every layer gets a stand-in that
-carries what presses read, built from a trace recorded with ``--record qkv``:
+states and writes back the keys and values it keeps. Offline, a press that reads only q, k, v
+gets a stand-in per layer that carries what presses read, built from a trace recorded with
+``--record qkv``:
 
     module          config (heads, KV heads, layers), layer_idx, head_dim, rotary_emb
                     (cos, sin from the recorded inv_freq and attention scaling), q_proj = identity
@@ -15,28 +17,20 @@ carries what presses read, built from a trace recorded with ``--record qkv``:
                     read the layer's attention weights (ObservedAttention); None otherwise, as
                     under sdpa
 
-Which positions a press keeps is read from the press itself: the ``gather`` it applies to
-the cache's keys (observed with a ``torch.overrides.TorchFunctionMode``, nothing
-patched) and the ``masked_key_indices`` AdaKV leaves on the module. Keys it returns are
-checked to be exactly that gather; a press that merges, re-rotates or quantizes what it keeps
-is refused. Anything a press reads that the stand-ins do not hold (a projection's weights, a
-norm, extra forward passes) raises one line naming it.
-
-A live cache ([`kvscope.live.PolicyCache`][kvscope.live.PolicyCache]) drives the same runner with the tensors of
-each forward as attention was handed them — what a trace under ``--record qkv`` stores — so a
-press decides live exactly as it does on a recording of that decode.
-
-kvpress pins ``transformers<5.3`` and patches transformers' attention functions on import;
-``load`` imports it lazily and puts the attention functions back as they were.
+What a press did is read back as on the model (``kvscope.policies.press_hooks.read_back``): the
+positions it keeps (its ``gather``, its masks), what it rewrote. A press that reads what the
+stand-ins do not hold (a projection's weights, the model itself) raises ``NeedsModel``: offline it
+runs on the trace's own model, live every press runs on the model
+(``kvscope.policies.press_hooks``).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import functools
 import importlib
 import importlib.util
+import inspect
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,37 +38,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import KvscopeError, first_line
-from ..params import hint_options, parse_text
+from ..params import hint_options, parse_text, split_outside_brackets
+from .kvpress_load import INSTALL, KVPRESS_VERSION, load, presses_in
 
-KVPRESS_VERSION = "0.5.5"
-INSTALL = (
-    f"pip install 'kvscope[presses]' && pip install --no-deps kvpress=={KVPRESS_VERSION} peft (make setup does both)"
-)
-NEEDS_ATTENTIONS = ("ObservedAttentionPress",)  # scorers that read the layer's attention weights
+__all__ = ["INSTALL", "KVPRESS_VERSION", "load", "presses_in"]  # kvpress_load's, used through this module
+
+NEEDS_ATTENTIONS = ("ObservedAttentionPress", "KVComposePress")  # presses that read the layer's attention weights
 ALIASES = {"base": "base_press"}  # press:DecodingPress:base=KnormPress
-SET_BY_BUDGET = ("compression_ratio", "target_size")
-
-
-@functools.cache
-def load():
-    """The ``kvpress`` module, imported once; transformers' attention functions unchanged."""
-    try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    except ImportError as error:  # pragma: no cover - transformers is a dependency
-        raise KvscopeError(f"press policies need transformers ({error})") from None
-    saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping), dict(type(ALL_ATTENTION_FUNCTIONS)._global_mapping)
-    try:
-        import kvpress
-    except ImportError as error:
-        raise KvscopeError(f"press policies need kvpress ({error}); install it: {INSTALL}") from None
-    except Exception as error:  # noqa: BLE001 - kvpress fails to import on this transformers
-        raise KvscopeError(f"kvpress cannot be imported here ({type(error).__name__}: {error})") from None
-    finally:
-        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
-        ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved[0])
-        type(ALL_ATTENTION_FUNCTIONS)._global_mapping.clear()
-        type(ALL_ATTENTION_FUNCTIONS)._global_mapping.update(saved[1])
-    return kvpress
+SET_BY_BUDGET = ("compression_ratio", "target_size", "key_channel_compression_ratio", "target_compression_ratio")
 
 
 def press_classes() -> dict[str, type]:
@@ -130,61 +101,160 @@ def _imported_press(path: str) -> type:
 
 def _hints(cls) -> dict:
     try:
-        return typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 - an annotation that does not resolve: take it as written
-        return {f.name: f.type for f in dataclasses.fields(cls)}
+        hints = {f.name: f.type for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    if _own_init(cls):
+        try:
+            hints.update(typing.get_type_hints(cls.__init__))
+        except Exception:  # noqa: BLE001
+            hints.update({n: p.annotation for n, p in inspect.signature(cls.__init__).parameters.items()})
+    return hints
+
+
+def _own_init(cls) -> bool:
+    """The class writes its own ``__init__`` (CriticalKVPress), not the dataclass's."""
+    return "__init__" in cls.__dict__ and "__dataclass_fields__" not in cls.__dict__
 
 
 def _press_types(hint) -> tuple[type, ...]:
-    """The press classes a field accepts (empty for a plain value)."""
+    """The press classes a field accepts, itself or as the elements of a list (empty for a plain value)."""
     base = load().BasePress
-    return tuple(o for o in hint_options(hint) if isinstance(o, type) and issubclass(o, base))
+    options = [typing.get_args(o)[0] if _is_list(o) else o for o in hint_options(hint)]
+    return tuple(o for o in options if isinstance(o, type) and issubclass(o, base))
+
+
+def _is_list(hint) -> bool:
+    return typing.get_origin(hint) in (list, typing.List) and len(typing.get_args(hint)) == 1  # noqa: UP006
+
+
+def parameters(cls) -> dict[str, tuple[typing.Any, typing.Any]]:
+    """``{name: (type, default)}`` of every constructor argument of a press class (its dataclass
+    fields, or its own ``__init__``'s parameters); ``dataclasses.MISSING`` where none is given."""
+    hints = _hints(cls)
+    if _own_init(cls):
+        signature = inspect.signature(cls.__init__)
+        return {
+            name: (hints.get(name, p.annotation), dataclasses.MISSING if p.default is p.empty else p.default)
+            for name, p in list(signature.parameters.items())[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and not name.startswith("_")
+        }
+    return {
+        f.name: (hints.get(f.name, f.type), _default(f))
+        for f in dataclasses.fields(cls)
+        if f.init and not f.name.startswith("_")  # Compactor's own sub-presses are no arguments
+    }
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
 
 
 def fields(cls) -> dict[str, typing.Any]:
-    """``{name: type}`` of a press's dataclass fields."""
+    """``{name: type}`` of what ``press:NAME:key=value`` may set: the press's constructor arguments
+    and its fields set after construction that it reads (``late_fields``)."""
+    return {**{name: hint for name, (hint, _) in parameters(cls).items()}, **late_fields(cls)}
+
+
+def _settable(cls, free: bool) -> dict[str, typing.Any]:
+    """``fields``, with the budget's knobs (init=False ones too) where the budget sets none."""
+    out = fields(cls)
+    if free and dataclasses.is_dataclass(cls):
+        hints = _hints(cls)
+        out.update({f.name: hints.get(f.name, f.type) for f in dataclasses.fields(cls) if f.name in SET_BY_BUDGET})
+    return out
+
+
+def late_fields(cls) -> dict[str, typing.Any]:
+    """``{name: type}`` of the plain fields a press leaves out of its constructor and sets later
+    itself or asks its user to set (FinchPress's ``window_size``, which kvpress derives from a
+    delimiter token): kvscope sets them after construction."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
     hints = _hints(cls)
-    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(cls) if f.init}
+    return {
+        f.name: hints.get(f.name, f.type)
+        for f in dataclasses.fields(cls)
+        if not f.init and not f.name.startswith("_") and f.name not in SET_BY_BUDGET
+        and next((o for o in hint_options(hints.get(f.name, f.type)) if o is not type(None)), None) in (bool, int, float, str)
+    }  # fmt: skip
 
 
-def _parse_value(owner: str, key: str, hint, text: str):
+ASSERTED = {  # a late field a press asserts is set, and what it is
+    "FinchPress": (
+        "window_size",
+        "the question's tokens at the end of the prompt, which kvpress finds by a delimiter token",
+    ),
+}
+
+
+def _parse_value(owner: str, key: str, hint, text: str, free: bool = False):
+    """A press parameter from its text: a press (a tree), a list ``[a,b,…]`` of either, or a plain value."""
+    lists = [o for o in hint_options(hint) if _is_list(o)]
+    if lists and text.startswith("[") and text.endswith("]"):
+        element = typing.get_args(lists[0])[0]
+        items = [t.strip() for t in split_outside_brackets(text[1:-1], ",") if t.strip()]
+        return [_parse_value(owner, key, element, item, free=True) for item in items]
+    if lists and not _press_types(hint) and not hint_options(hint)[0] in (bool, int, float, str):
+        raise KvscopeError(f"press {owner} parameter {key} is a list: write it as [a,b,…]")
     if _press_types(hint):
-        cls = press_class(text)
+        name, *pairs = split_outside_brackets(text, ":")
+        cls = press_class(name.strip())
         if not issubclass(cls, _press_types(hint)):
             allowed = ", ".join(t.__name__ for t in _press_types(hint))
-            raise KvscopeError(f"press {owner} parameter {key} must be a press of kind {allowed} (got {text})")
-        return cls
+            raise KvscopeError(f"press {owner} parameter {key} must be a press of kind {allowed} (got {name})")
+        return route(press_name(cls), tuple(pair(part) for part in pairs), free=free)
     kind = next((o for o in hint_options(hint) if o is not type(None)), hint)
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in map(str, typing.get_args(kind)):
+            allowed = ", ".join(map(str, typing.get_args(kind)))
+            raise KvscopeError(f"press {owner} parameter {key} must be one of {allowed} (got {text!r})")
+        return next(v for v in typing.get_args(kind) if str(v) == text)
+    if kind is typing.Any or isinstance(kind, typing.TypeVar):
+        kind = str
     if kind not in (bool, int, float, str):
         raise KvscopeError(f"press {owner} parameter {key} ({hint}) cannot be given on the command line")
+    if text.lower() == "none" and type(None) in hint_options(hint):
+        return None
     try:
         return parse_text(kind, text)
     except ValueError:
         raise KvscopeError(f"press {owner} parameter {key} must be {kind.__name__} (got {text!r})") from None
 
 
-def route(name: str, options: tuple[tuple[str, str], ...]) -> dict:
+def pair(part: str) -> tuple[str, str]:
+    if "=" not in part:
+        raise KvscopeError(f"press parameter {part!r} must read key=value")
+    key, value = part.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def route(name: str, options: tuple[tuple[str, str], ...], free: bool = False) -> dict:
     """``press`` and ``name=value`` options → a tree ``{"class": cls, "values": {...}}``: each key
     goes to the outermost press that has it (``base`` is kvpress's ``base_press``), a press-typed
-    value opens a nested press."""
+    value opens a nested press (``press=SnapKVPress``, or with its own options in brackets
+    ``presses=[SnapKVPress:window_size=16,ThinKPress]``), a list is ``[a,b,…]``. What β sets is
+    refused as a parameter, except in a list's presses (``free``: the budget sets none of them)."""
     cls = press_class(name)
     tree = {"class": cls, "values": {}}
     nested: list[dict] = []
     for key, text in options:
         key = ALIASES.get(key, key)
-        if key in SET_BY_BUDGET:
-            raise KvscopeError(f"press parameter {key} is set from the budget β (give --budgets instead)")
-        owner = next((node for node in [tree, *nested] if key in fields(node["class"])), None)
+        if key == "asset":
+            raise KvscopeError("asset= is given once, outermost (press:NAME:asset=FOLDER)")
+        owner = next((node for node in [tree, *nested] if key in _settable(node["class"], True)), None)
         if owner is None:
             known = sorted({k for node in [tree, *nested] for k in fields(node["class"])} - set(SET_BY_BUDGET))
             raise KvscopeError(f"press {name} has no parameter {key!r} (has: {', '.join(known) or 'none'})")
-        value = _parse_value(owner["class"].__name__, key, fields(owner["class"])[key], text)
-        if isinstance(value, type):
-            child = {"class": value, "values": {}}
-            owner["values"][key] = child
-            nested.append(child)
-        else:
-            owner["values"][key] = value
+        if key in SET_BY_BUDGET and not free:
+            raise KvscopeError(f"press parameter {key} is set from the budget β (give --budgets instead)")
+        value = _parse_value(owner["class"].__name__, key, _settable(owner["class"], True)[key], text, free)
+        owner["values"][key] = value
+        nested += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, dict)]
     return tree
 
 
@@ -192,25 +262,45 @@ def build(tree: dict):
     """A fresh press object from a ``route`` tree (nested presses first); kvpress's own
     checks (assertions in ``__post_init__``) become one line."""
     cls = tree["class"]
-    values = {k: build(v) if isinstance(v, dict) else v for k, v in tree["values"].items()}
-    for key, hint in fields(cls).items():  # a press that needs a press and got none
-        field = next(f for f in dataclasses.fields(cls) if f.name == key)
-        if key not in values and _press_types(hint) and field.default is dataclasses.MISSING:
-            raise KvscopeError(f"press {cls.__name__} needs {key}=<press> (e.g. {key}=KnormPress)")
+
+    def made(value):
+        if isinstance(value, dict):
+            return build(value)
+        return [made(v) for v in value] if isinstance(value, list) else value
+
+    late = late_fields(cls)
+    values = {k: made(v) for k, v in tree["values"].items() if k not in late}
+    asserted = ASSERTED.get(cls.__name__)
+    if asserted and asserted[0] not in tree["values"]:
+        raise KvscopeError(f"press {cls.__name__} needs {asserted[0]}=N: {asserted[1]}")
+    for key, (hint, default) in parameters(cls).items():  # a press that needs a press and got none
+        none_allowed = type(None) in hint_options(hint)
+        if (
+            key not in values
+            and _press_types(hint)
+            and (default is dataclasses.MISSING or (default is None and not none_allowed))
+        ):
+            example = f"[{_example(hint)},…]" if any(_is_list(o) for o in hint_options(hint)) else _example(hint)
+            raise KvscopeError(f"press {cls.__name__} needs {key}=<press> (e.g. {key}={example})")
+        if key not in values and default is dataclasses.MISSING:
+            raise KvscopeError(f"press {cls.__name__} needs {key}=… ({_spelled_hint(hint)})")
     try:
-        return cls(**values)
+        press = cls(**values)
     except Exception as error:  # noqa: BLE001 - kvpress's own checks (assertions in __post_init__)
         raise KvscopeError(f"press {cls.__name__}: {first_line(error)}") from None
+    for key in late.keys() & tree["values"].keys():
+        setattr(press, key, tree["values"][key])
+    return press
 
 
-def presses_in(press) -> list:
-    """``press`` and every press nested in it."""
-    out = [press]
-    for f in dataclasses.fields(press):
-        value = getattr(press, f.name, None)
-        if isinstance(value, load().BasePress):
-            out += presses_in(value)
-    return out
+def _example(hint) -> str:
+    kinds = _press_types(hint)
+    scorer = load().ScorerPress
+    return "KnormPress" if any(issubclass(scorer, k) or k is scorer for k in kinds) else kinds[0].__name__
+
+
+def _spelled_hint(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 class LayerStandIn:
@@ -227,6 +317,7 @@ class LayerStandIn:
         self.rotary_emb = rotary
         self.is_sliding = False
         self.training = False
+        self.masked_key_indices = None  # as kvpress's attention sets it at every prefill (DMS reads it)
         self.missing: list[str] = []
 
     def __getattr__(self, name: str):
@@ -246,37 +337,6 @@ def config_of(model, attentions: bool) -> SimpleNamespace:
         hidden_size=model.n_heads * model.head_dim,
         _attn_implementation="eager" if attentions else "sdpa",
     )
-
-
-class GatherRecorder:
-    """Records the index of the last ``gather`` along the position dim applied to ``keys``
-    inside the ``with`` block (the positions a press keeps)."""
-
-    def __init__(self, keys):
-        self.keys, self.index = keys, None
-
-    def __enter__(self):
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        recorder = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func in (torch.Tensor.gather, torch.gather) and args and args[0] is recorder.keys:
-                    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                    index = args[2] if len(args) > 2 else kwargs.get("index")
-                    if dim in (2, -2):
-                        recorder.index = index
-                return func(*args, **kwargs)
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
 
 
 class Rotary:
@@ -309,26 +369,34 @@ class Rotary:
         return torch.from_numpy(cos).to(x.dtype).reshape(shape), torch.from_numpy(sin).to(x.dtype).reshape(shape)
 
 
-class PressRunner:
-    """One sequence's press over every layer: the stand-in caches and which positions they hold.
+class NeedsModel(KvscopeError):
+    """A press that reads more of the layer than recorded q, k and v (a projection's weights, the
+    model itself): offline it runs on the trace's own model (``kvscope.policies.press_hooks``)."""
 
-    Driven by the tensors of each forward, from a trace or from a live cache alike:
+
+class PressRunner:
+    """One sequence's press on stand-ins of the attention layers, built from recorded tensors:
+    the stand-in caches and which positions they hold:
 
         prefill(keys, values, queries)      keys, values [layer, kv_head, P, D] float32 tensors,
                                             queries [P, layer, head, D] post-RoPE
         append(position, keys, values)      [layer, kv_head, D]: the decode position enters
         decode(position, queries)           [layer, head, D]: the press's decode hook
 
-    ``rope`` the model's rotary parameters; ``model`` its ``ModelSpec``."""
+    ``rope`` the model's rotary parameters; ``model`` its ``ModelSpec``.
+    A press that reads what the stand-ins do not hold raises ``NeedsModel``. What the press
+    did besides dropping positions is kept: ``rewrites`` (``keys``, ``values``) and ``pruned``
+    ``[layer, kv_head]`` key channels zeroed (ThinK)."""
 
     def __init__(self, press, spec, rope, model):
         import torch
 
-        kvpress = load()
+        from .press_hooks import decodes
+
         self.press, self.spec, self.model = press, spec, model
         self.label = type(press).__name__
         self.attentions = any(type(p).__name__ in NEEDS_ATTENTIONS for p in presses_in(press))
-        self.decodes = isinstance(press, (kvpress.DecodingPress, kvpress.PrefillDecodingPress))
+        self.decodes = decodes(press)
         config = config_of(model, self.attentions)
         rope = rope if rope is not None and rope.usable() else None
         self.n_rot = rope.n_rot if rope is not None else 0
@@ -339,72 +407,19 @@ class PressRunner:
         ]
         self.cache = SimpleNamespace(layers=[SimpleNamespace(keys=None, values=None) for _ in self.modules])
         self.positions: list = [None] * model.n_layers  # per layer [kv_head, n] positions in the cache
+        self.rewrites: set[str] = set()
+        self.pruned = np.zeros((model.n_layers, model.n_kv_heads), dtype=np.int64)
         try:
             press.post_init_from_model(SimpleNamespace(config=config, device=torch.device("cpu")))
         except Exception as error:  # noqa: BLE001 - a press that needs the model itself
-            raise KvscopeError(
-                f"press {self.label} needs the model itself, which kvscope's stand-in layers do not give "
-                f"({first_line(error, named=True)})"
+            raise NeedsModel(
+                f"press {self.label} needs the model itself to be set up ({first_line(error, named=True)})"
             ) from None
 
     def scratch_bytes(self) -> int:
         """Bytes of the stand-in caches the press works on (held between forwards only by
         presses that decode)."""
         return sum(int(t.nbytes) for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None)
-
-    # -- budget ---------------------------------------------------------------------------
-    def fit_budget(self) -> tuple[bool, dict]:
-        """Set the press's compression ratio (or DecodingPress's target size) from the budget
-        (module docstring of ``kvscope.policies.press``); ``(reached, {setting: value})``."""
-        kvpress = load()
-        spec, press = self.spec, self.press
-        cap, p, s = spec.fp_capacity_tokens, spec.prompt_len, spec.decode_steps
-        if isinstance(press, kvpress.DecodingPress):
-            interval = press.compression_interval
-            press.target_size = max(1, cap - interval + 1)
-            return cap - interval + 1 >= 1 and p + interval - 1 <= cap, {"target_size": press.target_size}
-        try:
-            has_ratio = hasattr(press, "compression_ratio")
-        except Exception as error:  # noqa: BLE001 - a ratio only a model forward can tell (DMS, SimLayerKV)
-            raise KvscopeError(
-                f"press {self.label} knows its compression ratio only after a model forward ({first_line(error)}): "
-                "a budget cannot set it"
-            ) from None
-        if not has_ratio:
-            raise KvscopeError(f"press {self.label} has no compression_ratio a budget could set")
-        n = cap - s
-        reached = n >= 1
-        n = max(n, 1)
-        ratio = 0.0 if n >= p else self._ratio_for(n, p)
-        try:
-            press.compression_ratio = ratio
-        except Exception as error:  # noqa: BLE001 - a property that refuses to be set (ThinK)
-            raise KvscopeError(
-                f"press {self.label} takes no compression ratio a budget could set ({first_line(error)})"
-            ) from None
-        return reached, {"compression_ratio": ratio}
-
-    def _ratio_for(self, n: int, p: int) -> float:
-        """The ratio that keeps ``n`` of ``p`` prompt tokens per (layer, kv_head) — for PyramidKV
-        the smallest whose per-layer budgets sum to at most ``L·n`` (bisection)."""
-        from kvpress.utils import compute_n_kept
-
-        kvpress = load()
-        if not isinstance(self.press, kvpress.PyramidKVPress):
-            ratio = 1.0 - (n + 0.5) / p
-            if compute_n_kept(p, ratio) != n:  # pragma: no cover - float rounding guard
-                raise KvscopeError(f"no compression ratio keeps exactly {n} of {p} tokens")
-            return ratio
-
-        def kept(ratio: float) -> int:
-            self.press.compression_ratio = ratio
-            return sum(self.press.get_layer_budget(m, p) for m in self.modules)
-
-        low, high = 0.0, 1.0 - 0.5 / p
-        for _ in range(60):
-            mid = (low + high) / 2
-            low, high = (mid, high) if kept(mid) > n * len(self.modules) else (low, mid)
-        return high
 
     # -- driving ----------------------------------------------------------------------------
     def _queries(self, layer: int, queries, positions):
@@ -482,48 +497,49 @@ class PressRunner:
         return present
 
     def _hook(self, module, hidden, cache_position, attentions) -> None:
-        """kvpress's forward hook of one layer; the positions it keeps follow its gather."""
-        import torch
+        """kvpress's forward hook of one layer; what it kept is read back
+        (``read_back``)."""
+        from .press_hooks import GatherRecorder, _same, read_back
 
-        cache = self.cache.layers[module.layer_idx]
-        before = cache.keys
+        layer = module.layer_idx
+        cache = self.cache.layers[layer]
+        before_k, before_v = cache.keys, cache.values
+        saved_k, saved_v = before_k.clone(), before_v.clone()
         kwargs = {
             "hidden_states": hidden,
             "past_key_values": self.cache,
             "cache_position": cache_position,
             "position_embeddings": module.rotary_emb(hidden, cache_position[None]),
+            "position_ids": cache_position[None],
             "attention_mask": None,
         }
         try:
-            with GatherRecorder(before) as recorder:
+            with GatherRecorder(before_k) as recorder:
                 self.press.forward_hook(module, [], kwargs, (None, attentions))
         except KvscopeError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a press raises on a stand-in becomes one line
             missing = module.__dict__.get("missing")
             if missing:
+                raise NeedsModel(f"press {self.label} reads {missing[-1]!r} of the attention layer") from None
+            if isinstance(error, AssertionError):  # kvpress's own checks say what is wrong
                 raise KvscopeError(
-                    f"press {self.label} reads {missing[-1]!r} of the attention layer, which kvscope does not hold "
-                    "(a trace or a live cache hands a press the layer's q, k and v — not its weights, norms or inputs)"
+                    f"press {self.label} failed on layer {layer} ({first_line(error, named=True)})"
                 ) from None
-            hint = (  # kvpress's own checks are assertions that say what is wrong; anything else is a guess
-                ""
-                if isinstance(error, AssertionError)
-                else "; a press that runs the model itself (extra forward passes) cannot run on kvscope's stand-in layers"
-            )
-            raise KvscopeError(
-                f"press {self.label} failed on layer {module.layer_idx} ({first_line(error, named=True)}){hint}"
+            raise NeedsModel(
+                f"press {self.label} cannot run on recorded q, k, v ({first_line(error, named=True)})"
             ) from None
-        after = cache.keys
-        if after is before:
+        after_k, after_v = cache.keys, cache.values
+        if after_k is before_k and after_v is before_v and _same(after_k, saved_k) and _same(after_v, saved_v):
             return
-        index = recorder.index
-        if index is None or index.shape != after.shape or not torch.equal(after, before.gather(2, index)):
-            raise KvscopeError(
-                f"press {self.label} rewrites the keys it keeps (merging, re-rotating or quantizing them): "
-                "kvscope replays presses that keep or drop positions"
-            )
-        self.positions[module.layer_idx] = self.positions[module.layer_idx].gather(1, index[0, :, :, 0])
+        result = read_back(
+            self.positions[layer], before_k, before_v, saved_k, saved_v, after_k, after_v, recorder.index
+        )
+        self.positions[layer] = result.positions
+        self.rewrites |= {
+            name for name, done in (("keys", result.rewrote_keys), ("values", result.rewrote_values)) if done
+        }
+        self.pruned[layer] = result.channel_counts()
 
     def _present(self, layer: int, length: int) -> np.ndarray:
         """``[kv_head, length]`` positions in the layer's cache and not masked (AdaKV)."""
@@ -535,3 +551,159 @@ class PressRunner:
             _, heads, slots = (t.numpy() for t in masked)
             present[heads, positions[heads, slots]] = False
         return present
+
+
+def catalog() -> dict[str, dict]:
+    """Every press class kvpress exports: its parameters (read from the class) and what β sets."""
+    out = {}
+    for name, cls in sorted(press_classes().items()):
+        rows = [
+            {"name": key, "type": _spelled_hint(hint), "default": None if default is dataclasses.MISSING else repr(default),
+             "required": default is dataclasses.MISSING}
+            for key, (hint, default) in parameters(cls).items()
+        ] + [{"name": key, "type": _spelled_hint(hint), "default": None, "required": ASSERTED.get(name, ("",))[0] == key, "after": True}
+             for key, hint in late_fields(cls).items()]  # fmt: skip
+        out[name] = {"parameters": rows, "budget sets": budget_knob(cls)}
+    return out
+
+
+def budget_knob(cls) -> str:
+    """What β sets on a press of class ``cls`` (``fit_budget``)."""
+    kvpress = load()
+    if issubclass(cls, kvpress.PrefillDecodingPress):
+        return "decoding_press target_size, prefilling_press compression_ratio"
+    if issubclass(cls, kvpress.CompressionRatioDecodingPress):
+        return "target_compression_ratio"
+    if issubclass(cls, kvpress.DecodingPress):
+        return "target_size"
+    if issubclass(cls, kvpress.ThinKPress):
+        return "key_channel_compression_ratio"
+    if cls.__name__ in AS_GIVEN:
+        knob, _, what = AS_GIVEN[cls.__name__]
+        return f"nothing ({what}): give {knob}"
+    return "compression_ratio"
+
+
+# -- what β sets ---------------------------------------------------------------------------------------
+def fit_budget(press, spec, model) -> tuple[bool, dict]:
+    """Set ``press``'s knob from the budget so that the cache after the last step holds ``≤ B``
+    (``kvscope.policies.press``); ``(reached, {setting: value})``. ``spec``: the
+    ``CacheSpec``, ``model``: the ``ModelSpec``.
+    A press whose compression no ratio sets (a threshold, a list of ratios, a chain of presses) runs
+    as its parameters say, reported as not set by β; with none given it is refused."""
+    kvpress = load()
+    cap, p, s = spec.fp_capacity_tokens, spec.prompt_len, spec.decode_steps
+    name = type(press).__name__
+    if isinstance(press, kvpress.PrefillDecodingPress):
+        return _fit_prefill_decoding(press, spec, model)
+    if isinstance(press, kvpress.DecodingPress):
+        interval = press.compression_interval
+        reached = cap - interval + 1 >= 1 and p + interval - 1 <= cap
+        if isinstance(press, kvpress.CompressionRatioDecodingPress):  # keeps (1 − r) of what it has seen
+            ratio = min(max(1 - (cap - interval + 1) / (p + s), 0.0), 1 - 1e-9)
+            press.target_compression_ratio = ratio
+            return reached, {"target_compression_ratio": ratio}
+        press.target_size = max(1, cap - interval + 1)
+        return reached, {"target_size": press.target_size}
+    if isinstance(press, kvpress.ThinKPress):
+        return _fit_channels(press, spec, model)
+    given = AS_GIVEN.get(name)
+    if given is not None:
+        knob, default, what = given
+        if getattr(press, knob) == default:
+            raise KvscopeError(f"press {name} has no ratio a budget can set ({what}): give {knob}=…")
+        return False, {"set by": knob}
+    n = cap - s
+    reached = n >= 1
+    n = max(n, 1)
+    if n >= p:
+        ratio = 0.0
+    elif isinstance(press, GLOBAL_COUNT):
+        units = spec.n_layers * spec.n_kv  # kvpress prunes ⌊units·P·r⌋ across every layer and head
+        ratio = (units * (p - n) + 0.5) / (units * p)
+    else:
+        ratio = _ratio_for(press, model, n, p)
+    try:
+        press.compression_ratio = ratio
+    except Exception as error:  # noqa: BLE001 - a property that refuses to be set
+        raise KvscopeError(
+            f"press {name} takes no compression ratio a budget could set ({first_line(error)})"
+        ) from None
+    return reached, {"compression_ratio": ratio}
+
+
+AS_GIVEN = {  # press → (its own knob, the default that compresses nothing, what decides instead of a ratio)
+    "DMSPress": ("threshold", None, "it evicts by a score threshold"),
+    "SimLayerKVPress": ("lazy_threshold", 1.0, "it keeps whole layers or their ends by a threshold"),
+    "DuoAttentionPress": ("head_compression_ratio", 0.0, "it turns a share of heads into streaming heads"),
+    "PerLayerCompressionPress": ("compression_ratios", None, "each layer's ratio is given"),
+    "ComposedPress": ("presses", None, "its presses compress one after the other"),
+}
+
+
+def _global_count() -> tuple:
+    kvpress = load()
+    return (kvpress.KVzipPress, kvpress.FastKVzipPress, kvpress.KVComposePress)
+
+
+class _GlobalCount:
+    """isinstance() target: presses that prune ⌊numel · r⌋ positions over every layer and head."""
+
+    def __instancecheck__(self, obj) -> bool:
+        return isinstance(obj, _global_count())
+
+
+GLOBAL_COUNT = _GlobalCount()
+
+
+def _fit_prefill_decoding(press, spec, model) -> tuple[bool, dict]:
+    """PrefillDecodingPress: the decoding press as DecodingPress (its target), and the prefilling
+    press keeps at most that target of the prompt (the cache grows by ``compression_interval − 1``
+    between compressions either way)."""
+    decoding, prefilling = press.decoding_press, press.prefilling_press
+    if decoding is None:
+        return fit_budget(prefilling, spec, model) if prefilling is not None else (False, {})
+    reached, setting = fit_budget(decoding, spec, model)
+    if prefilling is not None:
+        n, p = max(1, spec.fp_capacity_tokens - decoding.compression_interval + 1), spec.prompt_len
+        prefilling.compression_ratio = 0.0 if n >= p else _ratio_for(prefilling, model, n, p)
+        setting["prefilling compression_ratio"] = prefilling.compression_ratio
+        reached = reached or spec.fp_capacity_tokens - decoding.compression_interval + 1 >= 1
+    return reached, setting
+
+
+def _fit_channels(press, spec, model) -> tuple[bool, dict]:
+    """ThinK prunes ``m`` of the ``D`` key channels of every prompt position: a prompt token then
+    costs ``(2D − m)/(2D)`` of a full one; ``m`` is the fewest that fit."""
+    d = model.head_dim
+    p, s = spec.prompt_len, spec.decode_steps
+    room = np.min(np.asarray(spec.capacity)) / spec.fp_bytes  # tokens of full size one unit may hold
+    needed = int(np.ceil(max(0.0, (p + s - room) * 2 * d / p) - 1e-9)) if p else 0
+    m = min(needed, d)
+    press.key_channel_compression_ratio = (m + 0.5) / d if m else 0.0
+    return needed <= d, {"key_channel_compression_ratio": press.key_channel_compression_ratio, "channels": m}
+
+
+def _ratio_for(press, model, n: int, p: int) -> float:
+    """The ratio that keeps ``n`` of ``p`` prompt tokens per (layer, kv_head) — for PyramidKV
+    the smallest whose per-layer budgets sum to at most ``L·n`` (bisection)."""
+    from kvpress.utils import compute_n_kept
+
+    kvpress = load()
+    if not isinstance(press, kvpress.PyramidKVPress):
+        ratio = 1.0 - (n + 0.5) / p
+        if compute_n_kept(p, ratio) != n:  # pragma: no cover - float rounding guard
+            raise KvscopeError(f"no compression ratio keeps exactly {n} of {p} tokens")
+        return ratio
+    config = config_of(model, False)
+    modules = [LayerStandIn(config, layer, model.head_dim, None) for layer in range(model.n_layers)]
+
+    def kept(ratio: float) -> int:
+        press.compression_ratio = ratio
+        return sum(press.get_layer_budget(m, p) for m in modules)
+
+    low, high = 0.0, 1.0 - 0.5 / p
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if kept(mid) > n * len(modules) else (low, mid)
+    return high

@@ -1,26 +1,41 @@
-"""``press:Name[:key=value…]``: a press of NVIDIA kvpress, replayed on recorded q/k/v.
+"""``press:Name[:key=value…]``: a press of NVIDIA kvpress, run by kvpress's own classes.
 
     press:KnormPress                         kvpress's KnormPress
     press:SnapKVPress:window_size=64         a parameter of the press (kvpress's field names)
     press:DecodingPress:base=KnormPress:compression_interval=16
     press:AdaKVPress:press=SnapKVPress       a press wrapping a scorer
+    press:ComposedPress:presses=[SnapKVPress:compression_ratio=0.5,ThinKPress:key_channel_compression_ratio=0.5]
+    press:PerLayerCompressionPress:press=KnormPress:compression_ratios=[0.1,0.5,…]
+    press:QFilterPress:asset=FOLDER          a learned asset from a local folder (``press_assets``)
 
-The press classes are kvpress's own (``kvscope.policies.kvpress_bridge`` drives them on
-stand-ins of the attention layers). The budget sets what kvpress takes as a compression
-ratio, so that a press holds the same bytes as every other policy at the same β:
+Where a press runs ([presses](concepts.md#presses)):
+
+    live      the press's own forward hook on the model's own attention modules, with its protocol
+              (``kvscope.policies.press_hooks``); the live cache serves what the press left
+    offline   a press that reads only q, k, v on stand-ins of the layers built from the recording
+              (``kvscope.policies.kvpress_bridge``); one that reads more (a projection's weights,
+              the model itself) on the trace's own model, its prefill run once per sample
+              (``PrefillCapture``)
+
+The budget sets the press's knob so that a press holds the same bytes as every other policy at
+the same β (``fit_budget``):
 
     prompt presses    n = ⌊B / FP_bytes⌋ − S kept prompt tokens per (layer, kv_head) (every
                       decode token still fits at the final length, as for ``snapkv``);
                       compression_ratio r with kvpress's compute_n_kept(P, r) = n (PyramidKV:
-                      the smallest r whose per-layer budgets sum to at most L·n)
+                      the smallest r whose per-layer budgets sum to at most L·n; KVzip, KVgrad:
+                      ⌊L·H·P·r⌋ pruned over all layers and heads = L·H·(P − n))
     DecodingPress     target_size = ⌊B / FP_bytes⌋ − compression_interval + 1 (the cache grows
                       by compression_interval − 1 tokens between compressions); the prompt is
                       not compressed, so P + compression_interval − 1 must fit as well
+    ThinKPress        m pruned key channels of every prompt token (a prompt token costs
+                      (2D − m)/2D of a full one), the fewest that fit
+    as given          DMS (threshold), SimLayerKV, DuoAttention, PerLayerCompression, Composed:
+                      no ratio sets them; they run as their parameters say, not set by β
 
 A budget the press cannot reach (the decode tokens alone exceed it, or the prompt for
-DecodingPress) runs at its smallest setting and is reported as not reached. Presses that move
-budget between heads or layers (AdaKV, PyramidKV) are checked on the total bytes of all
-layers and heads, the others per (layer, kv_head) as well.
+DecodingPress) runs at its smallest setting and is reported as not reached. Presses are checked on
+the total bytes of all layers and heads (they may move budget between heads or layers).
 """
 
 from __future__ import annotations
@@ -35,10 +50,20 @@ from . import kvpress_bridge as bridge
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from ..model.rope import Rope
     from ..model.spec import ModelSpec
+    from .press_hooks import PrefillCapture, PressHooks
 
 REHEARSAL_PROMPT = 128  # tokens (at least) of the random prompt a press is tried on before it runs live
+NOTES = {  # what a position-level metric means for a press that rewrites what it keeps
+    "channels": "prunes key channels, not positions: FMM and churn see every position kept; "
+    "its error is in attn L1 and out err of forced replay",
+    "keys": "re-rotates the keys it keeps: FMM and churn count the positions it dropped, "
+    "not how the kept ones now attend",
+    "values": "merges the values it drops into those it keeps: FMM counts the dropped positions as lost",
+}
 
 
 def _options(options) -> tuple[tuple[str, str], ...]:
@@ -54,6 +79,8 @@ def _options(options) -> tuple[tuple[str, str], ...]:
             if isinstance(value, type)
             else str(value).lower()
             if isinstance(value, bool)
+            else "[" + ",".join(map(str, value)) + "]"
+            if isinstance(value, (list, tuple))
             else str(value)
         )
         out.append((str(key), text))
@@ -62,12 +89,14 @@ def _options(options) -> tuple[tuple[str, str], ...]:
 
 @dataclass
 class Press(Policy):
-    """A press of NVIDIA kvpress, driven on stand-ins of the attention layers at the same bytes
-    as every other policy (the module docstring); it needs recorded q/k/v offline.
+    """A press of NVIDIA kvpress at the same bytes as every other policy (the module docstring):
+    live on the model's own attention modules, offline on the recorded q/k/v or, where it reads
+    more, on the trace's own model.
 
     Attributes:
         press: kvpress's class name (``SnapKVPress``), or a dotted path to a press of one's own.
-        options: ``((key, text), …)`` the press's own fields, in the order given.
+        options: ``((key, text), …)`` the press's own arguments, in the order given (``asset``: a
+            local folder of its learned asset).
     """
 
     press: str = "KnormPress"
@@ -75,14 +104,21 @@ class Press(Policy):
 
     name = "press"
     kind = "kvpress"
-    observes_prefill = True
-    reads_queries: ClassVar[bool] = True
+    reads_queries: ClassVar[bool] = True  # offline: recorded q/k/v (or the trace's model)
     splits_itself: ClassVar[bool] = True
+    live_hooks: ClassVar[bool] = True  # live: the press's hook on the model's own modules
 
     def __post_init__(self):
         super().__post_init__()
         self.options = _options(self.options)
-        self._tree = bridge.route(self.press, self.options)
+        assets = [v for k, v in self.options if k == "asset"]
+        self.asset = assets[-1] if assets else None
+        self._tree = bridge.route(self.press, tuple((k, v) for k, v in self.options if k != "asset"))
+        kvpress = bridge.load()
+        if self._tree["class"] in (kvpress.BasePress, kvpress.ScorerPress):
+            raise KvscopeError(
+                f"press {self.press} is kvpress's base class, not a press: subclass it (a ScorerPress with a score)"
+            )
         bridge.build(self._tree)  # kvpress's own checks, now
 
     @classmethod
@@ -94,13 +130,7 @@ class Press(Policy):
         """
         if not parts or "=" in parts[0] or not parts[0]:
             raise KvscopeError("a press policy reads press:<PressClass>[:key=value…] (e.g. press:KnormPress)")
-        pairs = []
-        for part in parts[1:]:
-            if "=" not in part:
-                raise KvscopeError(f"press parameter {part!r} must read key=value")
-            key, value = part.split("=", 1)
-            pairs.append((key.strip(), value.strip()))
-        return cls(parts[0].strip(), tuple(pairs))
+        return cls(parts[0].strip(), tuple(bridge.pair(part) for part in parts[1:]))
 
     def label(self) -> str:
         return ":".join(["press", self.press, *(f"{k}={v}" for k, v in self.options)])
@@ -113,33 +143,44 @@ class Press(Policy):
         """A fresh kvpress object (presses keep per-sequence state, e.g. DecodingPress's buffers)."""
         return bridge.build(self._tree)
 
-    def check_live(self, model: ModelSpec, rope: Rope | None = None) -> None:
-        """Rehearse the press on random tensors of ``model``'s geometry — a prompt of
-        ``REHEARSAL_PROMPT`` tokens (twice the press's largest integer parameter, if more: a
-        window must fit) and a decode step, as a live cache feeds them — so that a press that
-        fails on kvscope's stand-in layers (it reads a projection's weights, runs the model
-        itself) is refused in one line before anything is decoded.
+    @property
+    def attentions(self) -> bool:
+        """The press reads the layer's attention weights."""
+        return any(type(p).__name__ in bridge.NEEDS_ATTENTIONS for p in bridge.presses_in(self.make_press()))
+
+    @property
+    def renumbers(self) -> bool:
+        """The press numbers the continuation from the rows it keeps (KeyRerotation, Finch)."""
+        from .press_hooks import rerotates
+
+        return rerotates(self.make_press())
+
+    def needs_model(self, model: ModelSpec, rope: Rope | None = None) -> str | None:
+        """Why the press needs the model itself offline (None: recorded q, k, v suffice): its
+        protocol runs the model, or it fails on stand-ins built from q, k, v for what they lack
+        (rehearsed once on random tensors of the model's geometry).
 
         Args:
             model: The model's geometry.
             rope: Its rotary parameters.
         """
-        import torch
+        key = (self.label(), model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim)
+        if key not in _NEEDS_MODEL:
+            _NEEDS_MODEL[key] = _needs_model(self, model, rope)
+        return _NEEDS_MODEL[key]
 
-        sizes = [int(v) for _, v in self.options if v.lstrip("-").isdigit()]
-        p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
-        spec = CacheSpec(model.n_layers, model.n_kv_heads, model.head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
-        state = self.start(spec, rope=rope, model=model)
-        generator = torch.Generator().manual_seed(0)
-        shape = (model.n_layers, model.n_kv_heads, p + 1, model.head_dim)
-        k, v = (torch.randn(shape, generator=generator) for _ in range(2))
-        q = torch.randn((p + 1, model.n_layers, model.n_heads, model.head_dim), generator=generator).numpy()
-        state.feed(k[:, :, :p], v[:, :, :p], q[:p])
-        state.prefill(np.zeros((*shape[:2], p)), None)
-        state.append(p)
-        if state.reads_forward(prefill=False):
-            state.feed(k[:, :, p:], v[:, :, p:], q[p:])
-        state.compress()
+    def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded: PreTrainedModel | None = None) -> None:
+        """Refuse in one line, before anything is decoded, a press that cannot run on the model:
+        its prefill under the press is rehearsed once on a random prompt of ``REHEARSAL_PROMPT``
+        tokens (twice the press's largest integer parameter, if more: a window must fit).
+
+        Args:
+            model: The model's geometry.
+            rope: Its rotary parameters.
+            loaded: The transformers model the press runs on (None: nothing to rehearse).
+        """
+        if loaded is not None:
+            _rehearse_live(self, loaded, model)
 
     def start(
         self,
@@ -149,77 +190,220 @@ class Press(Policy):
         rope: Rope | None = None,
         q: np.ndarray | None = None,
         model: ModelSpec | None = None,
+        *,
+        capture: PrefillCapture | None = None,
+        hooks: PressHooks | None = None,
     ) -> CacheState:
-        """The press's state for one sequence. Offline it reads the recorded ``k``, ``v``, ``q``;
-        live (none of them) the cache feeds each forward's tensors (``_PressState.feed``).
+        """The press's state for one sequence.
 
         Args:
             spec: The cache's geometry and budget.
-            k: Recorded keys ``[layer, kv_head, pos, D]`` (post-RoPE).
+            k: Recorded keys ``[layer, kv_head, pos, D]`` (post-RoPE): the press on stand-ins.
             v: Recorded values ``[layer, kv_head, pos, D]``.
             rope: Rotary parameters.
             q: Recorded queries ``[qpos, layer, head, D]`` (post-RoPE).
             model: The model's geometry (required).
+            capture: Offline on the trace's model: the sample's prompt prefilled
+                (``kvscope.policies.press_hooks.PrefillCapture``).
+            hooks: Live: the press's hook on the model (``PressHooks``), whose decisions the
+                cache hands to the state.
         """
-        if model is None or (any(x is None for x in (k, v, q)) and any(x is not None for x in (k, v, q))):
+        if model is None:
+            raise KvscopeError(f"{self.label()} needs the model's geometry")
+        press = self.make_press()
+        if capture is not None or hooks is not None:
+            return _PressState(self, spec, press, model, capture=capture, hooks=hooks)
+        if any(x is None for x in (k, v, q)):
             raise KvscopeError(f"{self.label()} needs recorded q/k/v (trace with --record qkv)")
-        recorded = None
-        if k is not None:
-            import torch
+        import torch
 
-            k, v = (torch.as_tensor(x).float() for x in (k, v))  # no copy of float32 tensors (replay shares them)
-            recorded = (k, v, q)
-        runner = bridge.PressRunner(self.make_press(), spec, rope, model)
-        return _PressState(self, spec, runner, recorded)
+        k, v = (torch.as_tensor(x).float() for x in (k, v))  # no copy of float32 tensors (replay shares them)
+        runner = bridge.PressRunner(press, spec, rope, model)
+        return _PressState(self, spec, press, model, runner=runner, recorded=(k, v, q))
+
+    def hooks(self, loaded: PreTrainedModel, model: ModelSpec) -> PressHooks:
+        """The press's hook on the attention modules of a model, installed, for a live cache.
+
+        Args:
+            loaded: The transformers model.
+            model: Its geometry.
+        """
+        from .press_hooks import PressHooks, post_init
+
+        press = self.make_press()
+        post_init(press, loaded, self.asset)
+        return PressHooks(loaded, press, model, self.attentions).install()
+
+
+_NEEDS_MODEL: dict = {}
+
+
+def _needs_model(policy: Press, model, rope) -> str | None:
+    import torch
+
+    from .press_hooks import runs_the_model
+
+    n_layers, n_heads, n_kv, head_dim = model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim
+    press = policy.make_press()
+    if runs_the_model(press):
+        return f"press {policy.press} runs the model itself"
+    sizes = [int(v) for _, v in policy.options if v.lstrip("-").isdigit()]
+    p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
+    spec = CacheSpec(n_layers, n_kv, head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
+    generator = torch.Generator().manual_seed(0)
+    shape = (n_layers, n_kv, p + 1, head_dim)
+    k, v = (torch.randn(shape, generator=generator) for _ in range(2))
+    q = torch.randn((p + 1, n_layers, n_heads, head_dim), generator=generator).numpy()
+    try:
+        state = policy.start(spec, k, v, rope, q, model)
+        state.prefill(np.zeros((n_layers, n_kv, p)), None)
+        state.append(p)
+        state.compress()
+    except bridge.NeedsModel as reason:
+        return str(reason)
+    return None
+
+
+_REHEARSED: dict = {}
+
+
+def _rehearse_live(policy: Press, loaded, model) -> None:
+    """A prefill of a random prompt under the press on the real model (once per press and model)."""
+    key = (policy.label(), id(loaded))
+    if key in _REHEARSED:
+        return
+    import torch
+
+    from .press_hooks import PrefillCapture
+
+    sizes = [int(v) for _, v in policy.options if v.lstrip("-").isdigit()]
+    p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
+    ids = torch.randint(0, int(loaded.config.vocab_size), (p,), generator=torch.Generator().manual_seed(0)).tolist()
+    press = policy.make_press()
+    spec = CacheSpec(model.n_layers, model.n_kv_heads, model.head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
+    bridge.fit_budget(press, spec, model)
+    PrefillCapture(loaded, ids, model).decide(press, policy.attentions, policy.asset)
+    _REHEARSED[key] = True
 
 
 class _PressState(CacheState):
-    """Tiers follow the positions the press keeps in each layer's stand-in cache. The press
-    reads each forward's q/k/v: sliced from a recording, or fed by a live cache
-    (``feed``) right before the state decides."""
+    """Tiers follow the positions the press holds: from its hook on stand-ins fed a recording
+    (``runner``), from a prefill of the trace's model (``capture``), or from its hook on the live
+    model (``hooks``, decisions handed over by ``take``).
 
-    def __init__(self, policy: Press, spec: CacheSpec, runner, recorded=None):
+    ``pruned [layer, kv_head]``: key channels the press zeroed at the prompt's positions (ThinK;
+    their bytes are freed); ``rewrites``: what it changed in what it kept (``keys``, ``values``,
+    ``channels``)."""
+
+    def __init__(
+        self, policy: Press, spec: CacheSpec, press, model, *, runner=None, recorded=None, capture=None, hooks=None
+    ):
         super().__init__(policy, spec)
-        self.runner = runner
-        self.recorded = recorded  # (k [layer, kv_head, pos, D], v, q [qpos, layer, head, D]) or None: live
-        self.fed = None
+        self.press, self.model = press, model
+        self.runner, self.recorded, self.capture, self.hooks = runner, recorded, capture, hooks
         self.pooled = True
-        self.reached, self.setting = runner.fit_budget()
+        self.reached, self.setting = bridge.fit_budget(hooks.press if hooks is not None else press, spec, model)
+        self.pruned = np.zeros((spec.n_layers, spec.n_kv), dtype=np.int64)
+        self.rewrites: set[str] = set()
+        self.pressed = None  # the PressedCache of an offline prefill on the model
+        self.fed = None
+        self._taken: dict = {}
+
+    @property
+    def decodes(self) -> bool:
+        from .press_hooks import decodes
+
+        return decodes(self.hooks.press if self.hooks is not None else self.press)
 
     def reads_forward(self, prefill: bool) -> bool:
-        """Whether the forward (the prompt's, or a decode step's) must be fed to ``feed``."""
-        return prefill or self.runner.decodes
+        """Whether the forward (the prompt's, or a decode step's) must be fed to ``feed``
+        (stand-ins driven by a live cache's tensors: none since presses run on the model live)."""
+        return False
 
-    def feed(self, keys, values, queries) -> None:
-        """A live forward's tensors: ``keys, values [layer, kv_head, n, D]`` float32 tensors and
-        ``queries [n, layer, head, D]`` (post-RoPE) of its ``n`` new positions."""
-        self.fed = (keys, values, queries)
+    def take(self, decided: dict) -> None:
+        """A live forward's decisions: ``{layer: PressedLayer}`` (``PressHooks.take``)."""
+        self._taken.update(decided)
 
     def scratch_bytes(self) -> int:
-        return self.runner.scratch_bytes()
+        return self.runner.scratch_bytes() if self.runner is not None else 0
 
     def _forward(self, start: int, stop: int):
-        """``keys, values [layer, kv_head, n, D]``, ``queries [n, layer, head, D]`` of positions
-        ``start … stop − 1``."""
-        if self.recorded is not None:
-            k, v, q = self.recorded
-            return k[:, :, start:stop], v[:, :, start:stop], q[start:stop]
-        fed, self.fed = self.fed, None
-        if fed is None or fed[0].shape[2] != stop - start:
-            raise RuntimeError("a live press state reads the tensors of each forward it decides on (feed)")
-        return fed
+        """Recorded ``keys, values [layer, kv_head, n, D]``, ``queries [n, layer, head, D]`` of
+        positions ``start … stop − 1``."""
+        k, v, q = self.recorded
+        return k[:, :, start:stop], v[:, :, start:stop], q[start:stop]
 
     def after_prefill(self, colsum, tail) -> None:
-        self._evict_absent(self.runner.prefill(*self._forward(0, self.length)))
+        p = self.length
+        if self.runner is not None:
+            present = self.runner.prefill(*self._forward(0, p))
+            self._note(self.runner.rewrites, self.runner.pruned)
+        elif self.capture is not None:
+            self.pressed = self.capture.decide(self.press, self.policy.attentions, self.policy.asset)
+            present = self.pressed.held(p)
+            layers = self.pressed.layers
+            self._note(_rewrites(layers), self.pressed.channel_counts())
+        else:
+            present = self._taken_present(p)
+        self._evict_absent(present)
 
     def compress(self) -> None:
-        if self.runner.decodes:
+        if self.runner is not None and self.runner.decodes:
             position = self.length - 1
             keys, values, queries = self._forward(position, self.length)
             self.runner.append(position, keys[:, :, 0], values[:, :, 0])
             self._evict_absent(self.runner.decode(position, queries[0]))
+            self._note(self.runner.rewrites, None)
+        elif self.hooks is not None and self._taken:
+            self._evict_absent(self._taken_present(self.length))
+
+    def _taken_present(self, length: int) -> np.ndarray:
+        """``[layer, kv_head, length]`` what the live press holds after the decisions taken (a layer
+        it did not touch holds what it held)."""
+        present = self.tiers[..., :length] >= FP
+        layers = self._taken
+        self._taken = {}
+        for layer, result in layers.items():
+            present[layer] = result.held(length)
+        self._note(_rewrites(layers.values()), None)
+        for layer, result in layers.items():
+            if result.pruned_channels is not None:
+                self.pruned[layer] = result.channel_counts()
+        return present
+
+    def _note(self, rewrites, pruned) -> None:
+        self.rewrites |= set(rewrites)
+        if pruned is not None and np.any(pruned):
+            self.pruned = np.asarray(pruned, dtype=np.int64)
+            self.rewrites.add("channels")
+        if self.rewrites:
+            self.setting["rewrites"] = ",".join(sorted(self.rewrites))  # a note (``notes``), not a number
 
     def _evict_absent(self, present: np.ndarray) -> None:
         """``present [layer, kv_head, length]``: what the press still holds; the rest is evicted."""
         view = self.tiers[..., : self.length]
         view[(view == FP) & ~present] = EVICTED
+
+    def bytes_used(self) -> np.ndarray:
+        """The byte model's, less the key channels pruned at the prompt positions still held."""
+        used = super().bytes_used()
+        if not self.pruned.any():
+            return used
+        p = self.spec.prompt_len
+        held = (self.tiers[..., : min(p, self.length)] == FP).sum(-1)  # [layer, kv_head]
+        return used - held * self.pruned * self.spec.fp_itemsize
+
+
+def _rewrites(layers) -> set[str]:
+    out = set()
+    for layer in layers:
+        if layer.rewrote_keys:
+            out.add("keys")
+        if layer.rewrote_values:
+            out.add("values")
+    return out
+
+
+def notes(rewrites: str) -> str:
+    """What FMM and churn mean for a press that rewrote ``rewrites`` (``keys,values,channels``)."""
+    return "; ".join(NOTES[what] for what in ("channels", "keys", "values") if what in rewrites.split(","))

@@ -129,6 +129,9 @@ class ReplaySetup:
         validate: Every policy invariant is checked at every step.
         kv_itemsize: Bytes per full-precision K/V element in the byte model.
         source: The trace's path (a dask worker opens it there).
+        model_presses: Labels of the presses that run on the trace's own model (they read more
+            than q, k, v; ``kvscope.replay.presses``).
+        press_model: Where that model is (``kvscope.replay.presses.TraceModel``), or None.
     """
 
     ds: xr.Dataset
@@ -144,6 +147,8 @@ class ReplaySetup:
     validate: bool
     kv_itemsize: int
     source: str | None = None
+    model_presses: frozenset = frozenset()  # labels of the presses that run on the trace's own model
+    press_model: object = None  # replay.presses.TraceModel: where that model is
 
     @classmethod
     def of(
@@ -213,10 +218,25 @@ class ReplaySetup:
         needs_qkv = [a.label() for a in allocations if a.needs_qkv]
         if needs_qkv and not acc.has_qkv:
             raise KvscopeError(f"the {needs_qkv[0]} allocation needs recorded q/k/v (trace with --record qkv)")
-        return cls(
+        setup = cls(
             ds, policies, allocations, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
             with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize, source=source,
         )  # fmt: skip
+        return setup.with_press_model()
+
+    def with_press_model(self) -> ReplaySetup:
+        """The presses that need the trace's own model found, and the model checked to be there
+        (:mod:`kvscope.replay.presses`)."""
+        from dataclasses import replace
+
+        from .presses import TraceModel, model_presses
+
+        needing = model_presses(self)
+        if not needing:
+            return self
+        label = self.policies[next(iter(needing))].label()
+        where = TraceModel.of(self.ds, self.source or "the trace", label)
+        return replace(self, model_presses=frozenset(self.policies[i].label() for i in needing), press_model=where)
 
     @property
     def horizons(self) -> list[int]:

@@ -339,7 +339,21 @@ def _press_settings(setup, settings: dict) -> str:
     for (pi, _ai, bi, s), setting in sorted(settings.items()):
         per_budget = out.setdefault(setup.policies[pi].label(), {}).setdefault(f"{setup.budgets[bi]:g}", {})
         for key, value in setting.items():
-            per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
+            if not isinstance(value, str):  # a note (what rewrote, what sets it): not a number to average
+                per_budget.setdefault(key, [None] * setup.n_samples)[s] = value
+    return json.dumps(out)
+
+
+def _press_notes(setup, settings: dict) -> str:
+    """JSON ``{policy label: note}``: for each press that rewrote what it kept, what its
+    position-level metrics (FMM, churn) mean, and why its attn L1 and out err are not given
+    (the recording holds the keys and values as computed, not as the press left them)."""
+    from ..policies.press import notes
+
+    out = {}
+    for (pi, _ai, _bi, _s), setting in sorted(settings.items()):
+        if setting.get("rewrites"):
+            out[setup.policies[pi].label()] = notes(setting["rewrites"])
     return json.dumps(out)
 
 

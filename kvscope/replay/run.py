@@ -25,7 +25,7 @@ from ..errors import KvscopeError
 from . import result as _result
 from .check import open_result
 from .plan import ReplaySetup, _block, _processes, plan
-from .result import Outputs, _attrs, _press_settings
+from .result import Outputs, _attrs, _press_notes, _press_settings
 from .store import TierStore, result_folder, write_variables
 from .tasks import oracle_splits, probe, replay_piece
 
@@ -153,6 +153,7 @@ def replay(
         result.attrs["replay_workers"] = ran_on
         if outputs.settings:
             result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
+            result.attrs["press_notes"] = _press_notes(setup, outputs.settings)
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result

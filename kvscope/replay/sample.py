@@ -100,7 +100,14 @@ class SampleReplay:
         self.reader = SampleReader(setup.ds, s, setup.group)
         r = self.reader
         self.colsum, self.tail = r.prefill()
-        presses = any(policy.reads_queries for policy in setup.policies)
+        on_model = [p for p in setup.policies if p.label() in setup.model_presses]
+        self.capture = None  # the sample's prefill on the trace's model (presses that need it)
+        if on_model:
+            from .presses import capture
+
+            index = int(setup.ds["sample"].values[s]) if "sample" in setup.ds.coords else s
+            self.capture = capture(setup, s, index)
+        presses = any(policy.reads_queries and policy not in on_model for policy in setup.policies)
         self.kv = self.kv32 = self.queries = None
         if presses:
             self.queries = r.queries()  # [pos, layer, head, D] (kvpress presses)
@@ -121,7 +128,9 @@ class SampleReplay:
         values_needed = policy.quantizes and (st.with_errors or st.observe == "exact")
         k, v = self.kv if values_needed else (None, None)
         recorded = {}
-        if policy.reads_queries:  # presses: the float32 K/V every run of this sample shares
+        if policy.label() in st.model_presses:  # a press on the trace's model: its prefill, captured once
+            k, v, recorded = None, None, {"model": st.ds.kvscope.model, "capture": self.capture}
+        elif policy.reads_queries:  # presses: the float32 K/V every run of this sample shares
             (k, v), recorded = self.kv32, {"q": self.queries, "model": st.ds.kvscope.model}
         state = policy.start(self.spec(budget), k, v, st.rope, **recorded)
         pi, rest = divmod(gi, len(st.allocations) * len(st.budgets))
@@ -245,7 +254,7 @@ class SampleReplay:
         exact = self.setup.observe == "exact"
         batched = [
             run for run in self.runs
-            if not (exact and run.driver.policy.observes) and only_evicted(run.state, qpos + 1)
+            if not (exact and run.driver.policy.observes) and only_evicted(run.state, qpos + 1) and not _rewrites(run)
         ]  # fmt: skip
         if not batched:
             return
@@ -259,7 +268,7 @@ class SampleReplay:
         """This step compares ``run`` with full KV: its errors after an event, or its exact row
         (observe=exact, a policy that observes)."""
         setup = self.setup
-        errors = setup.with_errors and error_event is not None
+        errors = setup.with_errors and error_event is not None and not _rewrites(run)
         return errors or (setup.observe == "exact" and run.driver.policy.observes)
 
     def _reference(self, t: int, error_event: int | None):
@@ -282,3 +291,9 @@ class SampleReplay:
             run.record.l1[inputs.error_event] = l1
             run.record.out[inputs.error_event] = out_err
         return row
+
+
+def _rewrites(run: Run) -> bool:
+    """The run's press rewrote what it kept (re-rotated or merged, channel-pruned): its errors need
+    the press's own cache, which the recording does not hold (forced replay serves it)."""
+    return bool(getattr(run.state, "rewrites", None))
