@@ -230,9 +230,8 @@ def prefill_writes(batch, recorder, layout: Layout, lens, pad, dtype) -> Block:
     L, T, obs = layout.n_layers, layout.n_pos, layout.obs_window
     caps = [recorder.layers[layer] for layer in range(L)]
     colsum = torch.stack([c.colsum for c in caps], 1).cpu().numpy()  # [B, layer, Hs, p_max]
-    tail = torch.stack([c.tail for c in caps], 1)  # [B, layer, Hs, obs, p_max] float32, on the device
     if layout.learned_sinks:  # the shares from the float32 rows
-        shares = 1 - tail.float().sum(-1).clamp_(max=1).cpu().numpy()
+        shares = 1 - torch.stack([c.tail.sum(-1) for c in caps], 1).clamp_(max=1).cpu().numpy()  # [B, layer, Hs, obs]
     block = Block()
     for i, s in enumerate(batch):
         P = lens[i]
@@ -240,7 +239,8 @@ def prefill_writes(batch, recorder, layout: Layout, lens, pad, dtype) -> Block:
         cs[0, :, :, :P] = colsum[i, :, :, :P]
         qpos = np.arange(P - obs, P, dtype=np.int32)
         block.writes.append(("prefill_colsum", (slice(s, s + 1),), cs))
-        block.writes.append(("prefill_tail", (slice(s, s + 1),), _stored_tail(tail[i], P, T, dtype)[None]))
+        tails = [c.tail[i] for c in caps]  # [Hs, obs, p_max] float32 per layer, on the device
+        block.writes.append(("prefill_tail", (slice(s, s + 1),), _stored_tail(tails, P, T, dtype)[None]))
         block.writes.append(("prefill_tail_qpos", (slice(s, s + 1),), np.where(qpos >= 0, qpos, -1)[None]))
         if layout.learned_sinks:
             _sink_shares(block, s, P, colsum[i], shares[i])
@@ -256,15 +256,18 @@ def prefill_writes(batch, recorder, layout: Layout, lens, pad, dtype) -> Block:
     return block
 
 
-def _stored_tail(tail: torch.Tensor, P: int, n_pos: int, dtype) -> np.ndarray:
-    """A prompt's tail rows ``tail [layer, Hs, obs, ≥ P]`` (float32, by position) as stored:
+def _stored_tail(tails: list[torch.Tensor], P: int, n_pos: int, dtype) -> np.ndarray:
+    """A prompt's tail rows, ``tails[layer] [Hs, obs, ≥ P]`` (float32, by position), as stored:
     ``[layer, Hs, obs, n_pos]`` in ``dtype``, row ``o`` (query ``P − obs + o``) NaN beyond its
-    query and all NaN where that query is before the prompt."""
-    obs = tail.shape[2]
-    out = torch.full((*tail.shape[:3], n_pos), float("nan"), dtype=_torch_dtype(dtype), device=tail.device)
-    out[..., :P] = tail[..., :P]
-    qpos = torch.arange(P - obs, P, device=tail.device)
-    out.masked_fill_(torch.arange(n_pos, device=tail.device)[None, :] > qpos[:, None], float("nan"))  # [obs, n_pos]
+    query and all NaN where that query is before the prompt; made on the device layer by layer
+    (no float32 copy of every layer's rows at once)."""
+    Hs, obs, device = tails[0].shape[0], tails[0].shape[1], tails[0].device
+    out = torch.empty((len(tails), Hs, obs, n_pos), dtype=_torch_dtype(dtype), device=device)
+    for layer, tail in enumerate(tails):
+        out[layer, ..., :P] = tail[..., :P]
+    out[..., P:] = float("nan")
+    qpos = torch.arange(P - obs, P, device=device)
+    out[..., :P].masked_fill_(torch.arange(P, device=device)[None, :] > qpos[:, None], float("nan"))  # [obs, P]
     return out.cpu().numpy()
 
 
