@@ -4,6 +4,7 @@
 # is tested on (kvscope.model.spec.TRANSFORMERS_TESTED; an older one is refused), with its needs.
 #   .gpu/whl/        wheels for CPython 3.12 on x86-64
 #   .gpu/tokenizer/  the default model's tokenizer (the check builds random-weight models)
+#   .gpu/commit      the commit measured (the copy on the machine has no git history)
 # .gpu/ is git-ignored; name it in the device call's `carry`. About 17 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,7 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/tokenizer
     truststore==0.10.5 tomlkit==0.15.3 hf-xet==1.8.0 click==8.5.1 idna==3.20 anyio==4.16.0 h11==0.16.0 \
     regex==2026.5.9 safetensors==0.8.0
 folder=$("$PY" -c "from kvscope.model.loading import resolve; print(resolve('smollm2-135m').load_path)")
+changed=$(git status --porcelain --untracked-files=no)
+echo "$(git rev-parse --short HEAD)${changed:+-dirty}" > .gpu/commit
 cp "$folder"/tokenizer.json "$folder"/tokenizer_config.json "$folder"/chat_template.jinja .gpu/tokenizer/
 du -sh .gpu

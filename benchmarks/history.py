@@ -90,8 +90,8 @@ ABOUT: dict[str, str] = {}  # benchmarks without a script of their own (the othe
 READING = {
     "trace_overhead": "Before `--attn-output` existed (2026-12-02) a trace's layers returned the model's own kernel "
     "outputs: those runs are shown as `kernel`.",
-    "gpu_check": "The `--attn-output kernel` overhead at 1K and 8K prompt tokens; runs marked invalid are listed, "
-    "not plotted.",
+    "gpu_check": "The `--attn-output kernel` overhead by prompt tokens, at 4 layers of the 8B geometry unless the "
+    "series names 32; runs marked invalid are listed, not plotted.",
     "live_memory": "The quantizing policies (KIVI, LogQuant, QEvict): each decode's time over a full-KV decode's, "
     "the cache's peak bytes and the buffer it serves attention from over the full cache's.",
     "scale": "At the run's largest context; the series say where the replay ran and how many layers the store had "
@@ -160,9 +160,10 @@ def _gpu_check(f: dict, keys: dict) -> dict:
     out: dict = {}
     for key in ("decode_ratio", "prefill_ratio"):
         for row in f.get("overhead") or []:
-            tokens = row.get("prompt_tokens")
+            tokens, layers = row.get("prompt_tokens"), row.get("layers", 4)  # rows before 32 layers: 4
             if isinstance(row.get("kernel"), dict) and _number(tokens) is not None:
-                _put(out, key, f"{tokens / 1024:g}K tokens", row["kernel"].get(key))
+                deep = f", {layers} layers" if layers != 4 else ""
+                _put(out, key, f"{tokens / 1024:g}K tokens{deep}", row["kernel"].get(key))
     captured = [v.get("rows_max_abs") for v in (f.get("capture_vs_eager") or {}).values() if isinstance(v, dict)]
     captured = [v for v in map(_number, captured) if v is not None]
     if captured:

@@ -93,7 +93,8 @@ def one_repeat(model, tokenizer, source, prompt: str, input_ids, settings, outpu
 def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync) -> dict:
     """Seconds of one ``trace_loaded`` into ``out`` (prefill = store creation + prefill with
     capture, to the first step's callback; decode = the remaining steps; total adds the final
-    flush and consolidation) and the traced tokens."""
+    flush and consolidation), the traced tokens and the decode loop's waits (``writer_wait_s``:
+    back-pressure, ``writer_waits`` times; ``copies_wait_s``: for the rows' copies off the device)."""
     import kvscope
     from kvscope.model.prompts import Prompt
     from kvscope.tracing.runner import trace_loaded
@@ -106,7 +107,7 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
 
     sync()
     t0 = time.perf_counter()
-    trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out, settings, progress=on_step)
+    result = trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out, settings, progress=on_step)
     sync()
     t_end = time.perf_counter()
     ds = kvscope.open_trace(out)
@@ -116,6 +117,9 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
         "decode": stamps[-1] - stamps[0],
         "total": t_end - t0,
         "tokens": ds.tokens.values[0, P:].tolist(),
+        "writer_wait_s": result.waits.writer_s,
+        "writer_waits": result.waits.writer_times,
+        "copies_wait_s": result.waits.copies_s,
     }
 
 
@@ -211,6 +215,10 @@ def summarize(measured: list[dict], outputs, pairs: list[dict] | None = None) ->
                 t["total"] / (p["prefill"] + p["decode"]) for t, p in zip(runs, plain)
             ),
             "tokens_equal_untraced": all(t["tokens"] == p["tokens"] for t, p in zip(runs, plain)),
+            # back-pressure: the decode loop's waits for the writer (a block still queued), and for the copies
+            "writer_wait_median_s": statistics.median(t["writer_wait_s"] for t in runs),
+            "writer_waits_max": max(t["writer_waits"] for t in runs),
+            "copies_wait_median_s": statistics.median(t["copies_wait_s"] for t in runs),
         }
         if pairs:
             quartiles = _quartiles(pair[mode] / pair["plain"] for pair in pairs)

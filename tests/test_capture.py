@@ -201,6 +201,51 @@ def test_causal_prefill_blocks_equal_the_rule(P, heads, kv_heads, obs, softcap):
     np.testing.assert_allclose(tail.numpy(), masked_tail.numpy(), atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 250, 599])
+def test_prefill_chunks_equal_one_chunk_of_every_row(chunk):
+    """A prefill's capture runs in chunks of query rows, never the whole ``[heads, P, P]`` block:
+    chunks of 7, 64, 250 and 599 of 600 rows (none divides it) give the column sums and tail
+    rows of one chunk of every row — on the causal path (no mask) and the masked one (a sliding
+    window of 100) — the tail rows bit for bit, the column sums (float32 sums in another order)
+    within 1e-6 relative."""
+    P, heads, kv_heads, obs = 600, 8, 2, 32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, heads, P, 16, generator=g) * 2
+    k = torch.randn(1, kv_heads, P, 16, generator=g) * 2
+    rows, keys = torch.arange(P)[:, None], torch.arange(P)[None, :]
+    window = ((keys <= rows) & (rows - keys < 100))[None, None]  # [1, 1, P, P] bool, True = attend
+
+    def blocks(n: int, masked: bool):
+        recorder = AttentionRecorder(n_layers=1, n_stored_heads=kv_heads, obs_window=obs, chunk_rows=n)
+        recorder.begin(ForwardContext(seq_len=P, pad=torch.zeros(1, dtype=torch.long)))
+        if masked:
+            return recorder._masked_blocks(q, k, window, 0.25, None)
+        return recorder._causal_blocks(q, k, 0.25, None, kv_heads)
+
+    for masked in (False, True):
+        (colsum, tail), (whole_colsum, whole_tail) = blocks(chunk, masked), blocks(P, masked)
+        assert torch.equal(tail, whole_tail)
+        np.testing.assert_allclose(colsum.numpy(), whole_colsum.numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(colsum.sum(-1).numpy(), P, rtol=1e-6)  # each row sums to 1
+
+
+def test_logits_in_float32_from_16_bit_inputs():
+    """Capture's logits from float16/bfloat16 queries and keys come out in float32: the products of
+    16-bit numbers are exact in float32, so they equal the float64 logits of the same inputs to
+    float32 summation; float32 inputs give the same bits either way."""
+    from kvscope.model import attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 3, 5, 64, generator=g), torch.randn(2, 3, 40, 64, generator=g)
+    assert torch.equal(attention.logits(q, k, 0.125, 30.0, float32=True), attention.logits(q, k, 0.125, 30.0))
+    for dtype in (torch.float16, torch.bfloat16):
+        q16, k16 = q.to(dtype), k.to(dtype)
+        got = attention.logits(q16, k16, 0.1, float32=True)
+        assert got.dtype == torch.float32
+        expect = (q16.double() @ k16.double().transpose(-1, -2)) * 0.1
+        np.testing.assert_allclose(got.numpy(), expect.numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads", ["kv", "all", "mean"])
 def test_live_slot_rows_are_placed_by_position(heads):
     """A live cache's decode row: each head's probability of each of its KV head's slots lands

@@ -34,21 +34,66 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
     return query.reshape(*lead, n_kv, (h // n_kv) * r, d)
 
 
-def logits(query: torch.Tensor, key: torch.Tensor, scaling, softcap: float | None = None) -> torch.Tensor:
-    """``[..., rows, D] × [..., keys, D]`` → ``[..., rows, keys]`` in the inputs' dtype.
+def logits(
+    query: torch.Tensor, key: torch.Tensor, scaling, softcap: float | None = None, float32: bool = False
+) -> torch.Tensor:
+    """``[..., rows, D] × [..., keys, D]`` → ``[..., rows, keys]`` in the inputs' dtype, or in
+    float32 with ``float32=True`` (``matmul_float32``: no float32 copy of the keys).
 
     ``scaling``: a number, or a tensor broadcastable to the result (one per layer: ``[L, 1, 1, 1]``).
     A power of two (``1/√D`` for D = 64, 256, …) scales the queries instead of the logits: a
     shift of binary exponents commutes with every rounding of the matmul, so the bits are the
     same (barring under- or overflow), at rows·D multiplications instead of rows·keys."""
+    matmul = matmul_float32 if float32 else _matmul
     if isinstance(scaling, float) and math.frexp(scaling)[0] == 0.5:
-        scores = torch.matmul(query * scaling, key.transpose(-1, -2))
+        scores = matmul(query * scaling, key)
     else:
-        scores = torch.matmul(query, key.transpose(-1, -2))
+        scores = matmul(query, key)
         scores.mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a · bᵀ`` over the last two dims, in the inputs' dtype."""
+    return torch.matmul(a, b.transpose(-1, -2))
+
+
+def matmul_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [..., rows, D] · b [..., keys, D]ᵀ`` → ``[..., rows, keys]`` in float32, the leading
+    dims of ``a`` and ``b`` equal. The product of two float16 or bfloat16 numbers is exact in
+    float32, so accumulating the inputs' products in float32 equals upcasting them first, up to
+    summation order; where the device multiplies 16-bit matrices into float32 (CUDA's
+    ``bmm(out_dtype=float32)``, ``accumulates_in_float32``) neither input is copied to
+    float32, elsewhere both are."""
+    if a.dtype == b.dtype == torch.float32:
+        return _matmul(a, b)
+    if a.dtype != b.dtype or a.shape[:-2] != b.shape[:-2] or not accumulates_in_float32(a.device, a.dtype):
+        return _matmul(a.to(torch.float32), b.to(torch.float32))
+    rows, keys = a.shape[-2], b.shape[-2]
+    out = torch.bmm(a.reshape(-1, rows, a.shape[-1]), b.reshape(-1, keys, b.shape[-1]).transpose(-1, -2),
+                    out_dtype=torch.float32)  # fmt: skip
+    return out.view(*a.shape[:-2], rows, keys)
+
+
+_FLOAT32_BMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def accumulates_in_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch multiplies ``dtype`` matrices on ``device`` into float32 (``bmm`` with
+    ``out_dtype``: CUDA with float16/bfloat16 inputs, torch ≥ 2.8), tried once per device kind."""
+    key = (device.type, dtype)
+    if key not in _FLOAT32_BMM:
+        ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if ok:
+            try:
+                x = torch.ones((1, 2, 2), dtype=dtype, device=device)
+                ok = torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _FLOAT32_BMM[key] = ok
+    return _FLOAT32_BMM[key]
 
 
 def visible(q_pos, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:

@@ -40,7 +40,11 @@ from ..model import attention
 from ..model.spec import returned_cache, with_cache
 from .settings import KERNELS
 
-_BLOCK_PROBS = 1 << 19  # fp32 probabilities per block of prefill rows (2 MiB: one core's L2 here)
+# float32 probabilities per chunk of a prefill's query rows, and the fewest rows of a chunk: on a
+# CPU a chunk that stays in one core's L2 (2 MiB here); on a GPU few, large launches within a
+# bounded memory (64 MiB per float32 tensor of a chunk, a few of them live at once)
+_CHUNK_PROBS = {"cpu": 1 << 19, "cuda": 1 << 24}
+_CHUNK_MIN_ROWS = {"cpu": 16, "cuda": 64}
 
 _ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar(
     "kvscope_active_recorder", default=None
@@ -103,13 +107,12 @@ def attention_probs(
     sink: torch.Tensor | None = None,  # [head] learned sink logits
 ) -> torch.Tensor:
     """fp32 probabilities [batch, head, q, kv] of ``query`` rows against ``key`` (the rule of
-    ``kvscope.model.attention``; the heads of a GQA group stacked as rows, keys never copied).
+    ``kvscope.model.attention``; the heads of a GQA group stacked as rows, keys never copied:
+    logits of the model's dtype accumulated in float32, ``kvscope.model.attention.matmul_float32``).
     Rows whose every key is masked (left-padding query rows) come out as zeros, not NaN."""
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
-    logits = attention.logits(
-        attention.grouped(query.to(torch.float32), n_kv), key.to(torch.float32), scaling, softcap
-    ).view(b, h, r, kv)
+    logits = attention.logits(attention.grouped(query, n_kv), key, scaling, softcap, float32=True).view(b, h, r, kv)
     visible, bias = _mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
     return attention.softmax(logits, visible, bias, sink=None if sink is None else sink.view(1, h, 1, 1))
 
@@ -131,7 +134,7 @@ class LayerCapture:
 
     colsum: torch.Tensor | None = None  # [batch, Hs, seq_len] prefill column sums
     tail: torch.Tensor | None = None  # [batch, Hs, obs, seq_len] last obs_window prefill rows
-    q: torch.Tensor | None = None  # [batch, head, q, D] post-RoPE queries of the new rows
+    q: torch.Tensor | None = None  # [batch, head, q, D] post-RoPE queries of the new rows (the model's dtype)
     k: torch.Tensor | None = None  # [batch, kv_head, q, D] post-RoPE keys of the new slots
     v: torch.Tensor | None = None  # [batch, kv_head, q, D]
 
@@ -149,7 +152,8 @@ class AttentionRecorder:
     ``n_units``: the cache units of a layer that kv-group rows average over (the model spec's
     ``n_kv_heads``; 1 under multi-head latent attention, whose keys are per query head); None:
     the heads of the keys. ``layer_slots``: the model's layer index → stored layer (a hybrid
-    model's attention layers); None: the same index.
+    model's attention layers); None: the same index. ``chunk_rows``: query rows per chunk of a
+    prefill's capture (``chunk_rows_for``); None: as many as the device's budget holds.
     """
 
     n_layers: int
@@ -157,7 +161,7 @@ class AttentionRecorder:
     heads: str = "kv"
     obs_window: int = 32
     record_qkv: bool = False
-    row_block: int = 256
+    chunk_rows: int | None = None
     attn_output: str = "kernel"  # one of ATTN_OUTPUTS
     enabled: bool = True
     n_units: int | None = None
@@ -235,9 +239,7 @@ class AttentionRecorder:
                 self._reduce_heads(by_pos, n_kv, out=self.rows[:, layer])
             cap = LayerCapture()
             if self.record_qkv:  # the new key sits in the last slot of every head
-                cap.q = query.detach().to(torch.float32)
-                cap.k = key[:, :, -1:].detach().to(torch.float32)
-                cap.v = value[:, :, -1:].detach().to(torch.float32)
+                cap.q, cap.k, cap.v = query.detach(), key[:, :, -1:].detach(), value[:, :, -1:].detach()
             self.layers[layer] = cap
             return
         if kv_len > ctx.seq_len:
@@ -263,9 +265,7 @@ class AttentionRecorder:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             self.rows[:, layer] = self._to_positions(row, kv_len)
         if self.record_qkv:
-            cap.q = query.detach().to(torch.float32)
-            cap.k = key[:, :, -q_len:].detach().to(torch.float32)
-            cap.v = value[:, :, -q_len:].detach().to(torch.float32)
+            cap.q, cap.k, cap.v = query.detach(), key[:, :, -q_len:].detach(), value[:, :, -q_len:].detach()
         self.layers[layer] = cap
 
     def slot(self, module) -> int:
@@ -378,32 +378,41 @@ class AttentionRecorder:
         tail[:, :, n_obs - rows :] = w[:, :, q_len - rows :]
         return colsum, tail
 
+    def chunk_rows_for(self, heads: int, kv_len: int, device: torch.device) -> int:
+        """Query rows per chunk of a prefill's capture, each chunk a ``[heads, rows, ≤ kv_len]``
+        block of float32 probabilities: ``chunk_rows`` where set, else as many as the device's
+        budget holds (``_CHUNK_PROBS``, at least ``_CHUNK_MIN_ROWS``) — never the whole
+        ``[heads, P, P]`` matrix of a long prompt."""
+        if self.chunk_rows is not None:
+            return self.chunk_rows
+        kind = "cpu" if device.type == "cpu" else "cuda"
+        return max(_CHUNK_MIN_ROWS[kind], _CHUNK_PROBS[kind] // (heads * kv_len))
+
     def _causal_blocks(self, query, key, scaling, softcap, n_kv, value=None, out=None, sink=None):
         """``(colsum [batch, head, P], tail [batch, head, obs, P])`` of an unpadded causal
         prefill (no mask tensor, ``P`` queries on ``P`` keys): ``colsum[k] = Σ_r a[r, k]``;
         with ``value`` and ``out [batch, P, head, Dv]`` (the layout a layer's output takes), ``out``
         filled with ``a · V`` as well; ``sink [head]``: learned sink logits.
 
-        Blocks of ``n`` rows see the keys ``0 … r1 − 1`` only; of those, only the block's
-        diagonal square has keys to hide (``k > r``), so no mask is built. The heads of a
-        GQA group are stacked as rows of one matmul on their shared keys (no copies of K); on a
-        CPU a block holds about ``_BLOCK_PROBS`` probabilities so that it stays in cache."""
+        Blocks of ``n`` rows (``chunk_rows_for``) see the keys ``0 … r1 − 1`` only; of those,
+        only the block's diagonal square has keys to hide (``k > r``), so no mask is built. The
+        heads of a GQA group are stacked as rows of one matmul on their shared keys, in the
+        model's dtype with float32 accumulation (no copies of K); the column sums and tail rows
+        are reduced on the device, block by block."""
         b, h, P, d = query.shape
         g, n_obs = h // n_kv, self.obs_window
-        keys = key.to(torch.float32).reshape(b * n_kv, P, d)
+        keys = key.reshape(b * n_kv, P, d)
         colsum = torch.zeros((b * n_kv, g, P), dtype=torch.float32, device=query.device)  # [batch·kv_head, group, P]
         tail = torch.zeros((b, h, n_obs, P), dtype=torch.float32, device=query.device)
-        n = self.row_block  # a GPU wants few, large launches; a CPU blocks that stay in cache
-        if query.device.type == "cpu":
-            n = max(16, min(n, _BLOCK_PROBS // (h * P)))
+        n = min(P, self.chunk_rows_for(h, P, query.device))
         above = torch.ones((n, n), dtype=torch.bool, device=query.device).triu_(1)  # [row, key]: k > r
         dv = d if value is None else value.shape[-1]
         values = None if out is None else value.reshape(b * n_kv, P, dv)  # [batch·kv_head, P, Dv]
         column = None if sink is None else sink.view(n_kv, g, 1, 1).repeat(b, 1, 1, 1)  # [batch·kv_head, group, 1, 1]
         for r0 in range(0, P, n):
             r1 = min(P, r0 + n)
-            rows = query[:, :, r0:r1].to(torch.float32).reshape(b * n_kv, g * (r1 - r0), d)
-            scores = attention.logits(rows, keys[:, :r1], scaling, softcap).view(b * n_kv, g, r1 - r0, r1)
+            rows = query[:, :, r0:r1].reshape(b * n_kv, g * (r1 - r0), d)
+            scores = attention.logits(rows, keys[:, :r1], scaling, softcap, float32=True).view(b * n_kv, g, r1 - r0, r1)
             scores[..., r0:].masked_fill_(above[: r1 - r0, : r1 - r0], float("-inf"))
             probs = attention.softmax(scores, sink=column)  # [batch·kv_head, group, rows, r1]
             colsum[..., :r1] += probs.sum(2)
@@ -419,7 +428,7 @@ class AttentionRecorder:
 
     def _masked_blocks(self, query, key, mask, scaling, softcap, sink=None):
         """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` under transformers' mask
-        (padding, sliding windows, a prefill after cached slots), ``row_block`` rows at a time."""
+        (padding, sliding windows, a prefill after cached slots), ``chunk_rows_for`` rows at a time."""
         ctx = self.ctx
         b, h, q_len, _ = query.shape
         kv_len = key.shape[2]
@@ -428,8 +437,9 @@ class AttentionRecorder:
         n_obs = self.obs_window
         colsum = torch.zeros((b, h, kv_len), dtype=torch.float32, device=query.device)
         tail = torch.zeros((b, h, n_obs, kv_len), dtype=torch.float32, device=query.device)
-        for r0 in range(0, q_len, self.row_block):
-            r1 = min(q_len, r0 + self.row_block)
+        n = self.chunk_rows_for(h, kv_len, query.device)
+        for r0 in range(0, q_len, n):
+            r1 = min(q_len, r0 + n)
             # causal: rows r0..r1-1 see no key beyond slot (kv_len - q_len) + r1 - 1
             kv_end = kv_len - q_len + r1
             block_mask = None if mask is None else mask[..., :kv_end]

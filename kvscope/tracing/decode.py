@@ -30,6 +30,7 @@ from ..storage.dtypes import stored
 from ..storage.schema import Layout
 from ..windows import window_sums
 from .capture import AttentionRecorder, ForwardContext
+from .staging import HostStaging
 from .writer import Block
 
 
@@ -39,7 +40,7 @@ class BatchDecode:
 
     def __init__(
         self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None,
-        continuations=None,
+        continuations=None, staging=None,
     ):  # fmt: skip
         self.model, self.batch, self.layout, self.settings, self.writer = model, batch, layout, settings, writer
         self.prompt_ids = [encoded[s] for s in batch]
@@ -73,7 +74,8 @@ class BatchDecode:
         self.n_steps = np.full(B, S, dtype=np.int64)  # final number of steps per sample
         self.finished = np.zeros(B, dtype=bool)
         self.generated = np.full((B, S), -1, dtype=np.int64)  # [sample, step] sampled tokens
-        self.buffers = BlockBuffers(layout, B, self.dtype)
+        self.prefill: Block | None = None  # the prompt's writes, until the first block of steps takes them
+        self.buffers = BlockBuffers(layout, B, self.dtype, staging or HostStaging(settings.device))
         self.generator = torch.Generator(device="cpu").manual_seed(settings.seed + batch[0])
         self._inputs()
 
@@ -170,7 +172,7 @@ class BatchDecode:
         if capturing:
             self.buffers.add_step(t, self.recorder, live, self.lens)
             if t == 0:
-                write_prefill(self.writer, self.batch, self.recorder, self.layout, self.lens, self.pad, self.dtype)
+                self.prefill = prefill_writes(self.batch, self.recorder, self.layout, self.lens, self.pad, self.dtype)
         for i in range(len(self.batch)):
             generated = t >= len(self.forced[i])
             if live[i] and ((generated and int(token[i]) in self.eos) or t >= self.last_step[i]):
@@ -180,6 +182,8 @@ class BatchDecode:
         end_of_block = (t + 1) % self.layout.block_steps == 0 or t == S - 1 or self.finished.all()
         if end_of_block and capturing:
             block = self.buffers.block(self.batch, t + 1, self.prompt_ids, self.generated, self.n_steps, self.finished)
+            if self.prefill is not None:  # the prompt's arrays go ahead of the first block's rows
+                block.writes[:0], self.prefill = self.prefill.writes, None
             if self.records is not None:
                 self.records.flush_into(block, self.batch[0])
             self.writer.submit(block)
@@ -189,12 +193,14 @@ class BatchDecode:
 
 def decode_all(
     model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None,
-    continuations=None,
+    continuations=None, staging: HostStaging | None = None,
 ) -> None:  # fmt: skip
     """Every unfinished batch of ``batches`` (lists of consecutive sample indices of ``encoded``:
     ``kvscope.tracing.shard.batches``), in turn; ``progress(steps_done, steps_total, tokens,
     seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic);
-    ``continuations``: the tokens forced after them (given continuations; None: generated)."""
+    ``continuations``: the tokens forced after them (given continuations; None: generated);
+    ``staging``: the host buffers the rows are copied into (one for the trace's device where None)."""
+    staging = staging or HostStaging(settings.device)
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
@@ -209,33 +215,32 @@ def decode_all(
         if all(writer.done[s] for s in batch):
             continue
         cache = cache_factory(model, layout, batch)
-        decoder = BatchDecode(model, encoded, batch, layout, settings, writer, cache, eos, questions, continuations)
+        decoder = BatchDecode(
+            model, encoded, batch, layout, settings, writer, cache, eos, questions, continuations, staging
+        )
         decoder.run(step_done)
     writer.flush()
 
 
-def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> None:
-    """Prefill column sums, tail rows (and q/k/v of the prompt), handed to the writer ahead
-    of the first block of steps (the queue keeps order, so they are durable before any
-    step is committed)."""
+def prefill_writes(batch, recorder, layout: Layout, lens, pad, dtype) -> Block:
+    """Prefill column sums, tail rows (and q/k/v of the prompt) as writes, to go ahead of the
+    first block of steps in the same block (durable before any step is committed). The tail
+    rows are made on the device as stored (NaN beyond each row's query), so that only they
+    leave it."""
     L, T, obs = layout.n_layers, layout.n_pos, layout.obs_window
     caps = [recorder.layers[layer] for layer in range(L)]
     colsum = torch.stack([c.colsum for c in caps], 1).cpu().numpy()  # [B, layer, Hs, p_max]
-    tail = stored(torch.stack([c.tail for c in caps], 1), dtype)  # [B, layer, Hs, obs, p_max]
     if layout.learned_sinks:  # the shares from the float32 rows
-        shares = 1 - torch.stack([c.tail for c in caps], 1).float().sum(-1).clamp_(max=1).cpu().numpy()
+        shares = 1 - torch.stack([c.tail.sum(-1) for c in caps], 1).clamp_(max=1).cpu().numpy()  # [B, layer, Hs, obs]
     block = Block()
     for i, s in enumerate(batch):
         P = lens[i]
         cs = np.full((1, L, colsum.shape[2], T), np.nan, dtype=np.float32)
         cs[0, :, :, :P] = colsum[i, :, :, :P]
-        tl = np.full((1, L, tail.shape[2], obs, T), np.nan, dtype=dtype)
         qpos = np.arange(P - obs, P, dtype=np.int32)
-        for o in range(obs):
-            if qpos[o] >= 0:
-                tl[0, :, :, o, : qpos[o] + 1] = tail[i, :, :, o, : qpos[o] + 1]
         block.writes.append(("prefill_colsum", (slice(s, s + 1),), cs))
-        block.writes.append(("prefill_tail", (slice(s, s + 1),), tl))
+        tails = [c.tail[i] for c in caps]  # [Hs, obs, p_max] float32 per layer, on the device
+        block.writes.append(("prefill_tail", (slice(s, s + 1),), _stored_tail(tails, P, T, dtype)[None]))
         block.writes.append(("prefill_tail_qpos", (slice(s, s + 1),), np.where(qpos >= 0, qpos, -1)[None]))
         if layout.learned_sinks:
             _sink_shares(block, s, P, colsum[i], shares[i])
@@ -248,7 +253,27 @@ def write_prefill(writer, batch, recorder, layout: Layout, lens, pad, dtype) -> 
             block.writes.append(("q", (slice(s, s + 1), slice(0, P)), q[None]))
             block.writes.append(("k", region, k[None]))
             block.writes.append(("v", region, v[None]))
-    writer.submit(block)
+    return block
+
+
+def _stored_tail(tails: list[torch.Tensor], P: int, n_pos: int, dtype) -> np.ndarray:
+    """A prompt's tail rows, ``tails[layer] [Hs, obs, ≥ P]`` (float32, by position), as stored:
+    ``[layer, Hs, obs, n_pos]`` in ``dtype``, row ``o`` (query ``P − obs + o``) NaN beyond its
+    query and all NaN where that query is before the prompt; made on the device layer by layer
+    (no float32 copy of every layer's rows at once)."""
+    Hs, obs, device = tails[0].shape[0], tails[0].shape[1], tails[0].device
+    out = torch.empty((len(tails), Hs, obs, n_pos), dtype=_torch_dtype(dtype), device=device)
+    for layer, tail in enumerate(tails):
+        out[layer, ..., :P] = tail[..., :P]
+    out[..., P:] = float("nan")
+    qpos = torch.arange(P - obs, P, device=device)
+    out[..., :P].masked_fill_(torch.arange(P, device=device)[None, :] > qpos[:, None], float("nan"))  # [obs, P]
+    return out.cpu().numpy()
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of the storage ``dtype`` (float16 or float32)."""
+    return torch.float16 if np.dtype(dtype) == np.float16 else torch.float32
 
 
 def _sink_shares(block, s: int, P: int, colsum: np.ndarray, tail_shares: np.ndarray) -> None:
@@ -262,84 +287,114 @@ def _sink_shares(block, s: int, P: int, colsum: np.ndarray, tail_shares: np.ndar
 
 
 class BlockBuffers:
-    """One block of steps for a batch, at the stored resolution."""
+    """One block of steps for a batch, at the stored resolution, gathered in host buffers.
 
-    def __init__(self, layout: Layout, B: int, dtype):
+    Each step's rows are made on the device as they are stored — a full ``n_pos`` row per layer
+    and head, in the storage dtype, NaN beyond the query and for a finished sample — and copied
+    into the block's buffers by ``kvscope.tracing.staging.HostStaging`` (on CUDA: pinned,
+    asynchronous on a side stream), which the host waits for only when the block is handed to
+    the writer (``block``). Window sums are taken then, on the host, from the rows as
+    computed (float32; ``kvscope.windows.window_sums``, the one definition)."""
+
+    def __init__(self, layout: Layout, B: int, dtype, staging: HostStaging):
         self.layout = layout
         self.B = B
         self.dtype = dtype
+        self.staging = staging
+        self.row_dtype = _torch_dtype(dtype) if layout.resolution == "token" else torch.float32
         self.reset()
 
     def reset(self) -> None:
-        L = self.layout
-        blk, Hs = L.block_steps, L.n_stored_heads
-        last = L.n_windows if L.resolution == "window" else L.n_pos
-        self.t0 = None
-        self.attn = np.full(
-            (self.B, blk, L.n_layers, Hs, last), np.nan, dtype=self.dtype
-        )  # [B, step, L, Hs, pos|window]
-        self.sink = np.full((self.B, blk, L.n_layers, Hs, L.n_sink), np.nan, dtype=self.dtype)
-        self.learned = np.full((self.B, blk, L.n_layers, Hs), np.nan, dtype=np.float32) if L.learned_sinks else None
-        self.qkv: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # (i, pos, q, k, v)
+        blk = self.layout.block_steps
+        self.t0 = self.first_j = None  # the block's first step, and the first one captured in it
+        self.host: dict[str, torch.Tensor] = {}  # name → [step, B, ...] host buffer of this block
+        self.qpos = np.full((blk, self.B), -1, dtype=np.int64)  # [step, B] query of each captured row, −1: none
+        self.qkv_pos = np.full((blk, self.B), -1, dtype=np.int64)  # [step, B] position of recorded q/k/v, −1: none
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if name not in self.host:
+            self.host[name] = self.staging.buffer((self.layout.block_steps, self.B, *shape), dtype)
+        return self.host[name]
 
     def add_step(self, t, recorder, live, lens) -> None:
         L = self.layout
         if self.t0 is None:
             self.t0 = t - t % L.block_steps
+            self.first_j = t - self.t0
         j = t - self.t0
-        # [B, layer, Hs, seq]; window sums are taken in float32, from the rows as computed
-        rows = stored(recorder.rows, self.dtype) if L.resolution == "token" else recorder.rows.cpu().numpy()
-        if self.learned is not None:  # the learned sink's share: 1 − Σ row, from the float32 row
-            shares = (1 - recorder.rows.sum(-1)).clamp_(0, 1).cpu().numpy()  # [B, layer, Hs]
-        for i in range(self.B):
-            if not live[i]:
-                continue
-            qpos = lens[i] - 1 + t
-            row = rows[i, :, :, : qpos + 1]  # [layer, Hs, qpos+1]
-            if self.learned is not None:
-                self.learned[i, j] = shares[i]
-            if L.resolution == "token":
-                self.attn[i, j, :, :, : qpos + 1] = row
-            else:
-                n = min(L.n_sink, row.shape[-1])
-                self.sink[i, j, :, :, :n] = row[:, :, :n]
-                self.attn[i, j] = window_sums(row, L.n_sink, L.window, L.n_windows)
-            if L.record_qkv and t > 0:
-                caps = [recorder.layers[layer] for layer in range(L.n_layers)]
-                q = stored(torch.stack([c.q[i, :, -1] for c in caps], 0), self.dtype)  # [L, H, D]
-                k = stored(torch.stack([c.k[i, :, -1] for c in caps], 0), self.dtype)  # [L, Hkv, D]
-                v = stored(torch.stack([c.v[i, :, -1] for c in caps], 0), self.dtype)
-                self.qkv.append((i, qpos, q, k, v))
+        qpos = [lens[i] - 1 + t if live[i] else -1 for i in range(self.B)]
+        self.qpos[j] = qpos
+        rows = recorder.rows  # [B, layer, Hs, seq] float32, on the device
+        shape = (L.n_layers, L.n_stored_heads, L.n_pos)
+        self.staging.copy(
+            self._buffer("rows", shape, self.row_dtype)[j], _stored_rows(rows, qpos, L.n_pos, self.row_dtype)
+        )
+        if L.learned_sinks:  # the learned sink's share: 1 − Σ row, from the float32 row
+            shares = (1 - rows.sum(-1)).clamp_(0, 1)  # [B, layer, Hs]
+            for i in np.flatnonzero(~np.asarray(live)):
+                shares[i] = float("nan")
+            self.staging.copy(self._buffer("learned", shares.shape[1:], torch.float32)[j], shares)
+        if L.record_qkv and t > 0:  # step 0's q/k/v are the prompt's last position (prefill_writes)
+            caps = [recorder.layers[layer] for layer in range(L.n_layers)]
+            for name in ("q", "k", "v"):
+                x = torch.stack([getattr(c, name)[:, :, -1] for c in caps], 1)  # [B, layer, H or Hkv, D]
+                x = x.to(_torch_dtype(self.dtype))
+                self.staging.copy(self._buffer(name, x.shape[1:], x.dtype)[j], x)
+            self.qkv_pos[j] = qpos
 
     def block(self, batch, t_end, prompt_ids, generated, n_steps, finished) -> Block:
+        """The block's writes from its first captured step (a resumed trace may begin mid-block)
+        to ``t_end``, once the copies into its buffers have landed; the buffers go back to the
+        pool when the writer is done with them."""
         L = self.layout
-        blk = Block()
-        t0 = self.t0 if self.t0 is not None else t_end - 1
-        n = t_end - t0
-        sl = slice(batch[0], batch[-1] + 1)
-        blk.writes.append(("attn", (sl, slice(t0, t_end)), self.attn[:, :n]))
-        if L.resolution == "window":
-            blk.writes.append(("attn_sink", (sl, slice(t0, t_end)), self.sink[:, :n]))
-        if self.learned is not None:
-            blk.writes.append(("attn_learned_sink", (sl, slice(t0, t_end)), self.learned[:, :n]))
-        self._qkv_writes(blk, batch)
+        self.staging.wait()
+        buffers = list(self.host.values())
+        blk = Block(release=lambda: self.staging.give_back(buffers))
+        j0, j1 = self.first_j, t_end - self.t0
+        host = {name: np.swapaxes(x.numpy()[j0:j1], 0, 1) for name, x in self.host.items()}  # [B, step, ...]
+        sl, steps = slice(batch[0], batch[-1] + 1), slice(self.t0 + j0, t_end)
+        if L.resolution == "token":
+            blk.writes.append(("attn", (sl, steps), host["rows"]))
+        else:
+            attn, sink = self._window_rows(host["rows"], self.qpos[j0:j1])
+            blk.writes.append(("attn", (sl, steps), attn))
+            blk.writes.append(("attn_sink", (sl, steps), sink))
+        if L.learned_sinks:
+            blk.writes.append(("attn_learned_sink", (sl, steps), host["learned"]))
+        if L.record_qkv:
+            self._qkv_writes(blk, batch, host, self.qkv_pos[j0:j1])
         self._token_writes(blk, batch, t_end, prompt_ids, generated, n_steps, finished)
         return blk
 
-    def _qkv_writes(self, blk: Block, batch) -> None:
-        """q/k/v of the block: one region per sample (each chunk written once)."""
-        by_sample: dict[int, list] = {}
-        for i, qpos, q, k, v in self.qkv:
-            by_sample.setdefault(i, []).append((qpos, q, k, v))
-        for i, items in by_sample.items():
-            s = batch[i]
-            items.sort(key=lambda item: item[0])
-            p0, p1 = items[0][0], items[-1][0] + 1
-            if p1 - p0 != len(items):
+    def _window_rows(self, rows: np.ndarray, qpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``rows [B, step, layer, Hs, n_pos]`` (float32) with the query of each ``qpos [step,
+        B]`` (−1: none) → window sums ``[B, step, layer, Hs, window]`` and sink rows ``[B, step,
+        layer, Hs, n_sink]`` in the storage dtype."""
+        L = self.layout
+        shape = (self.B, len(qpos), L.n_layers, L.n_stored_heads)
+        attn = np.full((*shape, L.n_windows), np.nan, dtype=self.dtype)
+        sink = np.full((*shape, L.n_sink), np.nan, dtype=self.dtype)
+        for j, i in zip(*np.nonzero(qpos >= 0)):
+            row = rows[i, j, :, :, : qpos[j, i] + 1]  # [layer, Hs, qpos+1]
+            m = min(L.n_sink, row.shape[-1])
+            sink[i, j, :, :, :m] = row[:, :, :m]
+            attn[i, j] = window_sums(row, L.n_sink, L.window, L.n_windows)
+        return attn, sink
+
+    def _qkv_writes(self, blk: Block, batch, host: dict, qkv_pos: np.ndarray) -> None:
+        """q/k/v of the block (``qkv_pos [step, B]``: the position of each, −1: none): one region
+        per sample (each chunk written once)."""
+        for i, s in enumerate(batch):
+            js = np.flatnonzero(qkv_pos[:, i] >= 0)
+            if not len(js):
+                continue
+            pos = qkv_pos[js, i]
+            if np.any(np.diff(pos) != 1):
                 raise RuntimeError("q/k/v of a block must cover consecutive positions")
-            q = np.stack([item[1] for item in items])  # [n, L, H, D]
-            k = np.stack([item[2] for item in items], axis=2)  # [L, Hkv, n, D]
-            v = np.stack([item[3] for item in items], axis=2)
+            q = host["q"][i, js]  # [n, L, H, D]
+            k = np.moveaxis(host["k"][i, js], 0, 2)  # [L, Hkv, n, D]
+            v = np.moveaxis(host["v"][i, js], 0, 2)
+            p0, p1 = int(pos[0]), int(pos[-1]) + 1
             blk.writes.append(("q", (slice(s, s + 1), slice(p0, p1)), q[None]))
             region = (slice(s, s + 1), slice(None), slice(None), slice(p0, p1))
             blk.writes.append(("k", region, k[None]))
@@ -370,6 +425,19 @@ class BlockBuffers:
         for i, s in enumerate(batch):
             blk.commit[s] = counts[i]
             blk.done[s] = bool(finished[i] or t_end >= S)
+
+
+def _stored_rows(rows: torch.Tensor, qpos: list[int], n_pos: int, dtype: torch.dtype) -> torch.Tensor:
+    """``rows [B, layer, Hs, seq]`` as stored: ``[B, layer, Hs, n_pos]`` in ``dtype``, NaN beyond
+    each sample's query ``qpos[i]`` (−1: a finished sample, all NaN); made on the rows' device."""
+    seq = rows.shape[-1]
+    out = torch.empty((*rows.shape[:-1], n_pos), dtype=dtype, device=rows.device)
+    out[..., :seq] = rows
+    out[..., seq:] = float("nan")
+    for i, q in enumerate(qpos):
+        if q < seq - 1:  # a left-padded sample's positions end before the batch's slots, a finished one's at once
+            out[i, ..., q + 1 :] = float("nan")
+    return out
 
 
 class CacheRecords:

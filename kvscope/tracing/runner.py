@@ -56,6 +56,7 @@ from .capture import implementation_name, register
 from .decode import decode_all
 from .settings import TraceSettings
 from .shard import Shard, batches, owner
+from .staging import HostStaging
 from .writer import StoreLock, StoreWriter, commit_lock
 
 
@@ -108,6 +109,22 @@ class Progress:
 
 
 @dataclass
+class Waits:
+    """The decode loop's waits on the way out of the device.
+
+    Attributes:
+        writer_s: Seconds it waited for the writer (back-pressure: a block was still queued when
+            the next was handed over).
+        writer_times: How many times it waited for the writer.
+        copies_s: Seconds it waited for the rows' copies off the device, at each block's hand-over.
+    """
+
+    writer_s: float = 0.0
+    writer_times: int = 0
+    copies_s: float = 0.0
+
+
+@dataclass
 class TraceResult:
     """What a trace decoded.
 
@@ -120,6 +137,7 @@ class TraceResult:
         texts: The generated text of each sample decoded here.
         samples: The samples decoded here (all of the store's, or a shard's).
         complete: The store is complete now.
+        waits: Where the decode loop waited on the way out of the device (``Waits``).
     """
 
     path: Path
@@ -130,6 +148,7 @@ class TraceResult:
     texts: list[str] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     complete: bool = True
+    waits: Waits = field(default_factory=Waits)
 
 
 def trace(
@@ -346,15 +365,18 @@ def trace_loaded(
             if progress is not None:
                 progress(Progress(done_steps, total, tokens / seconds if seconds > 0 else 0.0, writer.bytes_written))
 
+        staging = HostStaging(settings.device)
         decode_all(
-            model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions, forced
+            model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions, forced,
+            staging,
         )  # fmt: skip
         writer.close()
         complete = _complete(out) if shard is None else _complete_if_done(out)
         samples = [s for batch in mine for s in batch]
         texts, steps = _texts(out, tokenizer, [len(q) for q in questions], samples)
         seconds = time.perf_counter() - started
-        return TraceResult(out, len(encoded), steps, seconds, writer.bytes_written, texts, samples, complete)
+        waits = Waits(writer.waited_s, writer.waits, staging.waited_s)
+        return TraceResult(out, len(encoded), steps, seconds, writer.bytes_written, texts, samples, complete, waits)
     except BaseException as exc:
         if existing is None and shard is None:
             _discard_uncommitted(out, writer)

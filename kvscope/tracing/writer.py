@@ -25,6 +25,7 @@ import fcntl
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,19 +116,23 @@ def commit_lock(path: Path):
 class Block:
     """One block of decode steps for the samples of one batch.
 
-    ``rows`` maps an array name to (region, data): the data is written to
-    ``array[region]``. ``commit`` maps sample index -> committed steps after this block.
+    ``writes`` holds (array name, region, data): the data is written to ``array[region]``.
+    ``commit`` maps sample index -> committed steps after this block. ``release`` is called once
+    the writer no longer reads the data (written, or dropped after a failure): the decode loop
+    reuses the buffers behind it.
     """
 
     writes: list[tuple[str, tuple, np.ndarray]] = field(default_factory=list)
     commit: dict[int, int] = field(default_factory=dict)
     done: dict[int, bool] = field(default_factory=dict)
+    release: Callable[[], None] | None = None
 
 
 class StoreWriter:
     """Writes blocks on a background thread; the main thread never blocks on I/O
-    unless a block is already queued (back-pressure), so a killed run loses at most
-    the block being written besides the steps not yet handed over.
+    unless a block is already queued (back-pressure: the time it then waits is summed in
+    ``waited_s``, the times in ``waits``), so a killed run loses at most the block being
+    written besides the steps not yet handed over.
 
     ``create``: a new store is made by this callable (returning the writer locks it holds) as
     the thread's first job, so that its creation overlaps the prompt's prefill; ``created``
@@ -152,6 +157,7 @@ class StoreWriter:
         self.committed = list(committed)
         self.done = list(done)
         self.bytes_written = 0
+        self.waited_s, self.waits = 0.0, 0  # back-pressure: the decode loop's waits for a place in the queue
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvscope-writer", daemon=True)
@@ -159,7 +165,13 @@ class StoreWriter:
 
     def submit(self, block: Block) -> None:
         self._raise_if_failed()
-        self._queue.put(block)
+        try:
+            self._queue.put_nowait(block)
+        except queue.Full:
+            t0 = time.perf_counter()
+            self._queue.put(block)
+            self.waited_s += time.perf_counter() - t0
+            self.waits += 1
 
     def flush(self) -> None:
         self._queue.join()
@@ -202,6 +214,8 @@ class StoreWriter:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self._error = exc
             finally:
+                if block is not None and block.release is not None:
+                    block.release()
                 self._queue.task_done()
 
     def _write(self, block: Block) -> None:
