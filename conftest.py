@@ -32,11 +32,15 @@ def _docs_given_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def _docs_page(request, tmp_path_factory, _docs_given_folder):
     """One page's working folder (its blocks run there, in order), with ``prose.zarr`` copied in
-    when the page reads it without tracing it."""
+    when the page reads it without tracing it; numpy's print options as they were afterwards."""
+    import numpy as np
+
     path = request.path
     page = Page(path, tmp_path_factory.mktemp("page-" + path.stem), page_environment())
     if needs_given_store(path.read_text()):
         with FileLock(str(_docs_given_folder) + ".lock"):
             store = build_given_store(_docs_given_folder, page.env)
         shutil.copytree(store, page.folder / store.name)
-    return page
+    printing = np.get_printoptions()
+    yield page
+    np.set_printoptions(**printing)

@@ -7,6 +7,10 @@ docs/**/*.md (the root conftest.py), and the evaluators here run them as a reade
 - ``python``: the statements run in one namespace per page, with that folder as working
   directory. A block whose first line is a file name comment (``# mypress.py``) is that file:
   it is written into the folder, not run.
+- ``pycon``: a Python session (``>>>`` and what it prints, doctest's rules with whitespace
+  normalized and ``...`` for elided text), in the page's namespace and folder.
+- ``console``: ``$ command`` lines, each followed by what it prints; a command shown printing a
+  ``kvscope: error: …`` line must exit 2, any other must exit 0.
 - ``text``: diagrams and listings; nothing runs.
 
 What a block shows is checked:
@@ -16,8 +20,8 @@ What a block shows is checked:
   written with d decimals matches within 10^-d, one written without decimals exactly.
 - ``# [a, b, c]`` after a Python expression (or a one-name assignment) names the dims of its
   value (an xarray object; for a pandas table, its index and column names).
-- A block whose output says ``n/a`` or ``nan`` fails, unless the block says why right there, in a
-  comment ``# nan because …`` (or ``# n/a because …``).
+- A block whose output says ``n/a`` or ``nan`` fails, unless the block says why right there: a
+  comment that names it (``# nan because …``, ``# NaN beyond the query``).
 
 A block that cannot run headless says so visibly, in a comment ``# not run in the tests: REASON``:
 on a line of its own it covers the whole block; after a command or statement, that one.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import doctest
 import io
 import os
 import re
@@ -40,16 +45,17 @@ from pathlib import Path
 
 import pytest
 from sybil import Example, Sybil
+from sybil.evaluators.doctest import DocTest, OutputChecker
 from sybil.parsers.markdown import CodeBlockParser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/*.md", "docs/*/*.md", "docs/*/*/*.md"]
-RUNS = {"sh", "bash", "python"}
+RUNS = {"sh", "bash", "python", "pycon", "console"}
 NOT_RUN = {"text"}  # diagrams, listings: shown, not run
 SKIP = "not run in the tests:"
 OUTPUT = "#>"
 MISSING = re.compile(r"(?<![\w/])(?:n/a|nan)(?![\w/])", re.IGNORECASE)
-WHY_MISSING = re.compile(r"#\s*(?:n/a|nan)\s+because\b", re.IGNORECASE)
+WHY_MISSING = re.compile(r"#(?!>)[^\n]*(?<![\w/])(?:n/a|nan)(?![\w/])", re.IGNORECASE)  # a comment, not #> output
 FILE_BLOCK = re.compile(r"#\s*([\w./-]+\.py)\s*$")
 DIMS_CLAIM = re.compile(r"#\s*\[([\w\s,]+)\]")
 GIVEN_STORE = "prose.zarr"
@@ -318,13 +324,61 @@ def evaluate_python(example: Example) -> None:
             _check_output(where, shown, out.getvalue(), source)
 
 
+def evaluate_session(example: Example) -> None:
+    page = _page(example)
+    source = example.parsed
+    if reason := _block_skip(source):
+        pytest.skip(reason)
+    examples = doctest.DocTestParser().get_examples(source)
+    test = DocTest(examples, example.namespace, page.name, str(page.path), example.line, None)  # globs not copied
+    runner = doctest.DocTestRunner(checker=OutputChecker(), optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    report: list[str] = []
+    with _in_folder(page.folder):
+        runner.run(test, out=report.append, clear_globs=False)
+    if runner.failures:
+        pytest.fail(f"{page.name}:{example.line + 1}: a session prints other than it shows:\n" + "".join(report))
+    _check_output(f"{page.name}:{example.line + 1}", [], "".join(e.want for e in examples), source)
+
+
+def console_commands(source: str, first_line: int) -> list[Command]:
+    """The ``$ `` commands of a console block, each with the lines it is shown printing."""
+    commands: list[Command] = []
+    for i, line in enumerate(source.splitlines()):
+        if line.startswith("$ "):
+            commands.append(Command(first_line + i, line[2:]))
+        elif commands and line.strip():
+            commands[-1].shown.append(line)
+        elif line.strip():
+            raise AssertionError(f"line {first_line + i}: output shown before any command")
+    return commands
+
+
+def evaluate_console(example: Example) -> None:
+    page = _page(example)
+    source = example.parsed
+    if reason := _block_skip(source):
+        pytest.skip(reason)
+    for command in console_commands(source, example.line + 1):
+        where = f"{page.name}:{command.line}: $ {command.text}"
+        proc = subprocess.run(
+            ["bash", "-c", command.text], check=False, cwd=page.folder, env=page.env, capture_output=True,
+            text=True, timeout=COMMAND_TIMEOUT,
+        )  # fmt: skip
+        refused = bool(command.shown) and command.shown[0].startswith("kvscope: error: ")
+        if proc.returncode != (2 if refused else 0):
+            pytest.fail(f"{where}\nexited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        _check_output(where, command.shown, proc.stdout + proc.stderr, source)
+
+
 def collector() -> Sybil:
-    """The sybil that turns every ``sh``, ``bash`` and ``python`` block of the pages into a test."""
+    """The sybil that turns every runnable block of the pages into a test."""
     return Sybil(
         parsers=[
             CodeBlockParser("sh", evaluate_shell),
             CodeBlockParser("bash", evaluate_shell),
             CodeBlockParser("python", evaluate_python),
+            CodeBlockParser("pycon", evaluate_session),
+            CodeBlockParser("console", evaluate_console),
         ],
         patterns=PAGES,
         excludes=["site/*", ".venv/*"],

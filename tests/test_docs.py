@@ -176,3 +176,16 @@ def test_dims_named_beside_a_value_are_checked(tmp_path):
     assert outcomes[1].endswith(
         "the page says [policy, budget], the value has dims ('allocation', 'budget') (DataArray)"
     )
+
+
+def test_sessions_and_console_blocks_print_what_they_show(tmp_path):
+    outcomes = _run_page(
+        tmp_path,
+        "```pycon\n>>> x = 6\n>>> x * 7\n42\n```\n\n"
+        "```pycon\n>>> x + 1\n8\n```\n\n"  # the page's namespace, and a wrong output
+        "```pycon\n>>> float('nan')   # nan: there is no value\nnan\n```\n\n"
+        "```console\n$ echo hello\nhello\n$ echo 'kvscope: error: no store' >&2; exit 2\nkvscope: error: no store\n```\n\n"
+        "```console\n$ exit 2\n```\n",  # a refusal the page does not show
+    )
+    assert outcomes[0] == "passed" and outcomes[1].startswith("failed: page.md:8: a session prints other than")
+    assert outcomes[2:4] == ["passed", "passed"] and outcomes[4].startswith("failed: page.md:25: $ exit 2")
