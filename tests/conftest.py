@@ -15,12 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# `make test` runs the files on pytest-xdist workers, one per core: each worker (and every process
-# it starts: CLI runs, notebook kernels, shards) computes on one thread, not on all the machine's
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the environment every test sees (one compute thread per xdist worker, no hub) is set in the root conftest.py
 
 # Tiny configs for speed; the tokenizer is SmolLM2's (real), so prompts are real text.
 TINY_CONFIGS = {

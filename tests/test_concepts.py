@@ -1,15 +1,12 @@
-"""docs/concepts.md states only numbers kvscope computes: its Python sessions run here (doctest,
-one namespace, in page order) on the toy trace of ``kvscope.storage.synthetic``; the toy's table
-is that trace; every number of three or more decimals in its prose is one a session printed; the
-agreed anchors exist. And the documentation points nowhere outside the repository."""
+"""docs/concepts.md states only numbers kvscope computes: its Python sessions and command lines run
+with every page's blocks (tests/markdown_examples.py: doctest, one namespace, in page order) on the
+toy trace of ``kvscope.storage.synthetic``; here: the toy's table is that trace, every number of
+three or more decimals in its prose is one a session printed, the agreed anchors exist. And the
+documentation points nowhere outside the repository."""
 
 from __future__ import annotations
 
-import doctest
 import re
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,30 +27,6 @@ ANCHORS = {  # page → the ids other pages and docstrings link to
     "trace-format.md": ["capture", "arrays"],
     "getting-started.md": ["models"],
 }  # fmt: skip
-
-
-def test_the_sessions_of_the_concepts_page_print_what_they_show():
-    text = PAGE.read_text()
-    parser, globs = doctest.DocTestParser(), {"__name__": "concepts"}
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    blocks = SESSION.findall(text)
-    assert len(blocks) >= 25
-    for i, block in enumerate(blocks):
-        test = parser.get_doctest(block, globs, f"concepts.md session {i + 1}", str(PAGE), 0)
-        runner.run(test, clear_globs=False)
-        globs = test.globs
-    assert runner.summarize(verbose=False).failed == 0
-
-
-def test_the_command_lines_of_the_concepts_page_print_what_they_show(tmp_path):
-    """Each ``$ kvscope …`` line of a console block, run in an empty folder: its one line, exit 2."""
-    blocks = re.findall(r"```console\n(.*?)```", PAGE.read_text(), re.DOTALL)
-    pairs = re.findall(r"^\$ (kvscope .+)\n(kvscope: error: .+)$", "".join(blocks), re.MULTILINE)
-    assert pairs
-    for command, shown in pairs:
-        argv = [sys.executable, "-m", "kvscope", *shlex.split(command)[1:]]
-        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-        assert (proc.returncode, proc.stdout + proc.stderr) == (2, shown + "\n"), command
 
 
 def test_the_toy_table_is_the_toy_trace():
