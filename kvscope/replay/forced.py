@@ -250,28 +250,23 @@ class SampleForcing:
 # -- one run ----------------------------------------------------------------------------------
 
 
-@dataclass
 class Quantized:
-    """Groups one ledger quantized, per stored layer: ``positions [n, G]``, ``heads [n]`` and
-    ``visible [n]`` — the first step whose query sees them dequantized."""
+    """Groups one ledger quantized in one stored layer, by group size ``G``: ``positions [n, G]``,
+    ``heads [n]`` and ``visible [n]`` — the first step whose query sees them dequantized."""
 
-    positions: list = field(default_factory=list)
-    heads: list = field(default_factory=list)
-    visible: list = field(default_factory=list)
+    def __init__(self):
+        self.parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
 
     def add(self, positions: np.ndarray, heads: np.ndarray, visible: int) -> None:
-        self.positions.append(positions)
-        self.heads.append(heads)
-        self.visible.append(np.full(len(heads), visible, dtype=np.int64))
+        seen = np.full(len(heads), visible, dtype=np.int64)
+        self.parts.setdefault(positions.shape[1], []).append((positions, heads, seen))
 
     def arrays(self):
-        if not self.positions:
-            return None
-        return np.concatenate(self.positions), np.concatenate(self.heads), np.concatenate(self.visible)
+        """``[(positions [n, G], heads [n], visible [n])]``, one per group size."""
+        return [tuple(np.concatenate(x) for x in zip(*parts)) for _, parts in sorted(self.parts.items())]
 
     def signature(self) -> tuple:
-        got = self.arrays()
-        return () if got is None else tuple(x.tobytes() for x in got)
+        return tuple(x.tobytes() for got in self.arrays() for x in got)
 
 
 class QuantLog:
@@ -475,12 +470,15 @@ class ChunkSeen:
 
 class _Checkpoint:
     """The cache as it was before a chunk, to run the chunk again: cropped back where every layer
-    can be, else a copy taken now."""
+    holds all its positions (a plain ``DynamicLayer``), else a copy taken now (sliding windows drop
+    positions, recurrent layers keep a state)."""
 
     def __init__(self, cache, length: int, again: bool):
+        from transformers.cache_utils import DynamicLayer
+
         self.cache, self.length = cache, length
         layers = getattr(cache, "layers", None) or []
-        self.croppable = bool(layers) and all(getattr(layer, "is_croppable", False) for layer in layers)
+        self.croppable = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
         self.copy = copy.deepcopy(cache) if again and not self.croppable else None
 
     def rewind(self) -> None:
@@ -564,30 +562,35 @@ class ChunkAttention:
         this chunk's queries see, or None."""
         import torch
 
-        got = self.run.log.layers[layer].arrays()
-        if got is None:
-            return None
-        groups, heads, visible = got
         first = self.seq - len(positions)
-        keep = (visible < self.steps.stop) & (groups.min(1) >= first)  # seen in this chunk, keys still handed over
-        if not keep.any():
-            return None
-        groups, heads, visible = groups[keep], heads[keep], visible[keep]
-        slots = torch.from_numpy(groups - first)  # [n, G]
-        hh = torch.from_numpy(heads)[:, None]
-        k_sel = keys[hh, slots].float().cpu().numpy()  # [n, G, D]
-        v_sel = values[hh, slots].float().cpu().numpy()
-        ledger = self.run.state.ledger
-        layers = np.full(len(groups), layer)
-        k_hat_g, v_hat_g = ledger.dequantized(k_sel, v_sel, groups, layers)
-        k_hat, v_hat = keys.clone(), values.clone()
-        k_hat[hh, slots] = torch.from_numpy(k_hat_g).to(keys.dtype).to(keys.device)
-        v_hat[hh, slots] = torch.from_numpy(v_hat_g).to(values.dtype).to(values.device)
         since = np.full((keys.shape[0], len(positions)), FOREVER, dtype=np.int64)  # [keys, kv]
-        since[heads[:, None], groups - first] = visible[:, None]
+        k_hat = v_hat = None
+        for groups, heads, visible in self.run.log.layers[layer].arrays():
+            keep = (visible < self.steps.stop) & (groups.min(1) >= first)  # seen in this chunk, keys handed over
+            if not keep.any():
+                continue
+            groups, heads, visible = groups[keep], heads[keep], visible[keep]
+            if k_hat is None:
+                k_hat, v_hat = keys.clone(), values.clone()
+            self._roundtrip(layer, groups, heads, first, (keys, values), (k_hat, v_hat))
+            since[heads[:, None], groups - first] = visible[:, None]
+        if k_hat is None:
+            return None
         step = np.arange(self.steps.start, self.steps.stop)
         served = torch.from_numpy(since[:, None, :] <= step[None, :, None]).to(keys.device)  # [keys, c, kv]
         return k_hat, v_hat, served
+
+    def _roundtrip(self, layer: int, groups: np.ndarray, heads: np.ndarray, first: int, kv, out) -> None:
+        """The groups ``positions [n, G]`` of ``heads [n]`` quantized and dequantized by the ledger
+        (the quantizer of docs/concepts.md#quantizer) from this forward's own K/V ``kv``, into ``out``."""
+        import torch
+
+        slots = torch.from_numpy(groups - first)  # [n, G]
+        hh = torch.from_numpy(heads)[:, None]
+        keys, values = (x[hh, slots].float().cpu().numpy() for x in kv)  # [n, G, D]
+        k_hat, v_hat = self.run.state.ledger.dequantized(keys, values, groups, np.full(len(groups), layer))
+        for target, got in zip(out, (k_hat, v_hat)):
+            target[hh, slots] = torch.from_numpy(got).to(target.dtype).to(target.device)
 
     def _observe(self, layer: int, probs, positions: np.ndarray) -> None:
         """The kv-group rows ``[c, unit, kv]`` (mean over the query heads of each unit), by position."""

@@ -1,0 +1,203 @@
+"""Forced replay (docs/concepts.md#forced-replay) is the live forced decode, computed offline.
+
+Ground truth: `kvscope run`'s forced decode — the live `PolicyCache` fed the full-KV tokens one
+forward at a time — on the real SmolLM2 and a tiny GQA model. Per step the KL to full KV agrees
+within 1e-5 nats in float32 and the final tier maps are identical, for every kind of policy: a
+prompt-time press, a decode-time eviction (closed loop), a tiered quantizer, a quantizer, an
+allocation and per-head budgets. The CLI's `replay --forced` gives `run`'s mean KL."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvscope
+from kvscope.live import PolicyCache, prepare
+from kvscope.live.run import decode
+from kvscope.policies import parse
+from kvscope.replay.forced import ForcedRun, SampleForcing, load_model
+from kvscope.replay.plan import ReplaySetup
+
+from .conftest import one_line_error, run_cli
+
+STEPS = 16
+KL_TOLERANCE = 1e-5  # nats, float32
+
+
+def _trace(out, text, steps=STEPS, **extra):
+    kvscope.trace(text, out, max_new_tokens=steps, stop_at_eos=False, record_qkv=True, dtype="float32",
+                  block_steps=8, **extra)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
+def forced_trace(tmp_path_factory, smollm2_dir):
+    """SmolLM2, one ~360-token prose prompt, 16 steps, float32 with q/k/v."""
+    import pydoc_data.topics as topics
+
+    return _trace(tmp_path_factory.mktemp("forced") / "prose.zarr", topics.topics["assignment"][:1500])
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from kvscope.model.loading import load, resolve
+
+    model, _ = load(resolve("smollm2-135m"))
+    return prepare(model)
+
+
+@pytest.fixture(scope="module")
+def tiny_trace(tmp_path_factory, tiny_models):
+    text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))
+    return _trace(tmp_path_factory.mktemp("forced-tiny") / "tiny.zarr", text, model=str(tiny_models["llama"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return prepare(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]))
+
+
+def _sample(trace, policies, budgets, allocations=None, chunk=4, max_rounds=8):
+    ds = kvscope.open_trace(trace)
+    forced = load_model(ds)
+    setup = ReplaySetup.of(
+        ds, policies, allocations, budgets, observe="renorm", every=None, errors=False, validate=True,
+        kv_itemsize=forced.itemsize, question_agnostic=False, horizon=32, horizons=None, m=4, h_lir=8, delta=1,
+        n_boot=10, seed=0, resample="samples",
+    )  # fmt: skip
+    sample = SampleForcing(setup, 0, forced, chunk, max_rounds)
+    return setup, sample
+
+
+def _live(model, trace, policy, budget, allocation=None):
+    """The live forced decode: per-step KL to full KV and the final tier maps."""
+    ds = kvscope.open_trace(trace)
+    p = int(ds.kvscope.prompt_len[0])
+    ids = [int(x) for x in ds["tokens"].values[0, :p]]
+    full = decode(model, ids, DynamicCache(config=model.config), STEPS)
+    assert full.tokens == [int(x) for x in ds.kvscope.generated(0)]
+    cache = PolicyCache(model, policy, budget, STEPS, allocation=allocation)
+    forced = decode(model, ids, cache, STEPS, forced=full.tokens)
+    cache.end_step()
+    ref, logp = torch.log_softmax(full.logits, -1), torch.log_softmax(forced.logits, -1)
+    return (ref.exp() * (ref - logp)).sum(-1).numpy(), cache.state.tiers
+
+
+def _forced(sample, policy, budget, allocation=None):
+    run = ForcedRun(sample, parse(policy), allocation and parse_allocation(allocation), budget)
+    return run.run()
+
+
+def parse_allocation(name):
+    from kvscope.policies.allocation import parse as parse_alloc
+
+    return parse_alloc(name)
+
+
+def _agree(model, trace, policy, budget, allocation=None, chunk=4):
+    setup, sample = _sample(trace, [policy], [budget], [allocation] if allocation else None, chunk=chunk)
+    sample.start(presses=setup.policies[0].reads_queries, feeds=False)
+    run = _forced(sample, policy, budget, allocation)
+    kl, tiers = _live(model, trace, policy, budget, allocation)
+    np.testing.assert_allclose(run.kl, kl, atol=KL_TOLERANCE, rtol=0)
+    np.testing.assert_array_equal(run.state.tiers, tiers)
+    assert run.converged
+    return run, kl
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy, allocation",
+    [("press:SnapKVPress", None), ("h2o", None), ("qevict", None), ("kivi", None), ("h2o", "pyramid")],
+)
+def test_forced_replay_is_the_live_forced_decode_on_smollm2(smollm2, forced_trace, policy, allocation):
+    run, kl = _agree(smollm2, forced_trace, policy, 0.3, allocation)
+    assert kl[0] == pytest.approx(0, abs=1e-6) and kl[1:].max() > 1e-3  # the cache changed the output
+    assert run.depends == (policy in ("h2o", "qevict"))  # decisions on what the cache served: a closed loop
+
+
+@pytest.mark.parametrize(
+    "policy, budget, allocation",
+    [
+        ("streaming", 0.4, None),
+        ("h2o", 0.4, None),
+        ("h2o", 0.7, None),
+        ("qevict", 0.5, None),
+        ("logquant:W=8", 0.6, None),
+        ("h2o", 0.4, "adakv"),
+        ("press:AdaKVPress:press=SnapKVPress:window_size=16", 0.4, None),
+        ("press:KnormPress", 0.5, None),
+    ],
+)
+def test_forced_replay_is_the_live_forced_decode_on_a_gqa_model(tiny_llama, tiny_trace, policy, budget, allocation):
+    _agree(tiny_llama, tiny_trace, policy, budget, allocation)
+
+
+def test_chunks_of_one_step_give_the_same_decode(tiny_trace):
+    """The chunked closed loop reaches what a step-by-step loop computes (one round each)."""
+    out = {}
+    for chunk in (1, 5, 16):
+        setup, sample = _sample(tiny_trace, ["h2o"], [0.4], chunk=chunk)
+        sample.start(presses=False, feeds=False)
+        run = _forced(sample, "h2o", 0.4)
+        out[chunk] = run
+        assert run.converged and (run.rounds == 1 if chunk == 1 else True)
+    np.testing.assert_allclose(out[5].kl, out[1].kl, atol=KL_TOLERANCE, rtol=0)
+    np.testing.assert_allclose(out[16].kl, out[1].kl, atol=KL_TOLERANCE, rtol=0)
+    np.testing.assert_array_equal(out[16].state.tiers, out[1].state.tiers)
+
+
+def test_a_loop_that_runs_out_of_rounds_is_labelled(tiny_trace):
+    """H2O at β 0.7 on the tiny model needs three forwards of a 16-step chunk: with fewer allowed the
+    run says it did not converge; with enough it does."""
+    got = {}
+    for max_rounds in (1, 2, 8):
+        setup, sample = _sample(tiny_trace, ["h2o"], [0.7], chunk=16, max_rounds=max_rounds)
+        sample.start(presses=False, feeds=False)
+        run = _forced(sample, "h2o", 0.7)
+        got[max_rounds] = (run.rounds, run.converged)
+    assert got == {1: (1, False), 2: (2, False), 8: (3, True)}
+
+
+@pytest.mark.slow
+def test_cli_forced_replay_equals_run(forced_trace):
+    """`kvscope replay --forced` against `kvscope run --json` on the same prompt and budget."""
+    ran = run_cli("replay", forced_trace, "--forced", "--policies", "press:SnapKVPress,h2o,qevict", "--budgets", "0.3",
+                  "--json", check=True)  # fmt: skip
+    rows = {row["policy"]: row for row in json.loads(ran.stdout)["rows"]}
+    doc = json.loads(ran.stdout)
+    assert json.loads(doc["forced"])["loops"] == {"press:SnapKVPress": "one round", "h2o": "closed", "qevict": "closed"}
+    ds = kvscope.open_trace(forced_trace)
+    prompt = ds.attrs["prompts"][0]["text"]
+    for policy, row in rows.items():
+        live = run_cli("run", "--policy", policy, "--budget", "0.3", "--max-new-tokens", STEPS, "--prompt", prompt,
+                       "--json", check=True)  # fmt: skip
+        got = json.loads(live.stdout)["samples"][0]
+        assert row["forced_kl"] == pytest.approx(got["kl"], abs=1e-4), policy
+        assert row["forced_converged"]
+
+
+def test_forced_replay_refuses_what_it_cannot_do(tmp_path, tiny_trace, tiny_models):
+    import shutil
+
+    from .conftest import tree_digest
+
+    one_line_error(run_cli("replay", tiny_trace, "--forced", "--policies", "h2o", "--budgets", "0.5",
+                           "--max-rounds", "0"), "max rounds must be an integer ≥ 1")  # fmt: skip
+    # the trace's model folder is gone: refused in one line, nothing written
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], folder)
+    store = _trace(tmp_path / "gone.zarr", "a short prompt about nothing in particular " * 4, steps=4,
+                   model=str(folder))  # fmt: skip
+    shutil.rmtree(folder)
+    before = tree_digest(store)
+    out = tmp_path / "result.zarr"
+    one_line_error(run_cli("replay", store, "--forced", "--policies", "h2o", "--budgets", "0.5", "--out", out),
+                   "forced replay needs the trace's model")  # fmt: skip
+    assert tree_digest(store) == before and not out.exists()
