@@ -60,12 +60,12 @@ def _kv_group(weights: torch.Tensor, units: int) -> np.ndarray:
     return weights.float().reshape(units, h // units, *weights.shape[1:]).mean(1).numpy()
 
 
-def reference(folder, prompt: list[int], continuation: list[int], policy, spec_of, rope=None):
+def reference(folder, prompt: list[int], continuation: list[int], policy, spec_of, model_spec: ModelSpec, rope=None):
     """Per step KL(full ‖ policy) ``[S]`` and the final tier maps of ``policy`` under the cache spec
-    ``spec_of`` (the replay's), decoding ``continuation`` after ``prompt``."""
+    ``spec_of`` (the replay's), decoding ``continuation`` after ``prompt``; ``model_spec``: the
+    trace's (its cache units, its attention layers)."""
     model, attention = load(folder)
-    spec = ModelSpec.from_model(model, attention_layers=_attention_layers(model, prompt))
-    units, stored = spec.n_kv_heads, spec.layer_index
+    units, stored = model_spec.n_kv_heads, model_spec.layer_index
     P, S = len(prompt), len(continuation)
     full = _full_log_probs(model, prompt, continuation)  # [S, vocab]
     state = policy.start(spec_of, rope=rope)
@@ -112,15 +112,6 @@ def _full_layers(cache):
         if isinstance(layer, DynamicSlidingWindowLayer):
             cache.layers[i] = DynamicLayer()
     return cache
-
-
-def _attention_layers(model, prompt) -> tuple[int, ...]:
-    """The model's layers that attend (a forward records which call the function)."""
-    attention = AttentionInterface._global_mapping[NAME]
-    attention.weights = {}
-    with torch.no_grad():
-        model(input_ids=torch.tensor([prompt[:4]]))
-    return tuple(sorted(attention.weights))
 
 
 def _full_log_probs(model, prompt, continuation) -> np.ndarray:

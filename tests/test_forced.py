@@ -201,3 +201,45 @@ def test_forced_replay_refuses_what_it_cannot_do(tmp_path, tiny_trace, tiny_mode
     one_line_error(run_cli("replay", store, "--forced", "--policies", "h2o", "--budgets", "0.5", "--out", out),
                    "forced replay needs the trace's model")  # fmt: skip
     assert tree_digest(store) == before and not out.exists()
+
+
+ARCHITECTURES = ["mistral", "gpt_oss", "deepseek_v3", "lfm2"]  # sliding windows, learned sinks + sliding, MLA, hybrid
+
+
+@pytest.fixture(scope="module")
+def architecture_traces(tmp_path_factory, smollm2_dir):
+    """Tiny random-weight models of ``ARCHITECTURES`` and a float32 trace of each (eager attention,
+    the reference's kernel), 12 steps after a ~70-token prompt."""
+    from .architectures import build_tiny_model
+
+    base = tmp_path_factory.mktemp("forced-architectures")
+    text = " ".join(f"line {i}: the value is {i * 5 % 11}." for i in range(12))
+    out = {}
+    for model_type in ARCHITECTURES:
+        folder = build_tiny_model(model_type, base / model_type, smollm2_dir)
+        out[model_type] = folder, _trace(base / f"{model_type}.zarr", text, steps=12, model=str(folder), attn="eager")
+    return out
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+@pytest.mark.parametrize("policy, budget", [("streaming", 0.5), ("h2o", 0.5), ("snapkv", 0.6)])
+def test_forced_replay_is_the_sequential_decode_on_other_architectures(architecture_traces, model_type, policy, budget):
+    """Sliding windows, learned sinks, latent attention and a hybrid: forced replay (chunks of 4)
+    against the model's own eager attention one token per forward, masked per layer and head by the
+    policy's tier maps, the policy driven on the rows that attention produced
+    (tests/forced_reference.py)."""
+    from .forced_reference import reference
+
+    folder, trace = architecture_traces[model_type]
+    setup, sample = _sample(trace, [policy], [budget])
+    sample.start(presses=False, feeds=False)
+    run = _forced(sample, policy, budget)
+    ds = kvscope.open_trace(trace)
+    p = int(ds.kvscope.prompt_len[0])
+    tokens = [int(x) for x in ds["tokens"].values[0, : p + int(ds.kvscope.n_steps[0])]]
+    kl, tiers = reference(folder, tokens[:p], tokens[p:], parse(policy), setup.spec(0, budget), ds.kvscope.model)
+    np.testing.assert_allclose(run.kl, kl, atol=KL_TOLERANCE, rtol=0)
+    np.testing.assert_array_equal(run.state.tiers, tiers)
+    assert run.converged
+    if policy != "snapkv" or model_type != "mistral":  # (every mistral layer's window already drops what SnapKV would)
+        assert kl[1:].max() > 1e-4  # the cache changed the output
