@@ -190,7 +190,7 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
             fmt(row["attn_l1"]), fmt(row["output_rel_l2"]), fmt(row["churn"]), fmt(row["lir"]),
             *(_forced_cells(row, fmt) if forced else []),
         )  # fmt: skip
-    print_table(table, 120)
+    print_table(table, 150 if forced else 120)
     print(
         "bytes used: peak share of the full cache at the final length; (floor): the policy cannot fit β and "
         "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "

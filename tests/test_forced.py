@@ -243,3 +243,31 @@ def test_forced_replay_is_the_sequential_decode_on_other_architectures(architect
     assert run.converged
     if policy != "snapkv" or model_type != "mistral":  # (every mistral layer's window already drops what SnapKV would)
         assert kl[1:].max() > 1e-4  # the cache changed the output
+
+
+def test_forced_result_store_compare_and_cluster(tmp_path, tiny_trace):
+    """The forced variables in a replay result: written, reopened (checked), shown by compare; the
+    same numbers from tasks on a dask cluster."""
+    from distributed import Client, LocalCluster
+
+    out = tmp_path / "result.zarr"
+    kvscope.replay(tiny_trace, ["streaming", "h2o"], [0.4, 0.7], forced=True, forced_chunk=5, out=out)
+    result = kvscope.open_result(out)
+    assert result.attrs["kv_itemsize"] == 4
+    kl = result["forced_kl"].values  # [policy, allocation, budget, sample, step]
+    assert kl.shape == (2, 1, 2, 1, STEPS) and np.isfinite(kl).all() and kl[..., 0].max() == 0
+    mean = result["forced_kl_mean"].values  # [policy, allocation, budget]: one sample, the mean over its steps
+    np.testing.assert_allclose(mean, kl[..., 0, :].mean(-1))
+    assert np.isnan(result["forced_kl_ci_low"].values).all()  # one sample: no between-prompt interval
+    ppl = np.exp(result["forced_nll"].values[..., 0, :].mean(-1))
+    np.testing.assert_allclose(result["forced_perplexity"].values, ppl)
+    assert (result["forced_perplexity"].values >= 1).all() and (result["forced_agreement"].values <= 1).all()
+    shown = run_cli("compare", out, check=True).stdout
+    assert "KL (forced)" in shown and "nats per step" in shown and "nan" not in shown
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, processes=False) as cluster,
+        Client(cluster) as client,
+    ):
+        on_cluster = kvscope.replay(tiny_trace, ["streaming", "h2o"], [0.4, 0.7], forced=True, forced_chunk=5,
+                                    client=client)  # fmt: skip
+    np.testing.assert_array_equal(on_cluster["forced_kl"].values, kl)

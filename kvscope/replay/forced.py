@@ -40,6 +40,7 @@ not changed. Memory: a chunk's tier maps ``[chunk, layer, unit, P + S]`` and row
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -662,12 +663,15 @@ class ForcedOutputs:
             np.zeros(lead, dtype=np.int64), np.ones(lead, dtype=bool), np.full(setup.n_samples, np.nan), {}, settings,
         )  # fmt: skip
 
-    def put(self, index: tuple[int, int, int, int], run: ForcedRun) -> None:
-        scored = slice(run.sample.first_scored, run.sample.S)
-        self.kl[index][scored] = run.kl[scored]
-        self.nll[index][scored] = run.nll[scored]
-        self.top1[index][scored] = run.top1[scored]
-        self.rounds[index], self.converged[index] = run.rounds, run.converged
+    def absorb(self, result: TaskResult) -> None:
+        """A task's runs into place (their scored steps: the rest stay NaN)."""
+        s = result.sample
+        for (pi, ai, bi), (kl, nll, top1, rounds, converged) in result.runs.items():
+            at, steps = (pi, ai, bi, s), slice(result.first, result.first + len(kl))
+            self.kl[at][steps], self.nll[at][steps], self.top1[at][steps] = kl, nll, top1
+            self.rounds[at], self.converged[at] = rounds, converged
+        self.perplexity_full[s] = result.perplexity_full
+        self.loops.update(result.loops)
 
 
 def loop_of(policy, state) -> str:
@@ -679,30 +683,104 @@ def loop_of(policy, state) -> str:
     return "closed" if policy.observes or state.reads_forward(prefill=False) else "one round"
 
 
-def forced_replay(setup, forced: ForcedModel, splits: dict, chunk: int, max_rounds: int, progress=None):
-    """The forced decode of every run of ``setup`` on every sample with steps (the model loaded
-    once; per sample one prefill and one full-KV reference shared by its runs); ``splits``: the
-    oracle allocation's per sample, as the replay chose them. ``progress(done, total)`` per run."""
+@dataclass(frozen=True)
+class ForcedTask:
+    """One sample's forced decodes under some policies (every allocation and budget of each):
+    one prefill and one full-KV reference shared by its runs."""
+
+    sample: int
+    policies: tuple[int, ...]
+
+
+@dataclass
+class TaskResult:
+    """What a task sends back: per run ``(policy, allocation, budget)`` its per-step figures, rounds
+    and convergence; the sample's perplexity under full KV; each policy's loop."""
+
+    sample: int
+    first: int  # the first scored step (the runs' arrays start there)
+    runs: dict  # (pi, ai, bi) → (kl, nll, top1 [scored step], rounds, converged)
+    perplexity_full: float
+    loops: dict  # policy label → loop
+
+
+def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
+    """The forced decodes of ``task`` (module docstring); ``splits``: the oracle allocation's, by sample."""
+    s = task.sample
+    sample = SampleForcing(setup, s, forced, chunk, max_rounds)
+    runs = {
+        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget,
+                                splits.get(s, {}).get((pi, ai, bi)))  # fmt: skip
+        for pi in task.policies
+        for ai, allocation in enumerate(setup.allocations)
+        for bi, budget in enumerate(setup.budgets)
+    }
+    loops = {run.policy.label(): loop_of(run.policy, run.state) for run in runs.values()}
+    sample.start(
+        presses=any(run.policy.reads_queries for run in runs.values()),
+        feeds=any(run.state.reads_forward(prefill=False) for run in runs.values()),
+    )
+    scored = slice(sample.first_scored, sample.S)
+    done = {}
+    for key, run in runs.items():
+        run.run()
+        done[key] = (run.kl[scored], run.nll[scored], run.top1[scored], run.rounds, run.converged)
+    return TaskResult(s, sample.first_scored, done, sample.perplexity_full(), loops)
+
+
+def forced_tasks(setup, client) -> list[ForcedTask]:
+    """One task per sample with steps (its runs share the prefill and the reference); on a cluster one
+    per (sample, policy), so that the workers share the grid."""
+    samples = [int(s) for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0)]
+    if client is None:
+        return [ForcedTask(s, tuple(range(len(setup.policies)))) for s in samples]
+    return [ForcedTask(s, (pi,)) for s in samples for pi in range(len(setup.policies))]
+
+
+def forced_replay(setup, forced: ForcedModel, splits: dict, chunk: int, max_rounds: int, client=None,
+                  progress=None) -> ForcedOutputs:  # fmt: skip
+    """The forced decode of every run of ``setup`` on every sample with steps — in this process with
+    the model ``forced`` loaded once, or as tasks on a dask ``client`` (each worker loads the trace's
+    model once); ``splits``: the oracle allocation's per sample, as the replay chose them.
+    ``progress(done, total)`` per task."""
     out = ForcedOutputs.allocate(setup, {"chunk": chunk, "max_rounds": max_rounds, "model": forced.label,
                                          "kv_itemsize": setup.kv_itemsize})  # fmt: skip
-    samples = [int(s) for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0)]
-    total, done = len(samples) * len(setup.grid), 0
-    for s in samples:
-        sample = SampleForcing(setup, s, forced, chunk, max_rounds)
-        runs = []
-        for gi, (policy, allocation, budget) in enumerate(setup.grid):
-            pi, rest = divmod(gi, len(setup.allocations) * len(setup.budgets))
-            ai, bi = divmod(rest, len(setup.budgets))
-            split = splits.get(s, {}).get((pi, ai, bi))
-            runs.append(((pi, ai, bi, s), ForcedRun(sample, policy, allocation, budget, split)))
-            out.loops.setdefault(policy.label(), loop_of(policy, runs[-1][1].state))
-        presses = any(run.policy.reads_queries for _, run in runs)
-        feeds = any(run.state.reads_forward(prefill=False) for _, run in runs)
-        sample.start(presses, feeds)
-        out.perplexity_full[s] = sample.perplexity_full()
-        for index, run in runs:
-            out.put(index, run.run())
-            done += 1
-            if progress is not None:
-                progress(done, total)
+    tasks = forced_tasks(setup, client)
+    if client is None:
+        results = (run_task(setup, forced, task, splits, chunk, max_rounds) for task in tasks)
+    else:
+        results = _on_cluster(client, setup, tasks, splits, chunk, max_rounds, str(forced.device))
+    for done, result in enumerate(results, 1):
+        out.absorb(result)
+        if progress is not None:
+            progress(done, len(tasks))
     return out
+
+
+def _on_cluster(client, setup, tasks, splits, chunk, max_rounds, device):
+    """The tasks' results from the cluster's workers, as they finish."""
+    from dataclasses import replace
+
+    from distributed import as_completed
+
+    state = replace(setup, ds=None)
+    futures = [client.submit(_remote_task, state, setup.source, task, splits, chunk, max_rounds, device, pure=False)
+               for task in tasks]  # fmt: skip
+    for future in as_completed(futures):
+        yield future.result()
+
+
+@functools.lru_cache(maxsize=2)
+def _worker_model(path: str, device: str) -> tuple:
+    """A worker's trace and its model, opened and loaded once per process."""
+    from ..storage.store import open_trace
+
+    ds = open_trace(path)
+    return ds, load_model(ds, device)
+
+
+def _remote_task(setup, path: str, task: ForcedTask, splits, chunk, max_rounds, device) -> TaskResult:
+    from dataclasses import replace
+
+    ds, forced = _worker_model(path, device)
+    return run_task(replace(setup, ds=ds), forced, task, splits, chunk, max_rounds)

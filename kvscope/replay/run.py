@@ -163,7 +163,7 @@ def replay(
         outputs.tiers.complete()
         decoded = None
         if model is not None:
-            decoded = forced_replay(setup, model, outputs.splits, forced_chunk, max_rounds, progress=progress)
+            decoded = forced_replay(setup, model, outputs.splits, forced_chunk, max_rounds, client, progress)
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers, decoded)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
