@@ -368,9 +368,10 @@ def _attrs(setup, trace, seconds: float) -> dict:
     }
 
 
-def forced_attrs(forced) -> dict:
-    """The ``forced`` attribute of a result with forced decodes: its settings and each policy's loop."""
-    return {"forced": json.dumps({**forced.settings, "loops": forced.loops})}
+def forced_attrs(forced, seconds: float) -> dict:
+    """The ``forced`` attribute of a result with forced decodes: its settings, each policy's loop and
+    the seconds the forced decodes took (of ``replay_seconds``)."""
+    return {"forced": json.dumps({**forced.settings, "loops": forced.loops, "seconds": round(seconds, 3)})}
 
 
 def _press_settings(setup, settings: dict) -> str:

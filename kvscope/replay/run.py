@@ -161,9 +161,11 @@ def replay(
         outputs = _result.Outputs.allocate(setup, root, block=block)
         ran_on = _run(setup, outputs, block, client, threads, processes, progress)
         outputs.tiers.complete()
-        decoded = None
+        decoded, forced_seconds = None, 0.0
         if model is not None:
+            forced_started = time.perf_counter()
             decoded = forced_replay(setup, model, outputs.splits, forced_chunk, max_rounds, client, progress)
+            forced_seconds = time.perf_counter() - forced_started
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
         result = _result.build(setup, outputs, tiers, decoded)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
@@ -172,7 +174,7 @@ def replay(
             result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
             result.attrs["press_notes"] = _press_notes(setup, outputs.settings)
         if decoded is not None:
-            result.attrs.update(forced_attrs(decoded))
+            result.attrs.update(forced_attrs(decoded, forced_seconds))
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result
