@@ -448,9 +448,18 @@ class Ledger:
         cos, sin, _, n_rot = rotary
         return apply_rope(k_hat, cos, sin, n_rot)
 
-    def dequantized(self, keys, values, positions, layers):
-        """Quantize then dequantize groups ``keys``/``values [n, G, D]`` (float32) of
-        ``positions [n, G]`` in ``layers [n]`` → ``(k̂, v̂)``."""
+    def dequantized(
+        self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, layers: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Quantize then dequantize groups of keys and values → ``(k̂, v̂)`` (what a cache serves
+        for them: the quantizer of [the concepts](concepts.md#quantizer), keys back through RoPE).
+
+        Args:
+            keys: ``[n, G, D]`` float32, post-RoPE as attention sees them.
+            values: ``[n, G, D]`` float32.
+            positions: ``[n, G]`` their positions.
+            layers: ``[n]`` their layers.
+        """
         qk, qv = self.encode(keys, values, positions, layers)
         k_hat = self.decode_keys(qk.dequantize().reshape(keys.shape), positions, layers)
         return k_hat, qv.dequantize().reshape(values.shape)

@@ -30,9 +30,9 @@ sample is marked not converged. Policies whose maps do not depend on the decode 
 policies and presses, StreamingLLM, KIVI, LogQuant) need one round; the clairvoyant oracle's maps
 come from the recorded future (open loop) and are labelled so.
 
-Attention is the rule of :mod:`kvscope.model.attention` (fp32 logits and softmax, ``out = a·V`` in
+Attention is the rule of ``kvscope.model.attention`` (fp32 logits and softmax, ``out = a·V`` in
 the value's dtype, learned sinks and softcapping as the layer has them), through transformers'
-``AttentionInterface`` (:func:`kvscope.tracing.capture.attention_override`); the model classes are
+``AttentionInterface`` (``kvscope.tracing.capture.attention_override``); the model classes are
 not changed. Memory: a chunk's tier maps ``[chunk, layer, unit, P + S]`` and rows, never an
 ``[S, S]`` mask.
 """
@@ -158,7 +158,7 @@ class Prefill:
 
 class SampleForcing:
     """Sample ``s`` of a replay ``setup`` under the loaded ``forced`` model: its prefill, its full-KV
-    reference, then any policy's forced decode (:meth:`run`)."""
+    reference, then any policy's forced decode (``ForcedRun.run``)."""
 
     def __init__(self, setup, s: int, forced: ForcedModel, chunk: int, max_rounds: int):
         import torch
@@ -290,7 +290,7 @@ class QuantLog:
 class ForcedRun:
     """One (policy, allocation, budget) on one sample: its closed-loop forced decode (module docstring).
 
-    After :meth:`run`: ``kl``, ``nll``, ``top1`` ``[S]``, ``rounds`` (most rounds of any chunk),
+    After ``run``: ``kl``, ``nll``, ``top1`` ``[S]``, ``rounds`` (most rounds of any chunk),
     ``converged``; with ``keep_logits`` the log-probabilities ``[S, vocab]``, and ``feeds`` (each decode
     forward's q/k/v) where the sample needs them."""
 
@@ -494,7 +494,7 @@ class _Checkpoint:
 
 class ChunkAttention:
     """Every attention layer's output for a chunk of forced steps under their tier maps (called by
-    kvscope's attention function while :func:`~kvscope.tracing.capture.attention_override` holds it).
+    kvscope's attention function while ``kvscope.tracing.capture.attention_override`` holds it).
 
     Key slot ``j`` of the ``kv`` the layer hands over holds position ``seq − kv + j`` (the cache's
     last slots: all of them, or a sliding layer's window), ``seq = P − 1 + stop``. Per query ``t``

@@ -121,7 +121,7 @@ def replay(
             every policy first compresses at the end of the context, and the question's steps
             are decode steps).
         forced: Also the model's own output under each run's cache, teacher-forced on the trace's
-            continuation ([forced replay](concepts.md#forced-replay), [`kvscope.replay.forced`][kvscope.replay.forced]):
+            continuation ([forced replay](concepts.md#forced-replay), ``kvscope.replay.forced``):
             the trace's model is loaded once, on ``device``.
         forced_chunk: Decode steps per forward of the forced decodes (their closed loop converges chunk by chunk).
         max_rounds: Forwards of one chunk before a closed loop that still changes is labelled not converged.
