@@ -271,3 +271,32 @@ def test_forced_result_store_compare_and_cluster(tmp_path, tiny_trace):
         on_cluster = kvscope.replay(tiny_trace, ["streaming", "h2o"], [0.4, 0.7], forced=True, forced_chunk=5,
                                     client=client)  # fmt: skip
     np.testing.assert_array_equal(on_cluster["forced_kl"].values, kl)
+
+
+def test_forced_replay_of_a_given_continuation(tmp_path, tiny_models):
+    """A trace that teacher-forced a given text (``trace --continuation``): forced replay scores that
+    text under each cache (its NLL is the text's under full KV for ``full``), and refuses a trace
+    whose recorded continuation no longer gives its tokens."""
+    import zarr
+
+    text = " ".join(f"entry {i} holds {i * 3 % 7}." for i in range(20))
+    follow = " The list goes on: entry twenty holds six, entry twenty-one holds two, and so on."
+    store = tmp_path / "continued.zarr"
+    kvscope.trace(text, store, model=str(tiny_models["llama"]), continuation=follow, record_qkv=True,
+                  dtype="float32", block_steps=8)  # fmt: skip
+    result = kvscope.replay(store, ["full", "streaming"], [1.0, 0.4], forced=True, forced_chunk=6)
+    ds = kvscope.open_trace(store)
+    n = int(ds.kvscope.continuation_tokens[0])
+    assert result.sizes["step"] == n
+    nll = result["forced_nll"].sel(policy="full", budget=1.0).values[0]  # [step]
+    ppl = np.exp(nll.mean())
+    assert ppl == pytest.approx(float(result["forced_perplexity_full"].values[0]), rel=1e-5)
+    assert result["forced_kl"].sel(policy="full", budget=1.0).values.max() < 1e-5
+    assert result["forced_kl"].sel(policy="streaming", budget=0.4).values.max() > 1e-3
+    # the recorded text edited: its tokens are not the trace's any more
+    group = zarr.open_group(str(store), mode="r+")
+    prompts = list(group.attrs["prompts"])
+    prompts[0] = {**prompts[0], "continuation": "Something else entirely."}
+    group.attrs["prompts"] = prompts
+    one_line_error(run_cli("replay", store, "--forced", "--policies", "streaming", "--budgets", "0.4"),
+                   "recorded continuation does not match the trace's tokens")  # fmt: skip

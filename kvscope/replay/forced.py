@@ -75,6 +75,7 @@ class ForcedModel:
     model: object
     spec: object  # ModelSpec as inspected
     label: str
+    tokenizer: object = None
 
     @property
     def device(self):
@@ -117,13 +118,34 @@ def load_model(ds, device: str | None = None) -> ForcedModel:
             f"(weights sha256 {source.weights_sha256[:12]}… against {recorded['sha256'][:12]}…)"
         )
     kernel = settings.get("attn", "sdpa")
-    model, _ = load(source, device or settings.get("device", "cpu"), settings.get("model_dtype", "auto"),
-                    bool(settings.get("trust_remote_code", False)))  # fmt: skip
+    model, tokenizer = load(source, device or settings.get("device", "cpu"), settings.get("model_dtype", "auto"),
+                            bool(settings.get("trust_remote_code", False)))  # fmt: skip
     register()
     model.set_attn_implementation(implementation_name(kernel))
     spec = inspect(model, kernel)
     _check_geometry(spec, ds.kvscope.model, name)
-    return ForcedModel(model, spec, str(name))
+    forced = ForcedModel(model, spec, str(name), tokenizer)
+    check_continuations(ds, forced)
+    return forced
+
+
+def check_continuations(ds, forced: ForcedModel) -> None:
+    """A trace that forced given continuations: each recorded text still tokenizes to the stored
+    tokens with the loaded model's tokenizer (else the forced replay would score another text)."""
+    acc = ds.kvscope
+    if not acc.continued:
+        return
+    prompts = ds.attrs.get("prompts") or []
+    for s, n in enumerate(acc.continuation_tokens):
+        text = (prompts[s] if s < len(prompts) else {}).get("continuation")
+        start = int(acc.prompt_len[s] + acc.question_tokens[s])
+        stored = [int(x) for x in ds["tokens"].values[s, start : start + int(n)]]
+        ids = forced.tokenizer(text or "", add_special_tokens=False)["input_ids"][: int(n)]
+        if not isinstance(text, str) or ids != stored:
+            raise KvscopeError(
+                f"forced replay: sample {s}'s recorded continuation does not match the trace's tokens with the "
+                f"tokenizer of {forced.label!r} (the trace holds {len(stored)} forced tokens)"
+            )
 
 
 def _check_geometry(spec, traced, name: str) -> None:
@@ -221,7 +243,7 @@ class SampleForcing:
         or its weights, differ from the recording's); sampled traces and forced question steps are
         not checked."""
         gen = self.setup.ds.attrs.get("generation") or {}
-        if gen.get("sampling"):
+        if gen.get("sampling") or self.setup.ds.kvscope.continued:  # sampled, or a given text: not greedy
             return
         y = self.continuation.numpy()
         logp = self.reference  # [S, vocab]
