@@ -158,8 +158,8 @@ def offline_grid(args, prompts: dict, folder: Path) -> tuple[list[dict], float, 
         )  # fmt: skip
         result = result.sel(allocation="uniform")
         per_prompt = {var: result[var].mean(["event", "layer", "kv_head"], skipna=True).values for var in PER_EVENT}
-        for var, name in PER_STEP.items():  # [policy, budget, sample]: the mean over the scored steps
-            per_prompt[var] = result[name].mean("step", skipna=True).values
+        for var, stepwise in PER_STEP.items():  # [policy, budget, sample]: the mean over the scored steps
+            per_prompt[var] = result[stepwise].mean("step", skipna=True).values
         per_prompt["forced_disagreement"] = 1 - per_prompt["forced_disagreement"]
         rounds = result["forced_rounds"].values  # [policy, budget, sample]
         converged = result["forced_converged"].values
