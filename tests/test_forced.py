@@ -19,7 +19,7 @@ import kvscope
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import decode
 from kvscope.policies import parse
-from kvscope.replay.forced import ForcedRun, SampleForcing, load_model
+from kvscope.replay.forced import ForcedRun, SampleForcing, load_model, reads_decodes
 from kvscope.replay.plan import ReplaySetup
 
 from .conftest import one_line_error, run_cli
@@ -90,7 +90,10 @@ def _live(model, trace, policy, budget, allocation=None):
 
 
 def _forced(sample, policy, budget, allocation=None):
+    """The forced decode of one run (the sample's prefill and reference made first, as a task does)."""
     run = ForcedRun(sample, parse(policy), allocation and parse_allocation(allocation), budget)
+    if sample.prefill is None:
+        sample.start(presses=run.policy.reads_queries, feeds=reads_decodes(run.state))
     return run.run()
 
 
@@ -102,7 +105,6 @@ def parse_allocation(name):
 
 def _agree(model, trace, policy, budget, allocation=None, chunk=4):
     setup, sample = _sample(trace, [policy], [budget], [allocation] if allocation else None, chunk=chunk)
-    sample.start(presses=setup.policies[0].reads_queries, feeds=False)
     run = _forced(sample, policy, budget, allocation)
     kl, tiers = _live(model, trace, policy, budget, allocation)
     np.testing.assert_allclose(run.kl, kl, atol=KL_TOLERANCE, rtol=0)
@@ -133,6 +135,13 @@ def test_forced_replay_is_the_live_forced_decode_on_smollm2(smollm2, forced_trac
         ("h2o", 0.4, "adakv"),
         ("press:AdaKVPress:press=SnapKVPress:window_size=16", 0.4, None),
         ("press:KnormPress", 0.5, None),
+        # presses on the model's own modules, that rewrite what they keep, that run the model, that decode
+        ("press:LeverageScorePress", 0.5, None),
+        ("press:CriticalKVPress:press=SnapKVPress:window_size=16", 0.5, None),
+        ("press:KeyRerotationPress:press=KnormPress", 0.5, None),
+        ("press:ThinKPress", 0.5, None),
+        ("press:KVzipPress", 0.5, None),
+        ("press:DecodingPress:base_press=KnormPress:compression_interval=4", 0.6, None),
     ],
 )
 def test_forced_replay_is_the_live_forced_decode_on_a_gqa_model(tiny_llama, tiny_trace, policy, budget, allocation):
@@ -144,7 +153,6 @@ def test_chunks_of_one_step_give_the_same_decode(tiny_trace):
     out = {}
     for chunk in (1, 5, 16):
         setup, sample = _sample(tiny_trace, ["h2o"], [0.4], chunk=chunk)
-        sample.start(presses=False, feeds=False)
         run = _forced(sample, "h2o", 0.4)
         out[chunk] = run
         assert run.converged and (run.rounds == 1 if chunk == 1 else True)
@@ -159,7 +167,6 @@ def test_a_loop_that_runs_out_of_rounds_is_labelled(tiny_trace):
     got = {}
     for max_rounds in (1, 2, 8):
         setup, sample = _sample(tiny_trace, ["h2o"], [0.7], chunk=16, max_rounds=max_rounds)
-        sample.start(presses=False, feeds=False)
         run = _forced(sample, "h2o", 0.7)
         got[max_rounds] = (run.rounds, run.converged)
     assert got == {1: (1, False), 2: (2, False), 8: (3, True)}
@@ -232,7 +239,6 @@ def test_forced_replay_is_the_sequential_decode_on_other_architectures(architect
 
     folder, trace = architecture_traces[model_type]
     setup, sample = _sample(trace, [policy], [budget])
-    sample.start(presses=False, feeds=False)
     run = _forced(sample, policy, budget)
     ds = kvscope.open_trace(trace)
     p = int(ds.kvscope.prompt_len[0])

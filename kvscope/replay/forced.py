@@ -200,6 +200,7 @@ class SampleForcing:
         self.prefill: Prefill | None = None
         self.reference: np.ndarray | None = None  # [S, vocab] float32 log-probabilities under full KV
         self.reference_feeds: list | None = None  # per step (keys, values, queries) of the full-KV forward
+        self._capture = None
 
     @property
     def final_len(self) -> int:
@@ -259,6 +260,17 @@ class SampleForcing:
                 "the trace was recorded with other weights, dtype or kernel"
             )
 
+    def capture(self):
+        """The prompt's prefill on the model with what each layer's press hook is handed kept
+        (``PrefillCapture``), made once per sample: prompt-time presses decide from it, as their
+        hook does on a live prefill."""
+        if self._capture is None:
+            from ..policies.press_hooks import PrefillCapture
+
+            self._capture = PrefillCapture(self.forced.model, self.prompt.tolist(), spec=self.model_spec,
+                                           tokenizer=self.forced.tokenizer)  # fmt: skip
+        return self._capture
+
     def spec(self, budget: float):
         """The cache spec of a run (the replay's: full-precision entries counted at its ``kv_itemsize``,
         by default the model's own dtype under forced replay, as ``kvscope run`` counts them)."""
@@ -309,6 +321,32 @@ class QuantLog:
         return tuple(q.signature() for q in self.layers)
 
 
+def _start(policy, spec, sample: SampleForcing):
+    """The policy's state for a forced decode, as a live cache would drive it: a prompt-time kvpress
+    press decides from its hook on the model's own prefill (``PrefillCapture``); a press that acts
+    while decoding runs on stand-ins fed the prompt's and each step's own q/k/v (filled in as the
+    forced decode computes them)."""
+    if not policy.reads_queries:
+        return policy.start(spec, rope=sample.rope)
+    from ..policies.press_hooks import decodes
+
+    model = sample.model_spec
+    if not decodes(policy.make_press()):
+        return policy.start(spec, rope=sample.rope, model=model, capture=sample.capture())
+    import torch
+
+    n = spec.final_len
+    keys = torch.zeros((model.n_layers, model.n_kv_heads, n, model.head_dim))  # [layer, kv_head, pos, D]
+    values = torch.zeros((model.n_layers, model.n_kv_heads, n, model.v_dim))
+    queries = np.zeros((n, model.n_layers, model.n_heads, model.head_dim), dtype=np.float32)  # [qpos, layer, head, D]
+    return policy.start(spec, keys, values, sample.rope, queries, model)
+
+
+def reads_decodes(state) -> bool:
+    """The state reads each decode forward's q/k/v (a decoding press on stand-ins)."""
+    return getattr(state, "runner", None) is not None and state.decodes
+
+
 class ForcedRun:
     """One (policy, allocation, budget) on one sample: its closed-loop forced decode (module docstring).
 
@@ -321,14 +359,14 @@ class ForcedRun:
 
         self.sample, self.policy = sample, policy
         spec = sample.spec(budget)
-        reads = {"model": sample.model_spec} if policy.reads_queries else {}
-        state = policy.start(spec, rope=sample.rope, **reads)
+        state = _start(policy, spec, sample)
         allocation = allocation.for_sample(sample.s) if allocation is not None else Uniform()
         if allocation.clairvoyant:
             allocation = Given.of(split)
         self.driver = PolicyDriver(state, allocation=allocation, where=f" of sample {sample.s} (forced)")
         self.log = QuantLog(spec.n_layers)
-        self.depends = policy.observes or state.reads_forward(prefill=False)  # maps change with the decode
+        self.depends = policy.observes or reads_decodes(state)  # its maps change with what the decode computes
+        self.pressed = None  # the cache a prompt-time press left, where it rewrote what it kept
         self.futures = {}
         if policy.clairvoyant:
             self.futures = {policy.horizon: sample.reader.future(policy.horizon)}
@@ -351,10 +389,15 @@ class ForcedRun:
         pre, st = self.sample.prefill, self.state
         if st.ledger is not None:
             st.ledger.sink = self.log
-        if st.reads_forward(prefill=True):
-            st.feed(*pre.qkv)
+        if reads_decodes(st):  # a decoding press on the recording's stand-ins: the prompt's tensors first
+            keys, values, queries = st.recorded
+            p = self.sample.P
+            keys[:, :, :p], values[:, :, :p], queries[:p] = pre.qkv[0], pre.qkv[1], pre.qkv[2]
         self.log.visible = 1
         self.driver.prefill(pre.colsum, pre.tail, self._future(0))
+        pressed = getattr(st, "pressed", None)
+        if pressed is not None and pressed.rewrites:
+            self.pressed = pressed
 
     def _drive(self, steps: range, rows, feeds) -> np.ndarray:
         """The policy through ``steps`` (append, then decide on ``rows(t, state)``); returns the tier
@@ -366,9 +409,17 @@ class ForcedRun:
             self.driver.append(sample.P - 1 + t)
             maps[i] = st.tiers
             self.log.visible = t + 1
-            if st.reads_forward(prefill=False):
-                st.feed(*feeds(t))
+            if reads_decodes(st):  # the step's own q/k/v where its press reads them
+                keys, values, queries = st.recorded
+                k, v, q = feeds(t)
+                at = sample.P - 1 + t
+                keys[:, :, at], values[:, :, at], queries[at] = k[:, :, 0], v[:, :, 0], q[0]
             self.driver.decide(rows(t, st) if self.policy.observes else None, self._future(t))
+            if reads_decodes(st) and st.rewrites:
+                raise KvscopeError(
+                    f"press {self.policy.press} rewrites what it keeps while decoding ({', '.join(sorted(st.rewrites))}"
+                    "): forced replay serves a press's rewrites of the prompt's cache, not those made while decoding"
+                )
         return maps
 
     def _recorded_rows(self, t: int, st) -> np.ndarray:
@@ -397,7 +448,7 @@ class ForcedRun:
 
         sample = self.sample
         self._begin()
-        cache = copy.deepcopy(sample.prefill.cache)
+        cache = copy.deepcopy(sample.prefill.cache) if self.pressed is None else self._pressed_cache()
         logits0 = torch.log_softmax(sample.prefill.logits, -1)
         if keep_logits:
             self.log_probs = np.empty((sample.S, logits0.shape[-1]), dtype=np.float32)
@@ -410,10 +461,39 @@ class ForcedRun:
             cache = self._chunk(steps, cache, keep_logits)
         return self
 
+    def _pressed_cache(self):
+        """The continuation's past where a prompt-time press rewrote what it kept (re-rotated or
+        merged keys and values, pruned key channels): each layer holds the rows the press left, as
+        it left them (masked rows too: their tiers hide them)."""
+        from transformers.cache_utils import DynamicLayer
+
+        cache = copy.deepcopy(self.sample.prefill.cache)
+        spec = self.sample.model_spec
+        for stored, pressed in enumerate(self.pressed.layers):
+            layer = cache.layers[spec.model_layer(stored)]
+            if type(layer) is not DynamicLayer:
+                raise KvscopeError(
+                    f"forced replay serves {self.policy.label()}'s own rewritten cache on layers that keep every "
+                    f"position; this model's layer {spec.model_layer(stored)} is a {type(layer).__name__}"
+                )
+            layer.keys = pressed.keys[None].to(layer.keys.dtype)  # [1, kv_head, n, D]
+            layer.values = pressed.values[None].to(layer.values.dtype)
+        return cache
+
+    def slot_positions(self, layer: int, kv: int, seq: int) -> np.ndarray:
+        """``[unit | kv_head, kv]`` the position each key slot a layer hands attention holds: the
+        cache's last ``kv`` slots of a sequence of ``seq`` (every head alike), or, past a press that
+        rewrote its cache, the rows it kept and then the continuation's."""
+        if self.pressed is None:
+            return np.arange(seq - kv, seq)[None]
+        kept = self.pressed.layers[layer].positions.cpu().numpy()  # [kv_head, n]
+        new = np.arange(self.sample.P, self.sample.P + kv - kept.shape[1])
+        return np.concatenate([kept, np.broadcast_to(new, (kept.shape[0], len(new)))], axis=1)
+
     def _chunk(self, steps: range, cache, keep_logits: bool):
         """One chunk of steps, in rounds until its tier maps stop changing; returns the cache after it."""
         saved = self._snapshot() if self.depends else None
-        mark = _Checkpoint(cache, self.sample.P - 1 + steps.start, again=self.depends)
+        mark = _Checkpoint(cache, cache.get_seq_length(), again=self.depends)
         feeds = self.sample.reference_feeds
         maps = self._drive(steps, self._recorded_rows, lambda t: feeds[t])
         signature = self.log.signature()
@@ -453,8 +533,12 @@ class ForcedRun:
         model = sample.forced.model
         attention = ChunkAttention(self, steps, maps, observe, feeds=sample.feeds_needed)
         ids = sample.continuation[steps.start - 1 : steps.stop - 1][None].to(sample.forced.device)
+        where = {}
+        if self.pressed is not None and self.pressed.first_position != sample.P:  # the press renumbered the rows
+            first = self.pressed.first_position + steps.start - 1
+            where["position_ids"] = torch.arange(first, first + len(steps), device=ids.device)[None]
         with torch.no_grad(), attention_override(attention):
-            out = model(input_ids=ids, use_cache=True, **with_cache(model, cache))
+            out = model(input_ids=ids, use_cache=True, **with_cache(model, cache), **where)
         log_probs = torch.log_softmax(out.logits[0].float(), -1).cpu()
         return ChunkSeen(log_probs, attention.rows, attention.step_feeds())
 
@@ -541,11 +625,11 @@ class ChunkAttention:
         b, h, c, d = query.shape
         n_keys, kv = key.shape[1], key.shape[2]
         g = h // n_keys
-        positions = np.arange(self.seq - kv, self.seq)  # [kv]
+        positions = self.run.slot_positions(layer, kv, self.seq)  # [1 | unit, kv]
         shown = self._shown(layer, positions, n_keys, mask, query.device)  # [keys, c, kv]
         q32 = attention.grouped(query[0].float(), n_keys)  # [keys, g·c, D]
         keys, values = key[0], value[0]
-        deq = self._dequantized(layer, positions, keys, values)
+        deq = self._dequantized(layer, positions[0], keys, values) if self.run.pressed is None else None
         logits = attention.logits(q32, keys.float(), scaling, softcap)  # [keys, g·c, kv]
         if deq is not None:
             k_hat, v_hat, served = deq  # served [keys, c, kv]: the dequantized values are the ones seen
@@ -563,7 +647,7 @@ class ChunkAttention:
                 weights.masked_fill(~from_hat, 0), v_hat.to(values.dtype)
             )
         if self.rows is not None:
-            self._observe(layer, probs.view(n_keys, g, c, kv), positions)
+            self._observe(layer, probs.view(n_keys, g, c, kv), positions[0])
         if self.want_feeds:
             self.new_qkv[layer] = (query[0].float().cpu(), key[0, :, -c:].float().cpu(), value[0, :, -c:].float().cpu())
         return out.view(n_keys * g, c, -1)[None].transpose(1, 2).contiguous()  # [1, c, head, Dv]
@@ -572,7 +656,9 @@ class ChunkAttention:
         """``[keys, c, kv]`` bool: the tier maps (each unit's keys), and the model's boolean mask."""
         import torch
 
-        held = torch.from_numpy(self.maps[:, layer][..., positions] >= TIER_Q)  # [c, unit, kv]
+        maps = self.maps[:, layer]  # [c, unit, P + S]
+        at = np.broadcast_to(positions, (maps.shape[1], positions.shape[-1]))  # [unit, kv]
+        held = torch.from_numpy(np.take_along_axis(maps, at[None].repeat(len(maps), 0), axis=2) >= TIER_Q)
         held = held.permute(1, 0, 2).to(device)  # [unit, c, kv]
         if n_keys != held.shape[0]:
             held = held.repeat_interleave(n_keys // held.shape[0], dim=0)
@@ -675,6 +761,7 @@ class ForcedOutputs:
     perplexity_full: np.ndarray
     loops: dict
     settings: dict
+    served: dict = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, setup, settings: dict) -> ForcedOutputs:
@@ -694,6 +781,7 @@ class ForcedOutputs:
             self.rounds[at], self.converged[at] = rounds, converged
         self.perplexity_full[s] = result.perplexity_full
         self.loops.update(result.loops)
+        self.served.update(result.served)
 
 
 def loop_of(policy, state) -> str:
@@ -702,7 +790,7 @@ def loop_of(policy, state) -> str:
     look-ahead is the recorded full-KV future)."""
     if policy.clairvoyant:
         return "open"
-    return "closed" if policy.observes or state.reads_forward(prefill=False) else "one round"
+    return "closed" if policy.observes or reads_decodes(state) else "one round"
 
 
 @dataclass(frozen=True)
@@ -724,6 +812,7 @@ class TaskResult:
     runs: dict  # (pi, ai, bi) → (kl, nll, top1 [scored step], rounds, converged)
     perplexity_full: float
     loops: dict  # policy label → loop
+    served: dict = field(default_factory=dict)  # policy label → what the continuation saw, where not the masked cache
 
 
 def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
@@ -740,14 +829,16 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: 
     loops = {run.policy.label(): loop_of(run.policy, run.state) for run in runs.values()}
     sample.start(
         presses=any(run.policy.reads_queries for run in runs.values()),
-        feeds=any(run.state.reads_forward(prefill=False) for run in runs.values()),
+        feeds=any(reads_decodes(run.state) for run in runs.values()),
     )
     scored = slice(sample.first_scored, sample.S)
-    done = {}
+    done, served = {}, {}
     for key, run in runs.items():
         run.run()
         done[key] = (run.kl[scored], run.nll[scored], run.top1[scored], run.rounds, run.converged)
-    return TaskResult(s, sample.first_scored, done, sample.perplexity_full(), loops)
+        if run.pressed is not None:
+            served[run.policy.label()] = "the press's own rewritten cache"
+    return TaskResult(s, sample.first_scored, done, sample.perplexity_full(), loops, served)
 
 
 def forced_tasks(setup, client) -> list[ForcedTask]:

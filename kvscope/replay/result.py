@@ -371,7 +371,8 @@ def _attrs(setup, trace, seconds: float) -> dict:
 def forced_attrs(forced, seconds: float) -> dict:
     """The ``forced`` attribute of a result with forced decodes: its settings, each policy's loop and
     the seconds the forced decodes took (of ``replay_seconds``)."""
-    return {"forced": json.dumps({**forced.settings, "loops": forced.loops, "seconds": round(seconds, 3)})}
+    doc = {**forced.settings, "loops": forced.loops, "served": forced.served, "seconds": round(seconds, 3)}
+    return {"forced": json.dumps(doc)}
 
 
 def _press_settings(setup, settings: dict) -> str:
