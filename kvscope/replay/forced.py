@@ -493,24 +493,29 @@ class ForcedRun:
     def _chunk(self, steps: range, cache, keep_logits: bool):
         """One chunk of steps, in rounds until its tier maps stop changing; returns the cache after it."""
         saved = self._snapshot() if self.depends else None
-        mark = _Checkpoint(cache, cache.get_seq_length(), again=self.depends)
+        self._chunk_start = cache.get_seq_length()
+        mark = _Checkpoint(cache, self._chunk_start, again=self.depends)
         feeds = self.sample.reference_feeds
         maps = self._drive(steps, self._recorded_rows, lambda t: feeds[t])
         signature = self.log.signature()
+        seen, first = None, 0  # the round's forward; the first step whose maps changed since the last
         for rounds in range(1, self.max_rounds + 1):
-            seen = self._forward(steps, maps, mark.cache, observe=self.policy.observes)
+            seen = self._forward(steps, maps, mark.cache, self.policy.observes, seen, first)
             if not self.depends:
                 break
             self._restore(saved)
             again = self._drive(steps, lambda t, st: seen.rows[t - steps.start][..., : st.length],
                                 lambda t: seen.feeds[t - steps.start])  # fmt: skip
-            if np.array_equal(again, maps) and self.log.signature() == signature:
+            same_log = self.log.signature() == signature
+            if same_log and np.array_equal(again, maps):
                 break
             if rounds == self.max_rounds:
                 self.converged = False
                 break
+            # by causality the steps before the first changed map saw the same cache: they are kept
+            first = int(np.argmax((again != maps).reshape(len(again), -1).any(1))) if same_log else 0
             maps, signature = again, self.log.signature()
-            mark.rewind()
+            mark.rewind(first)
         self.rounds = max(self.rounds, rounds)
         self._score(steps, seen.log_probs, keep_logits)
         if keep_logits and self.feeds is not None:
@@ -521,9 +526,17 @@ class ForcedRun:
     def max_rounds(self) -> int:
         return self.sample.max_rounds
 
-    def _forward(self, steps: range, maps: np.ndarray, cache, observe: bool) -> ChunkSeen:
+    def _forward(self, steps: range, maps: np.ndarray, cache, observe: bool, before=None, first: int = 0) -> ChunkSeen:
         """The chunk's forward under ``maps``; returns its log-probabilities, the rows its queries saw
-        (``observe``) and its new positions' q/k/v (where a policy reads them)."""
+        (``observe``) and its new positions' q/k/v (where a policy reads them). With ``before`` (the
+        previous round's) and ``first``: only the steps from the chunk's ``first`` on are run again
+        (``cache`` holds the ones before), the earlier ones kept from ``before``."""
+        if before is not None and first > 0 and cache.get_seq_length() == self._chunk_start + first:
+            again = self._forward(steps[first:], maps[first:], cache, observe)
+            return before.joined(first, again)
+        return self._forward_all(steps, maps, cache, observe)
+
+    def _forward_all(self, steps: range, maps: np.ndarray, cache, observe: bool) -> ChunkSeen:
         import torch
 
         from ..model.spec import with_cache
@@ -574,6 +587,17 @@ class ChunkSeen:
     rows: np.ndarray | None  # [chunk, layer, unit, P + S] the kv-group rows the queries saw
     feeds: list | None  # per step (keys, values [layer, unit, 1, D], queries [1, layer, head, D])
 
+    def joined(self, first: int, later: ChunkSeen) -> ChunkSeen:
+        """This round's steps before ``first`` and ``later``'s from there."""
+        import torch
+
+        rows = None
+        if self.rows is not None:
+            rows = self.rows.copy()
+            rows[first:] = later.rows
+        feeds = None if self.feeds is None else self.feeds[:first] + later.feeds
+        return ChunkSeen(torch.cat([self.log_probs[:first], later.log_probs]), rows, feeds)
+
 
 class _Checkpoint:
     """The cache as it was before a chunk, to run the chunk again: cropped back where every layer
@@ -588,9 +612,10 @@ class _Checkpoint:
         self.croppable = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
         self.copy = copy.deepcopy(cache) if again and not self.croppable else None
 
-    def rewind(self) -> None:
+    def rewind(self, steps: int = 0) -> None:
+        """Back to the chunk's start, or ``steps`` into it where the cache can be cropped."""
         if self.croppable:
-            self.cache.crop(self.length - self.cache.get_seq_length())  # tokens to remove, negative
+            self.cache.crop(self.length + steps - self.cache.get_seq_length())  # tokens to remove, negative
         else:
             self.cache = copy.deepcopy(self.copy)
 
