@@ -22,7 +22,7 @@ from kvscope.policies import parse
 from kvscope.replay.forced import ForcedRun, SampleForcing, load_model, reads_decodes
 from kvscope.replay.plan import ReplaySetup
 
-from .conftest import one_line_error, run_cli
+from .conftest import one_line_error, run_cli, run_main
 
 STEPS = 16
 KL_TOLERANCE = 1e-5  # nats, float32
@@ -63,15 +63,28 @@ def tiny_llama(tiny_models):
     return prepare(AutoModelForCausalLM.from_pretrained(tiny_models["llama"]))
 
 
-def _sample(trace, policies, budgets, allocations=None, chunk=4, max_rounds=8):
+_MODELS: dict = {}  # trace → its model, loaded once per test process
+_SAMPLES: dict = {}  # (trace, chunk, max_rounds) → its sample 0 prefilled, with its full-KV reference
+_FULL: dict = {}  # (id(model), trace) → the live full-KV decode
+
+
+def _sample(trace, policies=("full",), budgets=(1.0,), allocations=None, chunk=4, max_rounds=8):
+    """Sample 0 of ``trace`` for forced runs: its prefill (with the prompt's q/k/v) and full-KV
+    reference (with each step's q/k/v) made once per (trace, chunk, max_rounds) and shared by every
+    run the tests make on it."""
+    key = (str(trace), chunk, max_rounds)
+    if key in _SAMPLES:
+        return _SAMPLES[key]
     ds = kvscope.open_trace(trace)
-    forced = load_model(ds)
+    forced = _MODELS.get(str(trace)) or _MODELS.setdefault(str(trace), load_model(ds))
     setup = ReplaySetup.of(
-        ds, policies, allocations, budgets, observe="renorm", every=None, errors=False, validate=True,
+        ds, list(policies), allocations, list(budgets), observe="renorm", every=None, errors=False, validate=True,
         kv_itemsize=forced.itemsize, question_agnostic=False, horizon=32, horizons=None, m=4, h_lir=8, delta=1,
         n_boot=10, seed=0, resample="samples",
     )  # fmt: skip
     sample = SampleForcing(setup, 0, forced, chunk, max_rounds)
+    sample.start(presses=True, feeds=True)
+    _SAMPLES[key] = setup, sample
     return setup, sample
 
 
@@ -80,7 +93,10 @@ def _live(model, trace, policy, budget, allocation=None):
     ds = kvscope.open_trace(trace)
     p = int(ds.kvscope.prompt_len[0])
     ids = [int(x) for x in ds["tokens"].values[0, :p]]
-    full = decode(model, ids, DynamicCache(config=model.config), STEPS)
+    key = (id(model), str(trace))
+    if key not in _FULL:
+        _FULL[key] = decode(model, ids, DynamicCache(config=model.config), STEPS)
+    full = _FULL[key]
     assert full.tokens == [int(x) for x in ds.kvscope.generated(0)]
     cache = PolicyCache(model, policy, budget, STEPS, allocation=allocation)
     forced = decode(model, ids, cache, STEPS, forced=full.tokens)
@@ -90,11 +106,8 @@ def _live(model, trace, policy, budget, allocation=None):
 
 
 def _forced(sample, policy, budget, allocation=None):
-    """The forced decode of one run (the sample's prefill and reference made first, as a task does)."""
-    run = ForcedRun(sample, parse(policy), allocation and parse_allocation(allocation), budget)
-    if sample.prefill is None:
-        sample.start(presses=run.policy.reads_queries, feeds=reads_decodes(run.state))
-    return run.run()
+    """The forced decode of one run."""
+    return ForcedRun(sample, parse(policy), allocation and parse_allocation(allocation), budget).run()
 
 
 def parse_allocation(name):
@@ -104,7 +117,7 @@ def parse_allocation(name):
 
 
 def _agree(model, trace, policy, budget, allocation=None, chunk=4):
-    setup, sample = _sample(trace, [policy], [budget], [allocation] if allocation else None, chunk=chunk)
+    _, sample = _sample(trace, chunk=chunk)
     run = _forced(sample, policy, budget, allocation)
     kl, tiers = _live(model, trace, policy, budget, allocation)
     np.testing.assert_allclose(run.kl, kl, atol=KL_TOLERANCE, rtol=0)
@@ -152,7 +165,7 @@ def test_chunks_of_one_step_give_the_same_decode(tiny_trace):
     """The chunked closed loop reaches what a step-by-step loop computes (one round each)."""
     out = {}
     for chunk in (1, 5, 16):
-        setup, sample = _sample(tiny_trace, ["h2o"], [0.4], chunk=chunk)
+        setup, sample = _sample(tiny_trace, chunk=chunk)
         run = _forced(sample, "h2o", 0.4)
         out[chunk] = run
         assert run.converged and (run.rounds == 1 if chunk == 1 else True)
@@ -166,7 +179,7 @@ def test_a_loop_that_runs_out_of_rounds_is_labelled(tiny_trace):
     run says it did not converge; with enough it does."""
     got = {}
     for max_rounds in (1, 2, 8):
-        setup, sample = _sample(tiny_trace, ["h2o"], [0.7], chunk=16, max_rounds=max_rounds)
+        setup, sample = _sample(tiny_trace, chunk=16, max_rounds=max_rounds)
         run = _forced(sample, "h2o", 0.7)
         got[max_rounds] = (run.rounds, run.converged)
     assert got == {1: (1, False), 2: (2, False), 8: (3, True)}
@@ -182,9 +195,10 @@ def test_cli_forced_replay_equals_run(forced_trace):
     assert json.loads(doc["forced"])["loops"] == {"press:SnapKVPress": "one round", "h2o": "closed", "qevict": "closed"}
     ds = kvscope.open_trace(forced_trace)
     prompt = ds.attrs["prompts"][0]["text"]
-    for policy, row in rows.items():
-        live = run_cli("run", "--policy", policy, "--budget", "0.3", "--max-new-tokens", STEPS, "--prompt", prompt,
-                       "--json", check=True)  # fmt: skip
+    for policy, row in rows.items():  # kvscope run through the CLI's own main (the same code a subprocess runs)
+        live = run_main("run", "--policy", policy, "--budget", "0.3", "--max-new-tokens", STEPS, "--prompt", prompt,
+                        "--json", "--quiet")  # fmt: skip
+        assert live.returncode == 0, live.stderr
         got = json.loads(live.stdout)["samples"][0]
         assert row["forced_kl"] == pytest.approx(got["kl"], abs=1e-4), policy
         assert row["forced_converged"]
@@ -238,7 +252,7 @@ def test_forced_replay_is_the_sequential_decode_on_other_architectures(architect
     from .forced_reference import reference
 
     folder, trace = architecture_traces[model_type]
-    setup, sample = _sample(trace, [policy], [budget])
+    setup, sample = _sample(trace)
     run = _forced(sample, policy, budget)
     ds = kvscope.open_trace(trace)
     p = int(ds.kvscope.prompt_len[0])

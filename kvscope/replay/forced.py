@@ -197,7 +197,9 @@ class SampleForcing:
         self.model_spec = acc.model
         self.rope = forced.rope
         self.feeds_needed = False
-        self.prefill: Prefill | None = None
+        self.prefill: Prefill | None = None  # the prompt's forward, its layers' outputs by the model's kernel
+        self._prefills: dict[str, Prefill] = {}  # by where the layers' outputs come from: "kernel", "probs"
+        self._presses = False
         self.reference: np.ndarray | None = None  # [S, vocab] float32 log-probabilities under full KV
         self.reference_feeds: list | None = None  # per step (keys, values, queries) of the full-KV forward
         self._capture = None
@@ -209,15 +211,24 @@ class SampleForcing:
     def start(self, presses: bool, feeds: bool) -> None:
         """The prefill (with the prompt's q/k/v for ``presses``) and the full-KV reference (keeping
         each decode forward's q/k/v for policies that read them: ``feeds``)."""
-        self.feeds_needed = feeds
-        self.prefill = self._prefill(presses)
+        self.feeds_needed, self._presses = feeds, presses
+        self.prefill = self.prefill_of("kernel")
         full = ForcedRun(self, parse("full"), None, 1.0)
         full.run(keep_logits=True)
         self.reference = full.log_probs
         self.reference_feeds = full.feeds
         self._check_tokens()
 
-    def _prefill(self, presses: bool) -> Prefill:
+    def prefill_of(self, outputs: str) -> Prefill:
+        """The prompt's forward with its layers' outputs computed as a live cache computes them for a
+        policy: by the model's kernel (``kernel``: a full cache, or a policy that does not read the
+        prompt's attention), or from the probabilities the policy observes (``probs``). The two
+        agree up to float summation order; a quantizer's codes can tell them apart."""
+        if outputs not in self._prefills:
+            self._prefills[outputs] = self._prefill(self._presses, outputs)
+        return self._prefills[outputs]
+
+    def _prefill(self, presses: bool, outputs: str = "kernel") -> Prefill:
         import torch
         from transformers import DynamicCache
 
@@ -227,7 +238,7 @@ class SampleForcing:
         model, spec = self.forced.model, self.model_spec
         recorder = AttentionRecorder(
             n_layers=spec.n_layers, n_stored_heads=spec.n_kv_heads, obs_window=self.setup.ds.kvscope.obs_window,
-            record_qkv=presses, n_units=spec.n_kv_heads,
+            record_qkv=presses, n_units=spec.n_kv_heads, attn_output=outputs,
             layer_slots={layer: i for i, layer in enumerate(spec.layer_index)} if spec.attention_layers else None,
         )  # fmt: skip
         recorder.begin(ForwardContext(seq_len=self.P, pad=torch.zeros(1, dtype=torch.long)))
@@ -367,6 +378,9 @@ class ForcedRun:
         self.log = QuantLog(spec.n_layers)
         self.depends = policy.observes or reads_decodes(state)  # its maps change with what the decode computes
         self.pressed = None  # the cache a prompt-time press left, where it rewrote what it kept
+        # a live cache computes the prompt's layer outputs from the probabilities its policy reads
+        reads_prompt = policy.observes or policy.observes_prefill or allocation.reads == "scores"
+        self.prefill_outputs = "probs" if reads_prompt else "kernel"
         self.futures = {}
         if policy.clairvoyant:
             self.futures = {policy.horizon: sample.reader.future(policy.horizon)}
@@ -380,13 +394,17 @@ class ForcedRun:
     def state(self):
         return self.driver.state
 
+    @property
+    def prefill(self) -> Prefill:
+        return self.sample.prefill_of(self.prefill_outputs)
+
     # -- driving the policy ---------------------------------------------------------------------
     def _future(self, t: int):
         return self.futures[self.policy.horizon].at(t) if self.futures else None
 
     def _begin(self) -> None:
         """Step 0: the policy takes the prompt (its attention, its q/k/v for a press)."""
-        pre, st = self.sample.prefill, self.state
+        pre, st = self.prefill, self.state
         if st.ledger is not None:
             st.ledger.sink = self.log
         if reads_decodes(st):  # a decoding press on the recording's stand-ins: the prompt's tensors first
@@ -448,8 +466,8 @@ class ForcedRun:
 
         sample = self.sample
         self._begin()
-        cache = copy.deepcopy(sample.prefill.cache) if self.pressed is None else self._pressed_cache()
-        logits0 = torch.log_softmax(sample.prefill.logits, -1)
+        cache = copy.deepcopy(self.prefill.cache) if self.pressed is None else self._pressed_cache()
+        logits0 = torch.log_softmax(self.prefill.logits, -1)
         if keep_logits:
             self.log_probs = np.empty((sample.S, logits0.shape[-1]), dtype=np.float32)
             self.log_probs[0] = logits0.numpy()
@@ -467,7 +485,7 @@ class ForcedRun:
         it left them (masked rows too: their tiers hide them)."""
         from transformers.cache_utils import DynamicLayer
 
-        cache = copy.deepcopy(self.sample.prefill.cache)
+        cache = copy.deepcopy(self.prefill.cache)
         spec = self.sample.model_spec
         for stored, pressed in enumerate(self.pressed.layers):
             layer = cache.layers[spec.model_layer(stored)]
