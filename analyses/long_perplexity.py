@@ -61,7 +61,7 @@ def summarize(result, args, prompt_len: int) -> dict:
             if full_nll is None:
                 full_nll = nll  # the same text under full KV: from any run, the reference's
             key = f"{policy}@{budget:g}"
-            centres, ppl = windows(nll, args.window)
+            _centres, ppl = windows(nll, args.window)
             curves[key] = [float(x) for x in ppl]
             rows.append({
                 "policy": str(policy), "budget": float(budget), "bytes": float(r["byte_ratio_used"]),
@@ -106,11 +106,13 @@ def page(doc: dict, meta: dict) -> str:
     lines = [
         "# Perplexity on long prose under each cache",
         "",
-        f"SmolLM2-135M-Instruct teacher-forced on the bundled prose: a {doc['context']}-token prompt, then the "
-        f"{doc['tokens']} tokens that follow it in the text, each policy's cache at each budget — forced replay "
-        "([how](replay.md#forced-replay-the-models-own-output-under-each-cache)), which gives the numbers decoding "
-        "the text under each cache gives. Perplexity of the whole continuation under full KV: "
-        f"**{doc['perplexity_full']:.2f}**.",
+        (
+            f"SmolLM2-135M-Instruct teacher-forced on the bundled prose: a {doc['context']}-token prompt, then the "
+            f"{doc['tokens']} tokens that follow it in the text, each policy's cache at each budget — forced replay "
+            "([how](replay.md#forced-replay-the-models-own-output-under-each-cache)), which gives the numbers decoding "
+            "the text under each cache gives. Perplexity of the whole continuation under full KV: "
+            f"**{doc['perplexity_full']:.2f}**."
+        ),
         "",
         "![perplexity versus position](figures/long_perplexity.png)",
         "",
@@ -126,12 +128,16 @@ def page(doc: dict, meta: dict) -> str:
         )
     lines += [
         "",
-        "Bytes used: the peak share of the full cache (full-precision entries at the model's float32, as a live "
-        "cache holds them); (floor): the policy cannot fit β and used what the table says. Rounds: the most "
-        "forwards one chunk of 64 steps took before its closed loop reached its fixed point.",
+        (
+            "Bytes used: the peak share of the full cache (full-precision entries at the model's float32, as a live "
+            "cache holds them); (floor): the policy cannot fit β and used what the table says. Rounds: the most "
+            "forwards one chunk of 64 steps took before its closed loop reached its fixed point."
+        ),
         "",
-        f"Reproduce: `{meta['command']}` ({meta['machine']}; trace {meta['trace_s']:.0f} s, replay with forced "
-        f"decodes {meta['replay_s']:.0f} s, of which forced {meta['forced_s']:.0f} s).",
+        (
+            f"Reproduce: `{meta['command']}` ({meta['machine']}; trace {meta['trace_s']:.0f} s, replay with forced "
+            f"decodes {meta['replay_s']:.0f} s, of which forced {meta['forced_s']:.0f} s)."
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -150,8 +156,8 @@ def main() -> None:
     ap.add_argument("--doc", default=str(ROOT / "docs" / "long-perplexity.md"))
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "long_perplexity.png"))
     args = ap.parse_args()
-    import platform
     import os
+    import platform
 
     import kvscope
 

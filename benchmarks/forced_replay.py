@@ -49,12 +49,13 @@ def live_grid(model, tokenizer, ids: list[int], policies: list[str], budgets: li
 
 
 def one_size(model, tokenizer, source, prompt_tokens: int, steps: int, policies, budgets, chunk: int) -> dict:
+    from trace_overhead import prose_prompt
+
     import kvscope
     from kvscope.live.cache import prepare
     from kvscope.model.prompts import Prompt
     from kvscope.replay.forced import check_forced
     from kvscope.tracing.runner import TraceSettings, trace_loaded
-    from trace_overhead import prose_prompt
 
     check_forced(chunk, 8)
     prompt = prose_prompt(tokenizer, prompt_tokens)

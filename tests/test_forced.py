@@ -19,7 +19,7 @@ import kvscope
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import decode
 from kvscope.policies import parse
-from kvscope.replay.forced import ForcedRun, SampleForcing, load_model, reads_decodes
+from kvscope.replay.forced import ForcedRun, SampleForcing, load_model
 from kvscope.replay.plan import ReplaySetup
 
 from .conftest import one_line_error, run_cli, run_main
@@ -37,7 +37,7 @@ def _trace(out, text, steps=STEPS, **extra):
 @pytest.fixture(scope="session")
 def forced_trace(tmp_path_factory, smollm2_dir):
     """SmolLM2, one ~360-token prose prompt, 16 steps, float32 with q/k/v."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     return _trace(tmp_path_factory.mktemp("forced") / "prose.zarr", topics.topics["assignment"][:1500])
 
@@ -165,7 +165,7 @@ def test_chunks_of_one_step_give_the_same_decode(tiny_trace):
     """The chunked closed loop reaches what a step-by-step loop computes (one round each)."""
     out = {}
     for chunk in (1, 5, 16):
-        setup, sample = _sample(tiny_trace, chunk=chunk)
+        _setup, sample = _sample(tiny_trace, chunk=chunk)
         run = _forced(sample, "h2o", 0.4)
         out[chunk] = run
         assert run.converged and (run.rounds == 1 if chunk == 1 else True)
@@ -179,7 +179,7 @@ def test_a_loop_that_runs_out_of_rounds_is_labelled(tiny_trace):
     run says it did not converge; with enough it does."""
     got = {}
     for max_rounds in (1, 2, 8):
-        setup, sample = _sample(tiny_trace, chunk=16, max_rounds=max_rounds)
+        _setup, sample = _sample(tiny_trace, chunk=16, max_rounds=max_rounds)
         run = _forced(sample, "h2o", 0.7)
         got[max_rounds] = (run.rounds, run.converged)
     assert got == {1: (1, False), 2: (2, False), 8: (3, True)}

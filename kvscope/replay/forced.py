@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import defaults
 from ..errors import KvscopeError
 from ..policies import parse
 from ..policies.driver import PolicyDriver
@@ -107,7 +106,9 @@ def load_model(ds, device: str | None = None) -> ForcedModel:
     recorded = ds.attrs.get("model") or {}
     name = settings.get("model") or recorded.get("name")
     if not name:
-        raise KvscopeError("forced replay needs the trace's model, and the trace does not name it (attrs settings.model)")
+        raise KvscopeError(
+            "forced replay needs the trace's model, and the trace does not name it (attrs settings.model)"
+        )
     try:
         source = resolve(str(name), allow_hub=True)
     except KvscopeError as exc:
@@ -522,8 +523,7 @@ class ForcedRun:
             if not self.depends:
                 break
             self._restore(saved)
-            again = self._drive(steps, lambda t, st: seen.rows[t - steps.start][..., : st.length],
-                                lambda t: seen.feeds[t - steps.start])  # fmt: skip
+            again = self._drive(steps, *seen.observations(steps.start))
             same_log = self.log.signature() == signature
             if same_log and np.array_equal(again, maps):
                 break
@@ -605,6 +605,11 @@ class ChunkSeen:
     rows: np.ndarray | None  # [chunk, layer, unit, P + S] the kv-group rows the queries saw
     feeds: list | None  # per step (keys, values [layer, unit, 1, D], queries [1, layer, head, D])
 
+    def observations(self, start: int):
+        """``(rows(t, state), feeds(t))`` of the chunk beginning at step ``start``: what its queries saw,
+        as a policy is driven on it (the rows up to the state's length)."""
+        return (lambda t, st: self.rows[t - start][..., : st.length]), (lambda t: self.feeds[t - start])
+
     def joined(self, first: int, later: ChunkSeen) -> ChunkSeen:
         """This round's steps before ``first`` and ``later``'s from there."""
         import torch
@@ -665,7 +670,7 @@ class ChunkAttention:
         from ..model import attention
 
         layer = self.spec.stored_layer(int(module.layer_idx))
-        b, h, c, d = query.shape
+        _b, h, c, _d = query.shape
         n_keys, kv = key.shape[1], key.shape[2]
         g = h // n_keys
         positions = self.run.slot_positions(layer, kv, self.seq)  # [1 | unit, kv]
@@ -863,8 +868,7 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: 
     s = task.sample
     sample = SampleForcing(setup, s, forced, chunk, max_rounds)
     runs = {
-        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget,
-                                splits.get(s, {}).get((pi, ai, bi)))  # fmt: skip
+        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget, splits.get(s, {}).get((pi, ai, bi)))
         for pi in task.policies
         for ai, allocation in enumerate(setup.allocations)
         for bi, budget in enumerate(setup.budgets)
