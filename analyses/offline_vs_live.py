@@ -1,11 +1,14 @@
 """Does offline replay rank KV-cache policies the way live decoding does?
 
-For each workload with a task the default model solves under full KV (``niah``, ``passkey``)
-and ``--prompts`` prompts of it::
+For each workload (``niah``, ``passkey``, ``vt``) and ``--prompts`` prompts of it::
 
     offline   one trace per prompt (q/k/v recorded, greedy, no EOS stop); every policy × budget
               replayed on it: FMM@H, FMM fp@H, attention L1 and output error, per prompt the
-              mean over events, layers and KV heads
+              mean over events, layers and KV heads; and forced replay (``--forced``): the
+              model's own output under each policy's cache, teacher-forced on the trace's
+              tokens — KL to full KV, perplexity and 1 − top-1 agreement per prompt, with the
+              rounds its closed loop took. The byte model counts full-precision entries at the
+              model's dtype (4 bytes for SmolLM2 in float32), as the live caches do.
     live      kvscope run's decodes of each prompt under every policy × budget (the full-KV
               decode made once per prompt): task score, teacher-forced KL to full KV, greedy
               token agreement
@@ -18,7 +21,7 @@ and ``--prompts`` prompts of it::
               same run, both on ``--workers`` processes or threads
 
     python analyses/offline_vs_live.py [--prompts 10] [--budgets 0.2,0.3,0.5]
-        [--workloads niah,passkey] [--workers 2] [--device cpu]
+        [--workloads niah,passkey,vt] [--workers 2] [--device cpu]
             → results/offline_vs_live/{summary.md,summary.json} (every record), docs/offline-vs-live.md,
               docs/figures/offline_vs_live.png
 
@@ -57,9 +60,15 @@ PRESSES = [
     "press:CompactorPress",
 ]
 POLICIES = OURS + PRESSES
-OFFLINE = {"fmm": "FMM", "fmm_fp": "FMM fp", "attn_l1": "attn L1", "output_rel_l2": "output error"}
+OFFLINE = {
+    "fmm": "FMM", "fmm_fp": "FMM fp", "attn_l1": "attn L1", "output_rel_l2": "output error",
+    "forced_kl": "forced KL", "forced_nll": "forced log-perplexity", "forced_disagreement": "forced 1 − top-1",
+}  # fmt: skip
+PER_EVENT = ("fmm", "fmm_fp", "attn_l1", "output_rel_l2")  # means over events, layers and KV heads
+PER_STEP = {"forced_kl": "forced_kl", "forced_nll": "forced_nll", "forced_disagreement": "forced_top1"}
 LIVE = {"kl": "KL", "disagreement": "1 − agreement", "score_loss": "1 − score"}
-STEPS = {"niah": 40, "passkey": 24}  # new tokens: niah's four 7-digit numbers, passkey's key and a sentence
+# new tokens: niah's four 7-digit numbers, passkey's key and a sentence, vt's list of variables
+STEPS = {"niah": 40, "passkey": 24, "vt": 32}
 HORIZON = 16
 N_BOOT = 1000
 
@@ -143,19 +152,27 @@ def offline_grid(args, prompts: dict, folder: Path) -> tuple[list[dict], float, 
             stop_at_eos=False, device=args.device, force=True,
         )  # fmt: skip
         t1 = time.perf_counter()
-        result = kvscope.replay(store, args.policies, args.budgets, horizon=HORIZON, threads=args.workers, n_boot=1)
+        result = kvscope.replay(
+            store, args.policies, args.budgets, horizon=HORIZON, threads=args.workers, n_boot=1, forced=True,
+            device=args.device,
+        )  # fmt: skip
         result = result.sel(allocation="uniform")
-        per_prompt = {
-            var: result[var].mean(["event", "layer", "kv_head"], skipna=True).values for var in OFFLINE
-        }  # [policy, budget, sample]
+        per_prompt = {var: result[var].mean(["event", "layer", "kv_head"], skipna=True).values for var in PER_EVENT}
+        for var, stepwise in PER_STEP.items():  # [policy, budget, sample]: the mean over the scored steps
+            per_prompt[var] = result[stepwise].mean("step", skipna=True).values
+        per_prompt["forced_disagreement"] = 1 - per_prompt["forced_disagreement"]
+        rounds = result["forced_rounds"].values  # [policy, budget, sample]
+        converged = result["forced_converged"].values
         used = result["byte_ratio"].values  # [policy, budget, sample] peak bytes over the full cache
-        seconds[name] = {"trace": t1 - t0, "replay": time.perf_counter() - t1}
+        forced = json.loads(result.attrs["forced"])
+        seconds[name] = {"trace": t1 - t0, "replay": time.perf_counter() - t1, "forced": forced["seconds"]}
         for pi, policy in enumerate(result.policy.values):
             for bi, budget in enumerate(result.budget.values):
                 for s in range(result.sizes["sample"]):
                     row = {"workload": name, "sample": s, "policy": str(policy), "budget": float(budget)}
                     row.update({var: float(per_prompt[var][pi, bi, s]) for var in OFFLINE})
                     row["bytes_offline"] = float(used[pi, bi, s])
+                    row["rounds"], row["converged"] = int(rounds[pi, bi, s]), bool(converged[pi, bi, s])
                     records.append(row)
     return records, time.perf_counter() - started, seconds
 
@@ -194,26 +211,27 @@ def _correlations(x: np.ndarray, y: np.ndarray) -> dict:
 
 
 def transfer(records: list[dict], workload: str, seed: int = 0) -> dict:
-    """Every offline metric × live measure: τ, ρ (grid and within budgets) with bootstrap 95%
-    intervals over prompts."""
+    """Every offline metric × live measure — and live KL against the task score, the reference an
+    offline metric can at best reach — τ, ρ (grid and within budgets) with bootstrap 95% intervals
+    over prompts."""
     tables, _, _ = _tables(records, workload)
     n = next(iter(tables.values())).shape[-1]
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, n, size=(N_BOOT, n))
-    out = {}
-    for off in OFFLINE:
-        for live in LIVE:
-            x, y = tables[off], tables[live]
-            with np.errstate(all="ignore"):
-                point = _correlations(_mean(x), _mean(y))
-                boots = [_correlations(_mean(x[..., d]), _mean(y[..., d])) for d in draws]
-            entry = {}
-            for key, value in point.items():
-                values = np.array([b[key] for b in boots], dtype=float)
-                low, high = np.nanpercentile(values, [2.5, 97.5]) if np.isfinite(values).any() else (np.nan, np.nan)
-                entry[key] = [_num(value), _num(low), _num(high)]
-            out[f"{off}|{live}"] = entry
-    return out
+    draws = np.random.default_rng(seed).integers(0, n, size=(N_BOOT, n))
+    pairs = [(off, live) for off in OFFLINE for live in LIVE] + [("kl", "score_loss")]
+    return {f"{x}|{y}": _paired(tables[x], tables[y], draws) for x, y in pairs}
+
+
+def _paired(x: np.ndarray, y: np.ndarray, draws: np.ndarray) -> dict:
+    """τ, ρ of ``x`` against ``y`` (``[policy, budget, sample]``), each ``[value, low, high]``."""
+    with np.errstate(all="ignore"):
+        point = _correlations(_mean(x), _mean(y))
+        boots = [_correlations(_mean(x[..., d]), _mean(y[..., d])) for d in draws]
+    entry = {}
+    for key, value in point.items():
+        values = np.array([b[key] for b in boots], dtype=float)
+        low, high = np.nanpercentile(values, [2.5, 97.5]) if np.isfinite(values).any() else (np.nan, np.nan)
+        entry[key] = [_num(value), _num(low), _num(high)]
+    return entry
 
 
 def breaks(records: list[dict], workload: str, off: str, live: str, top: int = 5) -> list:
@@ -223,9 +241,11 @@ def breaks(records: list[dict], workload: str, off: str, live: str, top: int = 5
     tables, policies, budgets = _tables(records, workload)
     with np.errstate(all="ignore"):
         x, y = _mean(tables[off]).ravel(), _mean(tables[live]).ravel()
+    cells = [(p, b) for p in policies for b in budgets]
+    ok = np.flatnonzero(np.isfinite(x) & np.isfinite(y))  # cells a metric has no value for are not ranked
+    x, y, cells = x[ok], y[ok], [cells[k] for k in ok]
     rx, ry = rankdata(x), rankdata(y)
     order = np.argsort(-np.abs(rx - ry))[:top]
-    cells = [(p, b) for p in policies for b in budgets]
     return [
         {"policy": cells[k][0], "budget": cells[k][1], "offline": _num(x[k]), "offline_rank": int(rx[k]),
          "live": _num(y[k]), "live_rank": int(ry[k])}
@@ -311,9 +331,10 @@ def summary_md(doc: dict) -> str:
         ]
         for key, entry in w["transfer"].items():
             off, live = key.split("|")
-            cells = [f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if v[0] is not None else "—" for v in entry.values()]
-            lines.append(f"| {OFFLINE[off]} | {LIVE[live]} | " + " | ".join(cells) + " |")
+            name = "live KL (reference)" if off == "kl" else OFFLINE[off]
+            lines.append(f"| {name} | {LIVE[live]} | " + " | ".join(_cells(entry)) + " |")
         lines += ["", f"Best offline predictor of live KL within a budget: **{OFFLINE[w['best']]}**.", ""]
+        lines += [_rounds_line(w["rounds"]), ""]
         lines += ["| policy | " + " | ".join(f"β {b}: {OFFLINE[w['best']]} · KL · score" for b in budgets) + " |"]
         lines += ["|---|" + "---|" * len(budgets)]
         for policy, cells in w["grid"].items():
@@ -330,12 +351,36 @@ def summary_md(doc: dict) -> str:
         "## Cost",
         "",
         (
-            f"Offline grid (traces {c['trace_s']:.0f} s + replays {c['replay_s']:.0f} s) {c['offline_s']:.0f} s; "
-            f"live grid {c['live_s']:.0f} s: offline / live = **{c['ratio']:.3f}**."
+            f"Offline grid (traces {c['trace_s']:.0f} s + replays {c['replay_s']:.0f} s, of which forced replay "
+            f"{c.get('forced_s', 0):.0f} s) {c['offline_s']:.0f} s; live grid {c['live_s']:.0f} s: offline / live = "
+            f"**{c['ratio']:.3f}**."
         ),
         "",
     ]
     return "\n".join(lines)
+
+
+def _cells(entry: dict) -> list[str]:
+    return [f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if v[0] is not None else "—" for v in entry.values()]
+
+
+def rounds(records: list[dict], workload: str) -> dict:
+    """Forced replay's closed loops on one workload: ``{rounds: runs}`` of the sample runs, and how
+    many reached their fixed point."""
+    rows = [r for r in records if r["workload"] == workload and "rounds" in r]
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[r["rounds"]] = counts.get(r["rounds"], 0) + 1
+    return {"runs": len(rows), "converged": sum(bool(r["converged"]) for r in rows),
+            "by_rounds": {str(k): counts[k] for k in sorted(counts)}}  # fmt: skip
+
+
+def _rounds_line(r: dict) -> str:
+    spread = ", ".join(f"{n} in {k} round{'s' * (k != '1')}" for k, n in r["by_rounds"].items())
+    return (
+        f"Forced replay: {r['converged']} of {r['runs']} runs (policy × budget × prompt) reached the fixed point of "
+        f"their closed loop ({spread}; a round is one forward of a chunk)."
+    )
 
 
 def grid_cells(records, name, best) -> dict:
@@ -357,7 +402,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.2,0.3,0.5")
     ap.add_argument("--policies", default=",".join(POLICIES))
     add_arguments(ap)  # --context, --workloads, --model, --seed, --results as every study takes them
-    ap.set_defaults(workloads="niah,passkey")
+    ap.set_defaults(workloads="niah,passkey,vt")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=2, help="processes (live) and threads (replay)")
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "offline_vs_live.png"))
@@ -399,6 +444,7 @@ def main() -> None:
             "ratio": offline_s / live_s,
             "trace_s": sum(p["trace"] for p in parts.values()),
             "replay_s": sum(p["replay"] for p in parts.values()),
+            "forced_s": sum(p["forced"] for p in parts.values()),
         },
         "workloads": {name: {"steps": STEPS[name]} for name in names},
         "records": records,
@@ -421,6 +467,7 @@ def report(doc: dict, folder: Path, page: Path, figure_path: Path) -> None:
             "transfer": table,
             "best": best[name],
             "breaks": breaks(records, name, best[name], "kl"),
+            "rounds": rounds(records, name),
             "grid": grid_cells(records, name, best[name]),
         }
     doc["figure"] = figure_points(records, names, best)  # what the figure plots: the page's means

@@ -82,6 +82,12 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
         "zoom_ms": "wheel zoom (ms)",
         "pan_exact_ms": "pan in exact rows (ms)",
     },
+    "forced_replay": {"forced_over_live": "forced replay / kvscope run, per cell"},  # per prompt and steps
+    "press_cost": {  # the model-needing presses' grid, offline against kvscope run
+        "live_over_offline": "kvscope run of the grid / offline replay",
+        "offline_seconds": "offline replay (s)",
+        "live_seconds": "kvscope run of the grid (s)",
+    },
     "cli_startup": {"seconds": "wall time of a fresh process (s)"},  # per command line
     "compact_formats": {"vs_raw": "attn / raw fp16"},  # per trace and row format
 }
@@ -248,6 +254,15 @@ def _scale(f: dict, keys: dict) -> dict:
 @extractor("explorer")
 def _explorer(f, keys: dict) -> dict:
     return _per_row(f, keys, "positions", lambda n: f"{n:,} positions")
+
+
+@extractor("forced_replay")
+def _forced_replay(f, keys: dict) -> dict:
+    out: dict = {}
+    for row in f.get("sizes", []) if isinstance(f, dict) else []:
+        if isinstance(row, dict):
+            _put(out, "forced_over_live", f"P {row.get('prompt_tokens')}, S {row.get('steps')}", row.get("forced_over_live"))
+    return out
 
 
 @extractor("cli_startup")

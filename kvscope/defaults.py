@@ -24,3 +24,5 @@ N_BOOT_PEAKS = 200  # α refits are costlier: fewer resamples
 ANALYSIS_TASK_BYTES = 64 * 2**20  # stored rows one analysis task reads in one call (open_trace(chunks="analysis"))
 REPLAY_TASK_BYTES = 2 * 2**30  # what one replay task may hold (auto layers per task, kvscope.replay.plan)
 REPLAY_FORK_CELLS = 5 * 10**7  # run × step × unit × position cells from which a replay forks workers (~1 s)
+FORCED_CHUNK = 64  # decode steps per forward of forced replay (its closed loop converges chunk by chunk)
+FORCED_MAX_ROUNDS = 8  # forwards of one chunk before forced replay stops and labels the sample not converged

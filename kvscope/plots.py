@@ -27,33 +27,34 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
 
     Args:
         result: A replay result.
-        ax: Draw into these axes: 3 with output errors, 2 without (default: a new figure, the
-            line panels side by side above the stacks).
+        ax: Draw into these axes: the FMM panel, one for output errors and one for forced replay's
+            KL where the result has them, then the stacks (default: a new figure, the line panels
+            side by side above the stacks).
 
     Returns:
         The figure.
     """
     has_err = "output_rel_l2_mean" in result
+    forced = "forced_kl_mean" in result
+    top = ["fmm", *(["err"] if has_err else []), *(["kl"] if forced else [])]
     if ax is None:
-        names = [["fmm", "err"], ["tiers", "tiers"]] if has_err else [["fmm"], ["tiers"]]
-        fig, panels = mosaic(names, height=7.6)
-        axes = [panels[name] for name in ("fmm", "err", "tiers") if name in panels]
+        fig, panels = mosaic([top, ["tiers"] * len(top)], height=7.6)
+        axes = [panels[name] for name in (*top, "tiers")]
     else:
-        fig, axes = figure_axes(ax, ncols=3 if has_err else 2)
+        fig, axes = figure_axes(ax, ncols=len(top) + 1)
     budgets = result["budget"].values
     runs = run_lines(result)
 
-    def lines(ax, values_of, ylabel, title, with_ci=False, legend=False):
+    def lines(ax, values_of, ylabel, title, ci=None, legend=False):
         for label, r in runs:
             if str(r["policy_name"].values) == "full":
                 continue  # the reference: 0 at 100% of the memory
             x = r["byte_ratio_used"].values
             y = values_of(r)
             line = ax.plot(x, y, marker="o", label=label)[0]
-            if with_ci:
-                ax.fill_between(
-                    x, r["fmm_fp_ci_low"].values, r["fmm_fp_ci_high"].values, color=line.get_color(), alpha=0.15
-                )
+            if ci is not None:
+                low, high = r[f"{ci}_ci_low"].values, r[f"{ci}_ci_high"].values
+                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.15)
             floors = ~r["budget_reached"].values
             if floors.any():
                 ax.plot(x[floors], y[floors], "o", markerfacecolor="white", color=line.get_color())
@@ -68,7 +69,7 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
         lambda r: r["fmm_fp_mean"].values,
         f"FMM@{result.attrs.get('horizon', 32)} (mass not at full precision)",
         "Future Missed Mass vs memory",
-        with_ci=True,
+        ci="fmm_fp",
         legend=ax is not None,  # axes given: the legend in the first; else one for the figure, above the panels
     )
     if has_err:
@@ -78,6 +79,14 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
             "attention output relative L2 error",
             "Output error vs memory",
             legend=False,  # the same lines as beside it
+        )
+    if forced:
+        lines(
+            axes[len(top) - 1],
+            lambda r: r["forced_kl_mean"].values,
+            "KL(full ‖ policy), nats per step",
+            "Model output under the cache (forced)",
+            ci="forced_kl",
         )
     if ax is None:
         fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=min(len(runs), 4))

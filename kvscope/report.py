@@ -95,6 +95,7 @@ def comparison(result: xr.Dataset) -> list[dict]:
     """
     rows = []
     has_err = "attn_l1_mean" in result
+    forced = "forced_kl_mean" in result
     for policy, allocation, budget in runs(result):
         r = result.sel(policy=policy, allocation=allocation, budget=budget)
         tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
@@ -116,9 +117,23 @@ def comparison(result: xr.Dataset) -> list[dict]:
                 "output_rel_l2": _num(r["output_rel_l2_mean"]) if has_err else None,
                 "churn": _num(r["churn_mean"]),
                 "lir": _num(r["lir"]),
+                **(_forced_row(r) if forced else {}),
             }
         )
     return rows
+
+
+def _forced_row(r) -> dict:
+    """A run's forced-decode figures (docs/concepts.md#forced-replay)."""
+    return {
+        "forced_kl": _num(r["forced_kl_mean"]),
+        "forced_kl_ci95": [_num(r["forced_kl_ci_low"]), _num(r["forced_kl_ci_high"])],
+        "forced_perplexity": _num(r["forced_perplexity"]),
+        "forced_perplexity_ci95": [_num(r["forced_perplexity_ci_low"]), _num(r["forced_perplexity_ci_high"])],
+        "forced_agreement": _num(r["forced_agreement"]),
+        "forced_rounds": int(r["forced_rounds"].max()),
+        "forced_converged": bool(r["forced_converged"].all()),
+    }
 
 
 def comparison_doc(result: xr.Dataset) -> dict:
@@ -160,27 +175,61 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
     h = result.attrs.get("horizon", 32)
     allocations = [str(a) for a in result["allocation"].values]
     split = allocations != ["uniform"]  # show the allocation column
+    forced = "forced_kl_mean" in result
     table = Table(
         "policy", *(["allocation"] if split else []), "β", "bytes used", f"FMM@{h} [95% CI]", "FMM fp", "Q mass",
-        "attn L1", "out err", "churn", "LIR", title=title,
+        "attn L1", "out err", "churn", "LIR", *(["KL (forced) [95% CI]", "ppl", "top-1"] if forced else []),
+        title=title,
     )  # fmt: skip
     rows = comparison(result)
     for row in rows:
         used = fmt(row["byte_ratio"]) + ("" if row["budget_reached"] else " (floor)")
-        lo, hi = row["fmm_ci95"]
-        ci = f" [{fmt(lo)}, {fmt(hi)}]" if lo is not None and hi is not None else ""
         table.add_row(
-            row["policy"], *([row["allocation"]] if split else []), f"{row['budget']:g}", used, fmt(row["fmm"]) + ci, fmt(row["fmm_fp"]), fmt(row["q_mass"]),
+            row["policy"], *([row["allocation"]] if split else []), f"{row['budget']:g}", used,
+            fmt(row["fmm"]) + _ci(row["fmm_ci95"], fmt), fmt(row["fmm_fp"]), fmt(row["q_mass"]),
             fmt(row["attn_l1"]), fmt(row["output_rel_l2"]), fmt(row["churn"]), fmt(row["lir"]),
+            *(_forced_cells(row, fmt) if forced else []),
         )  # fmt: skip
-    print_table(table, 120)
+    print_table(table, 150 if forced else 120)
     print(
         "bytes used: peak share of the full cache at the final length; (floor): the policy cannot fit β and "
         "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "
         f"CI: {result.attrs.get('ci', 'bootstrap')}."
     )
+    if forced:
+        print(forced_note(result, rows))
     for line in press_settings(result) + allocation_lines(rows):
         print(line)
+
+
+def _ci(pair, fmt) -> str:
+    lo, hi = pair
+    return f" [{fmt(lo)}, {fmt(hi)}]" if lo is not None and hi is not None else ""
+
+
+def _forced_cells(row: dict, fmt) -> list[str]:
+    """KL with its CI (``*`` where a sample's closed loop did not reach its fixed point), perplexity, top-1."""
+    mark = "" if row["forced_converged"] else " *"
+    kl = fmt(row["forced_kl"], 4) + _ci(row["forced_kl_ci95"], lambda x: fmt(x, 4)) + mark
+    return [kl, fmt(row["forced_perplexity"], 2), fmt(row["forced_agreement"])]
+
+
+def forced_note(result: xr.Dataset, rows: list[dict]) -> str:
+    """What the forced columns are, and which runs did not converge."""
+    settings = json.loads(result.attrs.get("forced", "{}"))
+    full = result["forced_perplexity_full"].values
+    text = (
+        "forced: the model's own output teacher-forced on the trace's continuation under each cache — KL(full ‖ policy) "
+        f"in nats per step, perplexity (full KV: {np.exp(np.nanmean(np.log(full))):.2f}), top-1 agreement with full KV; "
+        f"{settings.get('chunk', '?')} steps per forward."
+    )
+    stuck = sorted({row["policy"] for row in rows if not row["forced_converged"]})
+    if stuck:
+        text += (
+            f" * not converged within {settings.get('max_rounds', '?')} rounds (the figures are the last round's, "
+            f"not the live decode's): {', '.join(stuck)}."
+        )
+    return text
 
 
 def allocation_lines(rows: list[dict]) -> list[str]:

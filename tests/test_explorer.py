@@ -179,7 +179,7 @@ def replayed(small_qkv_trace, tmp_path_factory) -> Path:
     import kvscope
 
     out = tmp_path_factory.mktemp("explorer") / "r.zarr"
-    kvscope.replay(str(small_qkv_trace), ["h2o", "logquant", "oracle"], [0.4], out=str(out), errors=False)
+    kvscope.replay(str(small_qkv_trace), ["h2o", "logquant", "oracle"], [0.4], out=str(out), errors=False, forced=True)
     return out
 
 
@@ -350,6 +350,10 @@ def _check_explorer(page: Page, trace_path, shots: Path, served: bool) -> None:
     tiers = page.image_sum("heatmap-tiers")
     page.choose("policy", "logquant")
     page.wait_for(lambda: page.image_sum("heatmap-tiers") != tiers)
+    # the model's output under logquant's cache, per step (forced replay): every decode step but the first
+    forced = "() => Bokeh.documents[0].get_model_by_name('forced-kl').data.kl"
+    page.wait_for(lambda: len(page.js(forced)) == 16)
+    assert page.js("() => Bokeh.documents[0].get_model_by_name('forced-fig').visible") and max(page.js(forced)) > 0
     page.choose("policy_b", "history oracle")  # an overlay from the trace itself
     page.wait_for(lambda: page.js("() => Bokeh.documents[0].get_model_by_name('heatmap-b').visible"))
     key, query = _expected_hover(trace_path, 10, 3)

@@ -66,7 +66,10 @@ def test_the_study_end_to_end(tmp_path):
     for r in doc["records"]:
         assert 0 <= r["fmm"] <= 1 and r["kl"] >= 0 and 0 <= r["agreement"] <= 1 and r["score"] in (0.0, 1.0)
         assert r["output_rel_l2"] > 0 and r["bytes"] <= 0.5 * (1 + 1e-9)
+        # forced replay is the live forced decode: its mean KL is kvscope run's
+        assert r["forced_kl"] == pytest.approx(r["kl"], abs=1e-4) and r["converged"]
     w = doc["workloads"]["passkey"]
-    assert set(w["transfer"]) == {f"{o}|{m}" for o in study.OFFLINE for m in study.LIVE}
+    assert set(w["transfer"]) == {f"{o}|{m}" for o in study.OFFLINE for m in study.LIVE} | {"kl|score_loss"}
+    assert w["rounds"]["runs"] == 4 and w["rounds"]["converged"] == 4
     assert doc["cost"]["ratio"] > 0 and w["best"] in study.OFFLINE
     assert (tmp_path / "figure.png").stat().st_size > 10_000 and "| streaming |" in (tmp_path / "page.md").read_text()

@@ -96,14 +96,31 @@ def _live(model, ids, spec: str) -> str:
     return "runs" + _budget(spec, bool(cache.state.reached))
 
 
-def _offline(trace, spec: str, model_folder: str) -> str:
+def _offline(trace, spec: str, model_folder: str) -> tuple[str, str]:
+    """The offline replay's cell and forced replay's (one ``replay --forced`` gives both)."""
+    import json
+
     from kvscope.policies import parse
 
     try:
         policy = parse(spec)
-        result = kvscope.replay(trace, [policy], [BUDGET], n_boot=10)
+        result = kvscope.replay(trace, [policy], [BUDGET], n_boot=10, forced=True)
     except KvscopeError as error:
-        return _refused(error, model_folder)
+        if "while decoding" in str(error):  # the replay ran; its forced decode refused
+            result = kvscope.replay(trace, [policy], [BUDGET], n_boot=10)
+            return _offline_cell(trace, policy, spec, result), _refused(error, model_folder)
+        refused = _refused(error, model_folder)
+        return refused, refused
+    offline = _offline_cell(trace, policy, spec, result)
+    forced = json.loads(result.attrs["forced"])
+    label = policy.label()
+    how = {"closed": "closed loop", "one round": "one forward", "open": "open loop"}[forced["loops"][label]]
+    served = f", {forced['served'][label]}" if label in forced["served"] else ""
+    assert bool(result["forced_converged"].values.all()) and float(result["forced_kl_mean"].values.max()) >= -1e-6
+    return offline, f"runs ({how}{served})"
+
+
+def _offline_cell(trace, policy, spec: str, result) -> str:
     ds = kvscope.open_trace(trace)
     where = "the trace's model" if policy.needs_model(ds.kvscope.model, ds.kvscope.rope) else "q, k, v"
     return f"runs (on {where})" + _budget(spec, bool(result["budget_reached"].values.all()))
@@ -116,8 +133,9 @@ def _rows(tiny) -> list[dict]:
     rows = []
     for name in sorted(press_classes()):
         spec = ":".join(["press", name, *([GIVEN[name]] if name in GIVEN else [])])
-        offline = _offline(trace, spec, model.config.name_or_path)
-        rows.append({"press": name, "spec": spec, "live": _live(model, ids, spec), "offline": offline})
+        offline, forced = _offline(trace, spec, model.config.name_or_path)
+        rows.append({"press": name, "spec": spec, "live": _live(model, ids, spec), "offline": offline,
+                     "forced": forced})  # fmt: skip
     return rows
 
 
@@ -132,7 +150,8 @@ def _table(rows: list[dict]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['press']} | `{_cell(row['spec'])}` | {_cell(row['live'])} | {_cell(row['offline'])} | — |"
+            f"| {row['press']} | `{_cell(row['spec'])}` | {_cell(row['live'])} | {_cell(row['offline'])} "
+            f"| {_cell(row['forced'])} |"
         )
     return "\n".join(lines)
 
@@ -145,7 +164,7 @@ def test_every_kvpress_class_runs_or_is_refused_for_a_reason_of_its_own(tiny):
         n for n in load().__all__ if isinstance(getattr(load(), n), type) and issubclass(getattr(load(), n), load().BasePress)
     }  # fmt: skip
     for row in rows:
-        for where in ("live", "offline"):
+        for where in ("live", "offline", "forced"):
             text = row[where]
             assert text.startswith(("runs", "refused: press")), row
             assert "\n" not in text and not PLUMBING.search(text), row
@@ -156,6 +175,8 @@ def test_every_kvpress_class_runs_or_is_refused_for_a_reason_of_its_own(tiny):
         "RestoreKVPress", "LUKVPress",  # learned assets from the hub (or a repository) this machine cannot reach
     }, refused  # fmt: skip
     assert {row["press"] for row in rows if row["offline"].startswith("refused")} == refused
+    # forced replay serves the rewrites a press makes of the prompt's cache, not those made while decoding
+    assert {row["press"] for row in rows if row["forced"].startswith("refused")} == refused | {"CAMPress"}
     table = _table(rows)
     page = PAGE.read_text()
     head, rest = page.split(BEGIN)

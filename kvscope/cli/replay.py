@@ -56,6 +56,21 @@ def add_replay(sub) -> None:
         "--question-agnostic", action="store_true",
         help="require a trace recorded with trace --question-agnostic (policies compress before the question)",
     )  # fmt: skip
+    p.add_argument(
+        "--forced", action="store_true",
+        help="also the model's own output under each policy's cache, teacher-forced on the trace's continuation: "
+        "KL to full KV, perplexity, top-1 agreement (loads the trace's model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--forced-chunk", type=int, default=defaults.FORCED_CHUNK, metavar="N",
+        help=f"decode steps per forward of --forced (default {defaults.FORCED_CHUNK})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-rounds", type=int, default=defaults.FORCED_MAX_ROUNDS, metavar="N",
+        help="forwards of one chunk before a closed loop that still changes is labelled not converged "
+        f"(default {defaults.FORCED_MAX_ROUNDS})",
+    )  # fmt: skip
+    p.add_argument("--device", default=None, help="where --forced runs the model (default: the trace's device)")
     p.add_argument("--out", default=None, metavar="RESULT.zarr", help="write the result Dataset")
     p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
     p.add_argument("--json", action="store_true")
@@ -99,6 +114,10 @@ def cmd_replay(args) -> int:
         refuse_existing(args.out)  # before the trace is read; replay checks again when it renames
     if args.plot:
         figure_path(args.plot)
+    if args.forced:
+        from ..replay.forced import check_forced
+
+        check_forced(args.forced_chunk, args.max_rounds)
     quiet = args.quiet or args.json or not sys.stderr.isatty()
     bar, task = progress_bar(f"replay {len(policies)}×{len(allocations)}×{len(budgets)}", quiet, "steps")
     with bar, DaskContext(args.dask) as client:
@@ -107,6 +126,7 @@ def cmd_replay(args) -> int:
             question_agnostic=args.question_agnostic, layers_per_task=args.layers_per_task,
             kv_heads_per_task=args.kv_heads_per_task, client=client, processes=args.processes,
             progress=lambda done, total: bar.update(task, completed=done, total=total), out=args.out,
+            forced=args.forced, forced_chunk=args.forced_chunk, max_rounds=args.max_rounds, device=args.device,
         )  # fmt: skip
     if args.plot:
         _save_figure(plot_compare(result), args.plot)

@@ -86,6 +86,7 @@ class Explorer:
         self.main.fig.on_event(RangesUpdate, self._on_range)
         self.views.layers.selected.on_change("indices", self._on_tap)
         self.views.show_steps([int(x) for x in self.tiers.event_step] if self.tiers is not None else [])
+        self.views.forced_fig.visible = self.tiers is not None and self.tiers.forced
         self.fit_sample()
 
     def _widgets(self, shape: dict) -> dict[str, Select]:
@@ -120,7 +121,7 @@ class Explorer:
             self.message,
             row(self.main.fig, self.other.fig),
             self.status,
-            row(side.per_layer, side.tier_fig),
+            row(side.per_layer, side.tier_fig, side.forced_fig),
             row(side.fmm_h, side.peak_fig, side.top_fig),
             name="kvscope-view",
         )
@@ -203,9 +204,12 @@ class Explorer:
         ov = self.overlay("policy")
         if not isinstance(ov, Replayed):
             self.views.tier_mass.data = {"step": [], "FP": [], "Q": [], "EVICTED": []}
+            self.views.forced.data = {"step": [], "kl": []}
             return
         tm = self.tiers.tier_mass(ov.run, sample, layer, head // self.trace.ds.kvscope.group)
         self.views.tier_mass.data = mass_columns(tm, self.tiers.event_step)
+        if self.tiers.forced:
+            self.views.forced.data = self.tiers.forced_columns(ov.run, sample)
 
     def _on_range(self, event) -> None:
         ys = sorted((event.y0, event.y1))

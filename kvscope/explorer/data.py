@@ -215,6 +215,17 @@ class TierView:
             codes[:, have] = snap[:, np.searchsorted(used, event[have])]
         return codes
 
+    @property
+    def forced(self) -> bool:
+        """The result holds forced replay's per-step figures."""
+        return "forced_kl" in self.result
+
+    def forced_columns(self, run: dict, sample: int) -> dict[str, list]:
+        """``{step, kl}``: forced replay's KL to full KV at each scored step of a run on ``sample``."""
+        kl = np.asarray(self.result["forced_kl"].sel(run).isel(sample=sample).values, dtype=float)  # [step]
+        scored = np.flatnonzero(np.isfinite(kl))
+        return {"step": [int(t) for t in scored], "kl": [float(x) for x in kl[scored]]}
+
     def tier_mass(self, run: dict, sample: int, layer: int, head: int) -> xr.DataArray:
         """``[event, tier]`` share of the future mass each tier received (NaN = censored)."""
         return self.result["tier_mass"].sel(run).isel(sample=sample, layer=layer, kv_head=head)

@@ -176,12 +176,14 @@ class SideViews:
         self.peaks = ColumnDataSource({"distance": [], "density": [], "fit": []})
         self.top = ColumnDataSource({"top_frac": [], "share": []})
         self.tier_mass = ColumnDataSource({"step": [], "FP": [], "Q": [], "EVICTED": []}, name="tier-mass")
+        self.forced = ColumnDataSource({"step": [], "kl": []}, name="forced-kl")
         self.chosen = BoxAnnotation(left=-0.5, right=0.5, fill_alpha=0.12, fill_color="#1f77b4")
         self.per_layer = self._per_layer(n_layers)
         self.fmm_h = self._fmm_curve()
         self.peak_fig = self._peaks()
         self.top_fig = self._top()
         self.tier_fig = self._tiers()
+        self.forced_fig = self._forced()
 
     def _per_layer(self, n_layers: int):
         f = figure(
@@ -267,6 +269,23 @@ class SideViews:
         f.legend.location = "bottom_left"
         f.legend.background_fill_alpha = 0.6
         f.legend.label_text_font_size = BOKEH_PX
+        return f
+
+    def _forced(self):
+        """The model's output under policy A's cache (a result replayed with ``--forced``): KL to
+        full KV per step."""
+        f = figure(
+            name="forced-fig",
+            title="model output under policy A: KL(full ‖ policy) per step (forced)",
+            width=560,
+            height=260,
+            x_axis_label="step",
+            y_axis_label="nats",
+            tools="hover,pan,wheel_zoom,reset",
+            visible=False,
+        )
+        f.line(x="step", y="kl", source=self.forced, line_width=2, color="#c44e52")
+        f.scatter(x="step", y="kl", source=self.forced, size=4, color="#c44e52")
         return f
 
     def fill(self, columns: dict) -> None:

@@ -90,11 +90,14 @@ def _arrays(app: Explorer, rect: Rect, overlays: dict[str, Overlay]) -> dict:
     """Every image the page can show and where it is: ``index["s|l|h"]`` for heatmaps,
     ``index["overlay key|s|l|h"]`` for overlays (h a KV head for replayed ones)."""
     trace, shape = app.trace, app.trace.shape
-    heats, overlay_images, masses, index, labels, queries = [], [], {}, {}, [], []
+    heats, overlay_images, masses, forced, index, labels, queries = [], [], {}, {}, {}, [], []
     for s in range(shape["sample"]):
         ids = trace.tokens(s)
         labels.append(key_labels(app.decode, ids))
         queries.append(query_labels(app.decode, ids, trace.query_pos[s]))
+        for key, ov in overlays.items():
+            if isinstance(ov, Replayed) and app.tiers.forced:
+                forced[f"{key}|{s}"] = app.tiers.forced_columns(ov.run, s)
         for layer in range(shape["layer"]):
             for h, image in enumerate(trace.heats(s, layer, rect)):
                 index[f"{s}|{layer}|{h}"] = len(heats)
@@ -112,6 +115,7 @@ def _arrays(app: Explorer, rect: Rect, overlays: dict[str, Overlay]) -> dict:
         "overlays": ColumnDataSource({"image": overlay_images or [np.zeros((1, 1), np.uint8)]}, name="page-overlays"),
         "index": index,
         "masses": masses,
+        "forced": forced,
         "labels": labels,
         "queries": queries,
     }
@@ -148,6 +152,8 @@ main_fig.title.text = `layer ${dims.layers[l]}, ${dims.hdim} ${h} — ${dims.cel
 other_fig.title.text = b === null ? '' : b[1];
 const m = a === null ? undefined : page.masses[`${a[0]}|${s}|${l}|${a[2]}`];
 mass.data = m === undefined ? {step: [], FP: [], Q: [], EVICTED: []} : m;
+const f = a === null ? undefined : page.forced[`${a[0]}|${s}`];
+forced.data = f === undefined ? {step: [], kl: []} : f;
 """
 
 TAP = """
@@ -178,7 +184,7 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
             "dims": dims,
             "heats": arrays["heats"],
             "overlays": arrays["overlays"],
-            "page": {k: arrays[k] for k in ("index", "masses", "labels", "queries")},
+            "page": {k: arrays[k] for k in ("index", "masses", "forced", "labels", "queries")},
             "main": app.main.source,
             "tiers_a": app.main.tiers,
             "other": app.other.source,
@@ -190,6 +196,7 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
             "keys": app.keys,
             "queries": app.queries,
             "mass": app.views.tier_mass,
+            "forced": app.views.forced,
             "chosen": app.views.chosen,
         },
         code=SWITCH,

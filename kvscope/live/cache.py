@@ -639,7 +639,7 @@ class PolicyCache(DynamicCache):
             if pool.served is not None:
                 pool.served.settle()
         if self.state.reads_forward(kind == "prefill"):
-            self.state.feed(*self._forward_tensors())
+            self.state.feed(*self.recorder.forward_tensors())
         decided = self.press.decided(kind == "prefill") if self.press is not None else {}
         used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
@@ -668,20 +668,7 @@ class PolicyCache(DynamicCache):
         p = self.seen
         if not self.recorder.enabled:
             return np.zeros((self.n_layers, self.n_kv, p)), np.zeros((self.n_layers, self.n_kv, 1, p), np.float32)
-        caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
-        colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
-        tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()  # [L, Hkv, obs, P]
-        return np.nan_to_num(colsum), np.nan_to_num(tail)
-
-    def _forward_tensors(self):
-        """``keys, values [layer, kv_head, n, D]`` float32 tensors and ``queries [n, layer, head, D]``
-        (numpy, post-RoPE) of the forward's ``n`` new positions, as attention was handed them
-        (what a trace under ``--record qkv`` stores)."""
-        caps = [self.recorder.layers[layer] for layer in range(self.n_layers)]
-        keys = torch.stack([c.k[0] for c in caps]).cpu()  # [layer, kv_head, n, D]
-        values = torch.stack([c.v[0] for c in caps]).cpu()
-        queries = torch.stack([c.q[0] for c in caps], dim=2).cpu().numpy()  # [head, n, layer, D]
-        return keys, values, np.ascontiguousarray(queries.transpose(1, 2, 0, 3))  # [n, layer, head, D]
+        return self.recorder.prompt_attention()
 
     def _decide(self) -> np.ndarray:
         """The policy decides on the row this cache served (kv-group mean, by position)."""

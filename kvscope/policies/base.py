@@ -370,7 +370,7 @@ class Ledger:
                 values = cast(self.v_eff[:, :, positions], np.float32)
                 n_l, n_h = keys.shape[:2]
                 ll = np.repeat(np.arange(n_l), n_h)
-                k_hat, v_hat = self._dequantized(
+                k_hat, v_hat = self.dequantized(
                     keys.reshape(n_l * n_h, *keys.shape[2:]),
                     values.reshape(n_l * n_h, *values.shape[2:]),
                     np.broadcast_to(positions, (n_l * n_h, positions.size)),
@@ -395,7 +395,7 @@ class Ledger:
                 at = (layer[:, None], heads[a : a + QUANTIZE_ROWS, None], p)
                 keys = cast(self.k_eff[at], np.float32)  # [n, G, D] still the originals
                 values = cast(self.v_eff[at], np.float32)
-                k_hat, v_hat = self._dequantized(keys, values, p, layer)
+                k_hat, v_hat = self.dequantized(keys, values, p, layer)
                 self.k_eff[at] = cast(k_hat, self.k_eff.dtype, copy=False)
                 self.v_eff[at] = cast(v_hat, self.v_eff.dtype, copy=False)
 
@@ -448,9 +448,18 @@ class Ledger:
         cos, sin, _, n_rot = rotary
         return apply_rope(k_hat, cos, sin, n_rot)
 
-    def _dequantized(self, keys, values, positions, layers):
-        """Quantize then dequantize groups ``keys``/``values [n, G, D]`` (float32) of
-        ``positions [n, G]`` in ``layers [n]`` → ``(k̂, v̂)``."""
+    def dequantized(
+        self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, layers: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Quantize then dequantize groups of keys and values → ``(k̂, v̂)`` (what a cache serves
+        for them: the quantizer of [the concepts](concepts.md#quantizer), keys back through RoPE).
+
+        Args:
+            keys: ``[n, G, D]`` float32, post-RoPE as attention sees them.
+            values: ``[n, G, D]`` float32.
+            positions: ``[n, G]`` their positions.
+            layers: ``[n]`` their layers.
+        """
         qk, qv = self.encode(keys, values, positions, layers)
         k_hat = self.decode_keys(qk.dequantize().reshape(keys.shape), positions, layers)
         return k_hat, qv.dequantize().reshape(values.shape)

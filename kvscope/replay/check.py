@@ -56,7 +56,8 @@ class Variable:
     dims: tuple[str, ...]
     dtypes: tuple[str, ...]  # numpy dtype strings; "U": any unicode string
     rule: str  # a key of VALUE_RULES (data variables) or COORDINATE_RULES
-    optional: bool = False  # attn_l1, output_rel_l2 and their means: present when q/k/v were recorded
+    optional: str = ""  # the group of optional variables it belongs to, present all or none:
+    # "errors" (attn_l1, output_rel_l2 and their means: q/k/v recorded), "forced" (replay --forced)
 
 
 SAMPLE = RUN + ("sample",)
@@ -92,10 +93,22 @@ VARIABLES = {
         for name in ("fmm", "fmm_fp")
         for part in ("mean", "ci_low", "ci_high")
     },
-    "attn_l1": Variable(EVENT, F8, "l1", optional=True),
-    "output_rel_l2": Variable(EVENT, F8, "bytes", optional=True),
-    "attn_l1_mean": Variable(RUN, F8, "l1", optional=True),
-    "output_rel_l2_mean": Variable(RUN, F8, "bytes", optional=True),
+    "attn_l1": Variable(EVENT, F8, "l1", optional="errors"),
+    "output_rel_l2": Variable(EVENT, F8, "bytes", optional="errors"),
+    "attn_l1_mean": Variable(RUN, F8, "l1", optional="errors"),
+    "output_rel_l2_mean": Variable(RUN, F8, "bytes", optional="errors"),
+    "forced_kl": Variable(SAMPLE + ("step",), F8, "divergence", optional="forced"),
+    "forced_nll": Variable(SAMPLE + ("step",), F8, "bytes", optional="forced"),
+    "forced_top1": Variable(SAMPLE + ("step",), F8, "share", optional="forced"),
+    "forced_rounds": Variable(SAMPLE, I8, "count", optional="forced"),
+    "forced_converged": Variable(SAMPLE, ("bool",), "flag", optional="forced"),
+    "forced_perplexity_full": Variable(("sample",), F8, "bytes", optional="forced"),
+    **{
+        f"{name}{part}": Variable(RUN, F8, rule, optional="forced")
+        for name, rule, mean in (("forced_kl", "divergence", "_mean"), ("forced_perplexity", "bytes", ""),
+                                 ("forced_agreement", "share", ""))
+        for part in (mean, "_ci_low", "_ci_high")
+    },  # fmt: skip
 }
 
 COORDINATES = {
@@ -131,6 +144,8 @@ VALUE_RULES = {
     "share": ("shares must be NaN or in [0, 1]", _nan_or(lambda x: (x >= -SHARE_SLACK) & (x <= 1 + SHARE_SLACK))),
     "l1": ("L1 distances must be NaN or in [0, 2]", _nan_or(lambda x: (x >= 0) & (x <= 2 + SHARE_SLACK))),
     "bytes": ("values must be NaN or finite and ≥ 0", _nan_or(lambda x: np.isfinite(x) & (x >= 0))),
+    # KL of float32 log-probabilities: ≥ 0 up to their rounding
+    "divergence": ("divergences must be NaN or finite and ≥ −1e-6", _nan_or(lambda x: np.isfinite(x) & (x >= -1e-6))),
     "count": ("counts must be ≥ 0", lambda x: bool((x >= 0).all())),
     "flag": ("flags must be true or false", lambda x: True),
     "codes": (TIER_CODES_RULE, valid_codes),
@@ -174,6 +189,7 @@ ATTRIBUTES = {
     "kv_itemsize": _int(1),
     "protocol": (lambda v: v in (None, *PROTOCOLS), "question-aware or question-agnostic"),  # absent before 0.3
     "replay_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number ≥ 0"),
+    "forced": (lambda v: v is None or (isinstance(v, str) and _json_object(v) is not None), "a JSON object"),
     "replay_workers": (
         lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"(threads|forked|dask):[1-9]\d*", v) is not None),
         "threads:N, forked:N or dask:N",
@@ -234,8 +250,13 @@ def check_arrays(path, metas: dict) -> dict[str, int]:
     unknown = sorted(set(metas) - set(VARIABLES) - set(COORDINATES))
     if unknown:
         raise StoreError(f"{path}: arrays {', '.join(unknown)} are not part of a replay result")
-    optional = {n for n, v in VARIABLES.items() if v.optional}
-    required = set(VARIABLES) - optional | set(COORDINATES) | (optional if optional & set(metas) else set())
+    groups: dict[str, set[str]] = {}
+    for n, v in VARIABLES.items():
+        if v.optional:
+            groups.setdefault(v.optional, set()).add(n)
+    required = set(VARIABLES) - set().union(*groups.values()) | set(COORDINATES)
+    for members in groups.values():
+        required |= members if members & set(metas) else set()
     missing = sorted(required - set(metas))
     if missing:
         raise StoreError(f"{path} is missing arrays: {', '.join(missing)}")

@@ -64,6 +64,7 @@ class Outputs:
     n_sink: int
     lir: LIR  # m, H_lir, δ
     settings: dict = field(default_factory=dict)  # (policy, allocation, budget, sample) → a state's setting
+    splits: dict = field(default_factory=dict)  # sample → {(policy, allocation, budget): the oracle's split}
 
     def record(self, pi: int, ai: int, bi: int, s: int, shape: tuple[int, ...]) -> RunRecord:
         return RunRecord(self, (pi, ai, bi, s), shape)
@@ -203,9 +204,10 @@ def _per_run(values: np.ndarray, reduce, lead: int = 3) -> np.ndarray:
     return reduce(values.reshape(values.shape[:lead] + (-1,)), axis=-1)
 
 
-def build(setup, o: Outputs, tiers=None) -> xr.Dataset:
+def build(setup, o: Outputs, tiers=None, forced=None) -> xr.Dataset:
     """The Dataset described in [`kvscope.replay`][kvscope.replay] from the filled ``Outputs``; ``tiers``
-    (a dask array reading the result store) is included when given."""
+    (a dask array reading the result store) is included when given, the forced decodes
+    (``kvscope.replay.forced.ForcedOutputs``) when given."""
     fmm, fmm_fp = o.mass[..., 2], o.mass[..., 1] + o.mass[..., 2]
     summary = {name: _mean_ci(values, setup) for name, values in (("fmm", fmm), ("fmm_fp", fmm_fp))}
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
@@ -243,7 +245,41 @@ def build(setup, o: Outputs, tiers=None) -> xr.Dataset:
             data["output_rel_l2"] = (dims_event, o.out)
             data["attn_l1_mean"] = (RUN, _per_run(o.l1, np.nanmean))
             data["output_rel_l2_mean"] = (RUN, _per_run(o.out, np.nanmean))
+    if forced is not None:
+        data |= _forced_variables(setup, forced)
     return xr.Dataset(data, coords=_coords(setup, o))
+
+
+def _forced_variables(setup, f) -> dict:
+    """The forced decodes' variables (docs/concepts.md#forced-replay)::
+
+        forced_kl, forced_nll, forced_top1   [*run, sample, step]   per step (NaN where not scored)
+        forced_kl_mean                       Σ kl / Σ scored steps, over samples and steps (CI: bootstrap)
+        forced_perplexity                    exp(Σ nll / Σ scored steps)  (its CI the exp of nll's)
+        forced_agreement                     Σ top1 / Σ scored steps
+        forced_rounds, forced_converged      [*run, sample]   forwards of the slowest chunk; fixed point reached
+        forced_perplexity_full               [sample]   the continuation's perplexity under full KV
+    """
+    dims_sample = RUN + ("sample",)
+    data = {
+        "forced_kl": (dims_sample + ("step",), f.kl),
+        "forced_nll": (dims_sample + ("step",), f.nll),
+        "forced_top1": (dims_sample + ("step",), f.top1),
+        "forced_rounds": (dims_sample, f.rounds),
+        "forced_converged": (dims_sample, f.converged),
+        "forced_perplexity_full": (("sample",), f.perplexity_full),
+    }
+    for name, values, transform in (("forced_kl", f.kl, None), ("forced_perplexity", f.nll, np.exp),
+                                     ("forced_agreement", f.top1, None)):  # fmt: skip
+        est = np.full(values.shape[:3] + (3,), np.nan)
+        for run in np.ndindex(*values.shape[:3]):
+            scored = np.isfinite(values[run])  # [sample, step]
+            est[run] = setup.fmm.interval(np.where(scored, values[run], 0).sum(1), scored.sum(1))
+        est = transform(est) if transform is not None else est
+        key = "forced_kl_mean" if name == "forced_kl" else name
+        data[key] = (RUN, est[..., 0])
+        data[f"{name}_ci_low"], data[f"{name}_ci_high"] = (RUN, est[..., 1]), (RUN, est[..., 2])
+    return data
 
 
 def _selection_variables(o: Outputs) -> dict:
@@ -330,6 +366,13 @@ def _attrs(setup, trace, seconds: float) -> dict:
         "protocol": "question-agnostic" if ds.kvscope.question_agnostic else "question-aware",
         "replay_seconds": round(seconds, 3),
     }
+
+
+def forced_attrs(forced, seconds: float) -> dict:
+    """The ``forced`` attribute of a result with forced decodes: its settings, each policy's loop and
+    the seconds the forced decodes took (of ``replay_seconds``)."""
+    doc = {**forced.settings, "loops": forced.loops, "served": forced.served, "seconds": round(seconds, 3)}
+    return {"forced": json.dumps(doc)}
 
 
 def _press_settings(setup, settings: dict) -> str:

@@ -24,8 +24,9 @@ from .. import defaults
 from ..errors import KvscopeError
 from . import result as _result
 from .check import open_result
+from .forced import check_forced, forced_replay
 from .plan import ReplaySetup, _block, _processes, plan
-from .result import Outputs, _attrs, _press_notes, _press_settings
+from .result import Outputs, _attrs, _press_notes, _press_settings, forced_attrs
 from .store import TierStore, result_folder, write_variables
 from .tasks import oracle_splits, probe, replay_piece
 
@@ -57,8 +58,12 @@ def replay(
     n_boot: int = defaults.N_BOOT,
     seed: int = 0,
     resample: str = "samples",
-    kv_itemsize: int = 2,
+    kv_itemsize: int | None = None,
     question_agnostic: bool = False,
+    forced: bool = False,
+    forced_chunk: int = defaults.FORCED_CHUNK,
+    max_rounds: int = defaults.FORCED_MAX_ROUNDS,
+    device: str | None = None,
     layers_per_task: int | None = None,
     kv_heads_per_task: int | None = None,
     client: distributed.Client | None = None,
@@ -109,12 +114,18 @@ def replay(
         n_boot: Bootstrap resamples of the confidence intervals.
         seed: Seed of the bootstrap.
         resample: What the confidence intervals resample: ``samples`` (prompts) or ``units``.
-        kv_itemsize: Bytes per full-precision K/V element in the byte model (2: 16-bit; 4
-            compares with a live cache of an fp32 model).
+        kv_itemsize: Bytes per full-precision K/V element in the byte model (default 2, 16-bit;
+            under ``forced`` the model's own dtype — 4 for an fp32 model — as a live cache counts them).
         question_agnostic: Refuse a trace whose prefill held the question (the protocol is
             fixed when a trace is recorded: on a trace made with ``trace --question-agnostic``
             every policy first compresses at the end of the context, and the question's steps
             are decode steps).
+        forced: Also the model's own output under each run's cache, teacher-forced on the trace's
+            continuation ([forced replay](concepts.md#forced-replay), ``kvscope.replay.forced``):
+            the trace's model is loaded once, on ``device``.
+        forced_chunk: Decode steps per forward of the forced decodes (their closed loop converges chunk by chunk).
+        max_rounds: Forwards of one chunk before a closed loop that still changes is labelled not converged.
+        device: Where forced replay runs the model (default: the trace's device).
         layers_per_task: Layers of one sample per task (default: as many as 2 GiB hold).
         kv_heads_per_task: KV heads of those layers per task (default: all).
         client: A ``dask.distributed`` client whose workers take the tasks.
@@ -132,6 +143,9 @@ def replay(
     started = time.perf_counter()
     path = os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else None
     ds = open_trace(path) if path is not None else trace
+    model = _forced_model(ds, forced, forced_chunk, max_rounds, device)
+    if kv_itemsize is None:
+        kv_itemsize = model.itemsize if model is not None else 2
     setup = ReplaySetup.of(
         ds, policies, allocations, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
         m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
@@ -147,16 +161,33 @@ def replay(
         outputs = _result.Outputs.allocate(setup, root, block=block)
         ran_on = _run(setup, outputs, block, client, threads, processes, progress)
         outputs.tiers.complete()
+        decoded, forced_seconds = None, 0.0
+        if model is not None:
+            forced_started = time.perf_counter()
+            decoded = forced_replay(setup, model, outputs.splits, forced_chunk, max_rounds, client, progress)
+            forced_seconds = time.perf_counter() - forced_started
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
-        result = _result.build(setup, outputs, tiers)
+        result = _result.build(setup, outputs, tiers, decoded)
         result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
         result.attrs["replay_workers"] = ran_on
         if outputs.settings:
             result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
             result.attrs["press_notes"] = _press_notes(setup, outputs.settings)
+        if decoded is not None:
+            result.attrs.update(forced_attrs(decoded, forced_seconds))
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result
+
+
+def _forced_model(ds, forced: bool, chunk: int, max_rounds: int, device: str | None):
+    """The trace's model for forced replay (settings checked first), or None without ``forced``."""
+    if not forced:
+        return None
+    check_forced(chunk, max_rounds)
+    from .forced import load_model
+
+    return load_model(ds, device)
 
 
 def _run(
@@ -230,6 +261,7 @@ def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, 
         splits = oracle_splits(setup, pieces, _gather(client, probe, state, pieces)) if oracle else {}
         store = _StorePath(outputs.tiers.root)
         results = _gather(client, replay_piece, state, pieces, store, splits, progress=progress, setup=setup)
+    outputs.splits = splits
     for piece, (part, taken) in zip(pieces, results, strict=True):
         outputs.absorb(part, piece.policies, piece.sample, piece.units)
         for at in taken:

@@ -64,6 +64,27 @@ class SlotView:
 
 _LIVE: contextvars.ContextVar[SlotView | None] = contextvars.ContextVar("kvscope_live_slots", default=None)
 
+# a layer-output function that takes over every call of the registered attention function while it
+# is set (forced replay's cache emulation, kvscope.replay.forced): ``fn(module, query, key, value,
+# mask, scaling, softcap, sink) -> out [batch, q, head, D]``
+_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("kvscope_attention_override", default=None)
+
+
+class attention_override:
+    """``with attention_override(fn):`` every layer that attends through kvscope's function calls
+    ``fn`` instead, with the same arguments the function was given (scaling resolved, the learned
+    sink logits as ``sink``)."""
+
+    def __init__(self, fn):
+        self.fn, self.token = fn, None
+
+    def __enter__(self):
+        self.token = _OVERRIDE.set(self.fn)
+        return self.fn
+
+    def __exit__(self, *exc):
+        _OVERRIDE.reset(self.token)
+
 
 def offer_slots(view: SlotView | None) -> None:
     """Called by a live cache layer's ``update`` right before the layer's attention."""
@@ -267,6 +288,28 @@ class AttentionRecorder:
         if self.record_qkv:
             cap.q, cap.k, cap.v = query.detach(), key[:, :, -q_len:].detach(), value[:, :, -q_len:].detach()
         self.layers[layer] = cap
+
+    def prompt_attention(self) -> tuple:
+        """``colsum [L, Hs, P]`` float64 and ``tail [L, Hs, obs, P]`` float32 (numpy, NaN as 0) of
+        the prompt this recorder saw, every stored layer (batch row 0)."""
+        import numpy as np
+
+        caps = [self.layers[layer] for layer in range(self.n_layers)]
+        colsum = torch.stack([c.colsum[0] for c in caps]).float().cpu().numpy().astype(np.float64)
+        tail = torch.stack([c.tail[0] for c in caps]).float().cpu().numpy()
+        return np.nan_to_num(colsum), np.nan_to_num(tail)
+
+    def forward_tensors(self) -> tuple:
+        """``keys, values [layer, kv_head, n, D]`` float32 tensors and ``queries [n, layer, head,
+        D]`` (numpy, post-RoPE) of the forward's ``n`` new positions (batch row 0), as attention
+        was handed them — what a trace under ``--record qkv`` stores (needs ``record_qkv``)."""
+        import numpy as np
+
+        caps = [self.layers[layer] for layer in range(self.n_layers)]
+        keys = torch.stack([c.k[0] for c in caps]).cpu()  # [layer, kv_head, n, D]
+        values = torch.stack([c.v[0] for c in caps]).cpu()
+        queries = torch.stack([c.q[0] for c in caps], dim=2).cpu().numpy()  # [head, n, layer, D]
+        return keys, values, np.ascontiguousarray(queries.transpose(1, 2, 0, 3))  # [n, layer, head, D]
 
     def slot(self, module) -> int:
         """The stored layer of an attention module (its ``layer_idx`` in the model)."""
@@ -727,6 +770,10 @@ def _capturing(kernel: str):
     def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         sink = kwargs.get("s_aux")  # [head] learned sink logits (gpt-oss), or None
+        override = _OVERRIDE.get()
+        if override is not None:
+            with torch.no_grad():
+                return override(module, query, key, value, attention_mask, scale, softcap, sink), None
         probe = _PROBE.get()
         if probe is not None:
             probe.saw(module, query, key, value, attention_mask, scale, softcap, kwargs)
