@@ -37,7 +37,9 @@ def trace(args, store: Path) -> float:
         "prose", args.model, context=args.context, seed=args.seed, samples=1, continuation_tokens=args.tokens
     )
     started = time.perf_counter()
-    kvscope.trace(prompts, store, model=args.model, dtype="float32", force=True, block_steps=64)
+    kvscope.trace(
+        prompts, store, model=args.model, dtype="float32", force=True, block_steps=64, max_new_tokens=args.tokens
+    )
     return time.perf_counter() - started
 
 

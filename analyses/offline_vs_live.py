@@ -17,8 +17,11 @@ For each workload (``niah``, ``passkey``, ``vt``) and ``--prompts`` prompts of i
               offline ranks exactly as live: over the policy × budget grid (means over
               prompts), and within each budget over the policies (the choice a user makes at
               a given memory), with 95% bootstrap intervals over prompts
-    cost      the offline grid's time (traces + replays) over the live grid's, same machine,
-              same run, both on ``--workers`` processes or threads
+    cost      the offline grid's time (traces + replays, on ``--workers`` threads) over the live
+              grid's (its decodes' seconds over ``--workers`` processes), same machine
+
+An interrupted study resumes: each workload's offline grid and each prompt's live grid is kept
+under ``results/offline_vs_live/parts/`` (keyed by every setting that decides it) once finished.
 
     python analyses/offline_vs_live.py [--prompts 10] [--budgets 0.2,0.3,0.5]
         [--workloads niah,passkey,vt] [--workers 2] [--device cpu]
@@ -73,6 +76,29 @@ HORIZON = 16
 N_BOOT = 1000
 
 
+class Done:
+    """Finished parts of the grid under ``--results``/offline_vs_live/parts, one JSON file each,
+    keyed by everything that decides them: an interrupted study resumes where it stopped."""
+
+    def __init__(self, args, phase: str):
+        stamp = [args.model, args.context, args.prompts, args.seed, args.device, args.policies, args.budgets, STEPS, HORIZON]
+        digest = __import__("hashlib").sha256(json.dumps(stamp).encode()).hexdigest()[:12]
+        self.folder = Path(args.results) / "offline_vs_live" / "parts" / f"{phase}-{digest}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, *key) -> Path:
+        return self.folder / ("-".join(map(str, key)) + ".json")
+
+    def get(self, *key):
+        path = self._path(*key)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def put(self, *key, value) -> None:
+        tmp = self._path(*key).with_suffix(".tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(self._path(*key))
+
+
 # -- live ---------------------------------------------------------------------------------------
 _LOADED = {}
 
@@ -97,7 +123,9 @@ def live_prompt(task: dict) -> list[dict]:
     model, tokenizer = _LOADED["model"], _LOADED["tokenizer"]
     ids, steps = task["ids"], task["steps"]
     scorer = workloads.get(task["workload"]).scorer
+    started = time.perf_counter()
     full = full_decode(model, ids, steps)
+    full_s = (time.perf_counter() - started) / (len(task["policies"]) * len(task["budgets"]))
     out = []
     for policy in task["policies"]:
         for budget in task["budgets"]:
@@ -109,13 +137,14 @@ def live_prompt(task: dict) -> list[dict]:
                 "workload": task["workload"], "sample": task["sample"], "policy": policy, "budget": budget,
                 "score": r.score, "score_full": r.score_full, "kl": r.kl, "agreement": r.agreement,
                 "bytes": r.bytes_actual_peak / r.full_bytes, "reached": r.budget_reached,
-                "seconds": time.perf_counter() - started,
+                "seconds": time.perf_counter() - started + full_s,  # with its share of the full decode
             })  # fmt: skip
     return out
 
 
 def live_grid(args, prompts: dict) -> tuple[list[dict], float]:
-    """Every prompt of every workload on ``args.workers`` processes → (records, wall seconds)."""
+    """Every prompt of every workload on ``args.workers`` processes → (records, seconds: the
+    decodes' time over the workers); prompts done before are read back."""
     from kvscope.model.loading import load_tokenizer, resolve
     from kvscope.model.prompts import encode
 
@@ -127,54 +156,66 @@ def live_grid(args, prompts: dict) -> tuple[list[dict], float]:
                 "workload": name, "sample": s, "ids": ids, "expected": prompt.expected, "steps": STEPS[name],
                 "policies": args.policies, "budgets": args.budgets,
             })  # fmt: skip
+    done = Done(args, "live")
+    todo = [t for t in tasks if done.get(t["workload"], t["sample"]) is None]
     started = time.perf_counter()
-    records = []
     with ProcessPoolExecutor(args.workers, initializer=_load, initargs=(args.model, args.device)) as pool:
-        for done, rows in enumerate(pool.map(live_prompt, tasks), 1):
-            records += rows
-            print(f"live: {done}/{len(tasks)} prompts ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    return records, time.perf_counter() - started
+        for n, (task, rows) in enumerate(zip(todo, pool.map(live_prompt, todo)), 1):
+            done.put(task["workload"], task["sample"], value=rows)
+            print(f"live: {n}/{len(todo)} prompts ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    records = [r for t in tasks for r in done.get(t["workload"], t["sample"])]
+    return records, sum(r["seconds"] for r in records) / args.workers
 
 
 # -- offline ------------------------------------------------------------------------------------
 def offline_grid(args, prompts: dict, folder: Path) -> tuple[list[dict], float, dict]:
     """Trace every workload's prompts (one sample each) and replay the grid on them →
-    (records, wall seconds, {workload: full-KV scores of the traces})."""
+    (records, seconds, {workload: {trace, replay, forced} seconds}); a workload done before is read back."""
+    done = Done(args, "offline")
+    for name, (items, chat) in prompts.items():
+        if done.get(name) is None:
+            done.put(name, value=offline_workload(args, name, items, chat, folder))
+    parts = {name: done.get(name) for name in prompts}
+    records = [r for part in parts.values() for r in part["records"]]
+    seconds = {name: part["seconds"] for name, part in parts.items()}
+    return records, sum(s["trace"] + s["replay"] for s in seconds.values()), seconds
+
+
+def offline_workload(args, name: str, items, chat: bool, folder: Path) -> dict:
+    """One workload's traces and its grid replayed, forced included → {records, seconds}."""
     import kvscope
 
-    started = time.perf_counter()
-    records, seconds = [], {}
-    for name, (items, chat) in prompts.items():
-        store = folder / f"{name}.zarr"
-        t0 = time.perf_counter()
-        kvscope.trace(
-            items, store, model=args.model, max_new_tokens=STEPS[name], chat=chat, record_qkv=True,
-            stop_at_eos=False, device=args.device, force=True,
-        )  # fmt: skip
-        t1 = time.perf_counter()
-        result = kvscope.replay(
-            store, args.policies, args.budgets, horizon=HORIZON, threads=args.workers, n_boot=1, forced=True,
-            device=args.device,
-        )  # fmt: skip
-        result = result.sel(allocation="uniform")
-        per_prompt = {var: result[var].mean(["event", "layer", "kv_head"], skipna=True).values for var in PER_EVENT}
-        for var, stepwise in PER_STEP.items():  # [policy, budget, sample]: the mean over the scored steps
-            per_prompt[var] = result[stepwise].mean("step", skipna=True).values
-        per_prompt["forced_disagreement"] = 1 - per_prompt["forced_disagreement"]
-        rounds = result["forced_rounds"].values  # [policy, budget, sample]
-        converged = result["forced_converged"].values
-        used = result["byte_ratio"].values  # [policy, budget, sample] peak bytes over the full cache
-        forced = json.loads(result.attrs["forced"])
-        seconds[name] = {"trace": t1 - t0, "replay": time.perf_counter() - t1, "forced": forced["seconds"]}
-        for pi, policy in enumerate(result.policy.values):
-            for bi, budget in enumerate(result.budget.values):
-                for s in range(result.sizes["sample"]):
-                    row = {"workload": name, "sample": s, "policy": str(policy), "budget": float(budget)}
-                    row.update({var: float(per_prompt[var][pi, bi, s]) for var in OFFLINE})
-                    row["bytes_offline"] = float(used[pi, bi, s])
-                    row["rounds"], row["converged"] = int(rounds[pi, bi, s]), bool(converged[pi, bi, s])
-                    records.append(row)
-    return records, time.perf_counter() - started, seconds
+    store = folder / f"{name}.zarr"
+    t0 = time.perf_counter()
+    kvscope.trace(
+        items, store, model=args.model, max_new_tokens=STEPS[name], chat=chat, record_qkv=True,
+        stop_at_eos=False, device=args.device, force=True,
+    )  # fmt: skip
+    t1 = time.perf_counter()
+    result = kvscope.replay(
+        store, args.policies, args.budgets, horizon=HORIZON, threads=args.workers, n_boot=1, forced=True,
+        device=args.device,
+    )  # fmt: skip
+    result = result.sel(allocation="uniform")
+    per_prompt = {var: result[var].mean(["event", "layer", "kv_head"], skipna=True).values for var in PER_EVENT}
+    for var, stepwise in PER_STEP.items():  # [policy, budget, sample]: the mean over the scored steps
+        per_prompt[var] = result[stepwise].mean("step", skipna=True).values
+    per_prompt["forced_disagreement"] = 1 - per_prompt["forced_disagreement"]
+    rounds = result["forced_rounds"].values  # [policy, budget, sample]
+    converged = result["forced_converged"].values
+    used = result["byte_ratio"].values  # [policy, budget, sample] peak bytes over the full cache
+    forced = json.loads(result.attrs["forced"])
+    seconds = {"trace": t1 - t0, "replay": time.perf_counter() - t1, "forced": forced["seconds"]}
+    records = []
+    for pi, policy in enumerate(result.policy.values):
+        for bi, budget in enumerate(result.budget.values):
+            for s in range(result.sizes["sample"]):
+                row = {"workload": name, "sample": s, "policy": str(policy), "budget": float(budget)}
+                row.update({var: float(per_prompt[var][pi, bi, s]) for var in OFFLINE})
+                row["bytes_offline"] = float(used[pi, bi, s])
+                row["rounds"], row["converged"] = int(rounds[pi, bi, s]), bool(converged[pi, bi, s])
+                records.append(row)
+    return {"records": records, "seconds": seconds}
 
 
 # -- transfer -----------------------------------------------------------------------------------
@@ -317,7 +358,8 @@ def summary_md(doc: dict) -> str:
         f"{doc['date']} · {doc['machine']} · `{doc['command']}`",
         "",
         (
-            f"{len(doc['policies'])} policies × β {', '.join(map(str, budgets))} × {doc['prompts']} prompts per workload; "
+            f"{len(doc['policies'])} policies × β {', '.join(map(str, budgets))} × {doc['prompts']} prompts per workload"
+            f"{'' if 'context' not in doc else ' of ' + str(doc['context']) + ' tokens'}; "
             "τ / ρ with the live measure as a loss (+1: offline ranks as live), [95% bootstrap over prompts]."
         ),
         "",
@@ -437,6 +479,7 @@ def main() -> None:
         "budgets": args.budgets,
         "policies": args.policies,
         "prompts": args.prompts,
+        "context": args.context,
         "horizon": HORIZON,
         "cost": {
             "offline_s": offline_s,
