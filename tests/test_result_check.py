@@ -53,7 +53,8 @@ def test_a_clean_result_verifies_and_every_chunk_exists(result):
     proc = run_cli("verify", result, "--json", check=True)
     doc = json.loads(proc.stdout)
     assert doc["ok"] and doc["kind"] == "replay result" and doc["problems"] == []
-    names = set(VARIABLES) | set(COORDINATES)
+    forced = {n for n, v in VARIABLES.items() if v.optional == "forced"}  # replay --forced only
+    names = set(VARIABLES) - forced | set(COORDINATES)
     assert {p.name for p in result.iterdir() if p.is_dir()} == names  # the optional output errors too
     chunks = [p for p in result.rglob("*") if p.is_file() and p.name != "zarr.json"]
     assert doc["chunks"] == len(chunks)
@@ -64,7 +65,7 @@ def test_a_clean_result_verifies_and_every_chunk_exists(result):
         assert len([f for f in files if f.is_file()]) == array.nchunks, name
     opened = kvscope.open_result(result)
     assert CHECKSUM_ATTR not in opened.attrs and opened.attrs["kind"] == "kvscope replay"
-    assert set(opened.data_vars) == set(VARIABLES)
+    assert set(opened.data_vars) == set(VARIABLES) - forced
     assert opened["tiers"].chunks is not None  # lazy
     assert np.isin(opened["tiers"].values, (-1, 0, 1, 2)).all()
 
