@@ -185,7 +185,8 @@ def offline_workload(args, name: str, items, chat: bool, folder: Path) -> dict:
     """One workload's traces and its grid replayed, forced included → {records, seconds}."""
     import kvscope
 
-    store = folder / f"{name}.zarr"
+    folder.mkdir(parents=True, exist_ok=True)
+    store = folder / f"{name}.zarr"  # under --results: two studies never share a trace
     t0 = time.perf_counter()
     kvscope.trace(
         items, store, model=args.model, max_new_tokens=STEPS[name], chat=chat, record_qkv=True,
@@ -468,7 +469,7 @@ def main() -> None:
             name, args.model, context=args.context, seed=args.seed, samples=args.prompts, max_new_tokens=STEPS[name]
         )
         prompts[name] = (items, bool(recipe.get("chat", False)))
-    offline, offline_s, parts = offline_grid(args, prompts, Path(os.environ.get("TMPDIR", "/tmp")))
+    offline, offline_s, parts = offline_grid(args, prompts, folder / "traces")
     print(f"offline grid: {offline_s:.0f} s", file=sys.stderr)
     live, live_s = live_grid(args, prompts)
     records = _merge(offline, live)

@@ -73,3 +73,15 @@ def test_the_study_end_to_end(tmp_path):
     assert w["rounds"]["runs"] == 4 and w["rounds"]["converged"] == 4
     assert doc["cost"]["ratio"] > 0 and w["best"] in study.OFFLINE
     assert (tmp_path / "figure.png").stat().st_size > 10_000 and "| streaming |" in (tmp_path / "page.md").read_text()
+    # run again: every part is read back (one offline part, one live part per prompt), nothing decoded anew
+    parts = sorted(p.relative_to(tmp_path / "offline_vs_live" / "parts").parent.name.split("-")[0] + "/" + p.name
+                   for p in (tmp_path / "offline_vs_live" / "parts").rglob("*.json"))  # fmt: skip
+    assert parts == ["live/passkey-0.json", "live/passkey-1.json", "offline/passkey.json"]
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "offline_vs_live" / "parts").rglob("*.json")}
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "analyses" / "offline_vs_live.py"), *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "offline_vs_live" / "summary.json").read_text())["records"] == doc["records"]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
