@@ -234,6 +234,19 @@ def shell_commands(source: str, first_line: int) -> list[Command]:
     return commands
 
 
+def _bash(page: Page, text: str) -> subprocess.CompletedProcess:
+    """One command of a page, run by bash in the page's folder and environment."""
+    return subprocess.run(
+        ["bash", "-c", text], check=False, cwd=page.folder, env=page.env, capture_output=True, text=True,
+        timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+
+
+def _check_exit(where: str, proc: subprocess.CompletedProcess, expected: int) -> None:
+    if proc.returncode != expected:
+        pytest.fail(f"{where}\nexited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
 def evaluate_shell(example: Example) -> None:
     page = _page(example)
     source = example.parsed
@@ -243,12 +256,8 @@ def evaluate_shell(example: Example) -> None:
         where = f"{page.name}:{command.line}: {command.text.strip()}"
         if _skip_reason(command.text):
             continue
-        proc = subprocess.run(
-            ["bash", "-c", command.text], check=False, cwd=page.folder, env=page.env, capture_output=True,
-            text=True, timeout=COMMAND_TIMEOUT,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            pytest.fail(f"{where}\nexited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        proc = _bash(page, command.text)
+        _check_exit(where, proc, 0)
         _check_output(where, command.shown, proc.stdout, source, proc.stderr)
 
 
@@ -360,13 +369,9 @@ def evaluate_console(example: Example) -> None:
         pytest.skip(reason)
     for command in console_commands(source, example.line + 1):
         where = f"{page.name}:{command.line}: $ {command.text}"
-        proc = subprocess.run(
-            ["bash", "-c", command.text], check=False, cwd=page.folder, env=page.env, capture_output=True,
-            text=True, timeout=COMMAND_TIMEOUT,
-        )  # fmt: skip
+        proc = _bash(page, command.text)
         refused = bool(command.shown) and command.shown[0].startswith("kvscope: error: ")
-        if proc.returncode != (2 if refused else 0):
-            pytest.fail(f"{where}\nexited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        _check_exit(where, proc, 2 if refused else 0)
         _check_output(where, command.shown, proc.stdout + proc.stderr, source)
 
 
