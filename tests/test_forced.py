@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import kvscope
+from kvscope.errors import KvscopeError
 from kvscope.live import PolicyCache, prepare
 from kvscope.live.run import decode
 from kvscope.policies import parse
@@ -221,6 +222,9 @@ def test_forced_replay_refuses_what_it_cannot_do(tmp_path, tiny_trace, tiny_mode
     out = tmp_path / "result.zarr"
     one_line_error(run_cli("replay", store, "--forced", "--policies", "h2o", "--budgets", "0.5", "--out", out),
                    "forced replay needs the trace's model")  # fmt: skip
+    # every other input is checked before the model is looked for
+    with pytest.raises(KvscopeError, match="observe must be renorm or exact"):
+        kvscope.replay(store, ["h2o"], [0.5], forced=True, observe="nearby")
     assert tree_digest(store) == before and not out.exists()
 
 

@@ -143,16 +143,18 @@ def replay(
     started = time.perf_counter()
     path = os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else None
     ds = open_trace(path) if path is not None else trace
-    model = _forced_model(ds, forced, forced_chunk, max_rounds, device)
-    if kv_itemsize is None:
-        kv_itemsize = model.itemsize if model is not None else 2
+    if forced:
+        check_forced(forced_chunk, max_rounds)
     setup = ReplaySetup.of(
         ds, policies, allocations, budgets, observe=observe, horizon=horizon, horizons=horizons, every=every, errors=errors,
-        m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=kv_itemsize, n_boot=n_boot, seed=seed,
-        resample=resample, question_agnostic=question_agnostic, source=path,
+        m=m, h_lir=h_lir, delta=delta, validate=validate, kv_itemsize=2 if kv_itemsize is None else kv_itemsize,
+        n_boot=n_boot, seed=seed, resample=resample, question_agnostic=question_agnostic, source=path,
     )  # fmt: skip
     if client is not None and path is None:
         raise KvscopeError("a replay on a dask cluster takes the trace as a store path (its workers open it)")
+    model = _forced_model(ds, device) if forced else None  # loaded once every input is checked
+    if kv_itemsize is None and model is not None:
+        setup = replace(setup, kv_itemsize=model.itemsize)
     processes = _processes(setup, processes, client, path)
     workers = sum(client.nthreads().values()) if client is not None else processes
     block = _block(setup, layers_per_task, kv_heads_per_task, workers, 2 if client is not None else 1)
@@ -180,11 +182,8 @@ def replay(
     return open_result(out) if out is not None else result
 
 
-def _forced_model(ds, forced: bool, chunk: int, max_rounds: int, device: str | None):
-    """The trace's model for forced replay (settings checked first), or None without ``forced``."""
-    if not forced:
-        return None
-    check_forced(chunk, max_rounds)
+def _forced_model(ds, device: str | None):
+    """The trace's model for forced replay."""
     from .forced import load_model
 
     return load_model(ds, device)
