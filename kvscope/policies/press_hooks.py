@@ -630,9 +630,11 @@ class PrefillCapture:
     then its protocol's masks. KVzip and KVgrad reconstruct the context once per configuration
     (their scores do not depend on the ratio); each ``decide`` masks from those scores.
 
-    ``prompt_keys [layer]`` ``[kv_head, P, D]``: the keys the prefill computed."""
+    ``prompt_keys [layer]`` ``[kv_head, P, D]``: the keys the prefill computed. ``forward()``: runs
+    the prefill and returns its cache (a caller's own prefill of these ids, the hooks kept meanwhile:
+    one forward serves both); default the language model's forward."""
 
-    def __init__(self, model, prompt_ids, spec=None, tokenizer=None):
+    def __init__(self, model, prompt_ids, spec=None, tokenizer=None, forward=None):
         import torch
         from transformers import DynamicCache
 
@@ -644,7 +646,12 @@ class PrefillCapture:
         self.device = next(model.parameters()).device
         self.calls: list = [None] * len(self.modules)  # [layer] (args, kwargs without the cache, output)
         self._scores: dict = {}  # KVzip's and KVgrad's score_val by their configuration
-        cache = DynamicCache(config=model.config)
+
+        def prefill():
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                language_model(model)(input_ids=torch.as_tensor([self.prompt_ids], device=self.device), cache=cache)
+            return cache
 
         def keep(module, args, kwargs, output):
             kept = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
@@ -652,8 +659,7 @@ class PrefillCapture:
 
         handles = [module.register_forward_hook(keep, with_kwargs=True) for module in self.modules]
         try:
-            with torch.no_grad():
-                language_model(model)(input_ids=torch.as_tensor([self.prompt_ids], device=self.device), cache=cache)
+            cache = (forward or prefill)()
         finally:
             for handle in handles:
                 handle.remove()

@@ -174,8 +174,8 @@ class Prefill:
 
     cache: object  # the transformers cache after the prompt
     logits: object  # [vocab] float32: step 0's logits (the prefill's last position)
-    colsum: np.ndarray  # [layer, unit, P] float64
-    tail: np.ndarray  # [layer, unit, obs, P] float32
+    colsum: np.ndarray | None  # [layer, unit, P] float64 (None: not recorded, nobody reads it)
+    tail: np.ndarray | None  # [layer, unit, obs, P] float32
     qkv: tuple | None  # (keys, values [layer, unit, P, D] tensors, queries [P, layer, head, D]) for presses
 
 
@@ -212,7 +212,7 @@ class SampleForcing:
     def start(self, presses: bool, feeds: bool) -> None:
         """The prefill (with the prompt's q/k/v for ``presses``) and the full-KV reference (keeping
         each decode forward's q/k/v for policies that read them: ``feeds``)."""
-        self.feeds_needed, self._presses = feeds, presses
+        self.feeds_needed, self._presses = feeds, presses or self._presses
         self.prefill = self.prefill_of("kernel")
         full = ForcedRun(self, parse("full"), None, 1.0)
         full.run(keep_logits=True)
@@ -223,32 +223,47 @@ class SampleForcing:
     def prefill_of(self, outputs: str) -> Prefill:
         """The prompt's forward with its layers' outputs computed as a live cache computes them for a
         policy: by the model's kernel (``kernel``: a full cache, or a policy that does not read the
-        prompt's attention), or from the probabilities the policy observes (``probs``). The two
-        agree up to float summation order; a quantizer's codes can tell them apart."""
+        prompt's attention — none is recorded), or from the probabilities the policy observes
+        (``probs``). The two agree up to float summation order; a quantizer's codes can tell them apart."""
         if outputs not in self._prefills:
-            self._prefills[outputs] = self._prefill(self._presses, outputs)
+            self._prefills[outputs] = self._prefill(outputs)
         return self._prefills[outputs]
 
-    def _prefill(self, presses: bool, outputs: str = "kernel") -> Prefill:
+    def _prefill(self, outputs: str, capture: bool = False) -> Prefill:
+        """The prompt's forward (``prefill_of``); with ``capture`` the same forward
+        keeps what each layer's press hook is handed (``self._capture``)."""
         import torch
         from transformers import DynamicCache
 
         from ..model.spec import last_logits_only, returned_cache, with_cache
+        from ..policies.press_hooks import PrefillCapture
         from ..tracing.capture import AttentionRecorder, ForwardContext
 
         model, spec = self.forced.model, self.model_spec
+        observed = outputs == "probs"
         recorder = AttentionRecorder(
             n_layers=spec.n_layers, n_stored_heads=spec.n_kv_heads, obs_window=self.setup.ds.kvscope.obs_window,
-            record_qkv=presses, n_units=spec.n_kv_heads, attn_output=outputs,
+            record_qkv=self._presses, n_units=spec.n_kv_heads, attn_output=outputs, probabilities=observed,
             layer_slots={layer: i for i, layer in enumerate(spec.layer_index)} if spec.attention_layers else None,
         )  # fmt: skip
         recorder.begin(ForwardContext(seq_len=self.P, pad=torch.zeros(1, dtype=torch.long)))
         ids = self.prompt[None].to(self.forced.device)
-        with torch.no_grad(), recorder.active():
-            out = model(input_ids=ids, use_cache=True, **with_cache(model, DynamicCache(config=model.config)),
-                        **last_logits_only(model))  # fmt: skip
-        colsum, tail = recorder.prompt_attention()
-        qkv = recorder.forward_tensors() if presses else None
+        done = {}
+
+        def forward():
+            with torch.no_grad(), recorder.active():
+                done["out"] = model(input_ids=ids, use_cache=True, **last_logits_only(model),
+                                    **with_cache(model, DynamicCache(config=model.config)))  # fmt: skip
+            return returned_cache(done["out"])
+
+        if capture:
+            self._capture = PrefillCapture(model, self.prompt.tolist(), spec=spec, tokenizer=self.forced.tokenizer,
+                                           forward=forward)  # fmt: skip
+        else:
+            forward()
+        out = done["out"]
+        colsum, tail = recorder.prompt_attention() if observed else (None, None)
+        qkv = recorder.forward_tensors() if self._presses else None
         return Prefill(returned_cache(out), out.logits[0, -1].float().cpu(), colsum, tail, qkv)
 
     def _check_tokens(self) -> None:
@@ -275,12 +290,17 @@ class SampleForcing:
     def capture(self):
         """The prompt's prefill on the model with what each layer's press hook is handed kept
         (``PrefillCapture``), made once per sample: prompt-time presses decide from it, as their
-        hook does on a live prefill."""
+        hook does on a live prefill. It is the kernel prefill's own forward where that is still to
+        run (runs are made before ``start``), else a forward of its own."""
         if self._capture is None:
             from ..policies.press_hooks import PrefillCapture
 
-            self._capture = PrefillCapture(self.forced.model, self.prompt.tolist(), spec=self.model_spec,
-                                           tokenizer=self.forced.tokenizer)  # fmt: skip
+            self._presses = True
+            if "kernel" not in self._prefills:
+                self._prefills["kernel"] = self._prefill("kernel", capture=True)
+            else:
+                self._capture = PrefillCapture(self.forced.model, self.prompt.tolist(), spec=self.model_spec,
+                                               tokenizer=self.forced.tokenizer)  # fmt: skip
         return self._capture
 
     def spec(self, budget: float):

@@ -170,6 +170,9 @@ class AttentionRecorder:
     lets ``attend`` compute it from the recorded probabilities wherever the recorder
     computes all of them (decode rows, unpadded causal prefills).
 
+    ``probabilities``: False keeps only the forward's q/k/v (``record_qkv``) and computes no
+    probability (a prefill whose attention nobody reads).
+
     ``n_units``: the cache units of a layer that kv-group rows average over (the model spec's
     ``n_kv_heads``; 1 under multi-head latent attention, whose keys are per query head); None:
     the heads of the keys. ``layer_slots``: the model's layer index → stored layer (a hybrid
@@ -185,6 +188,7 @@ class AttentionRecorder:
     chunk_rows: int | None = None
     attn_output: str = "kernel"  # one of ATTN_OUTPUTS
     enabled: bool = True
+    probabilities: bool = True
     n_units: int | None = None
     layer_slots: dict[int, int] | None = None
     ctx: ForwardContext | None = None
@@ -246,6 +250,9 @@ class AttentionRecorder:
         layer = self.slot(module)
         b, h, q_len, _ = query.shape
         n_kv, kv_len = key.shape[1], key.shape[2]
+        if not self.probabilities:
+            self.layers[layer] = self._qkv(LayerCapture(), query, key, value, q_len)
+            return
         if slot_pos is not None and q_len == 1:
             if probs is None:
                 probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
@@ -285,9 +292,13 @@ class AttentionRecorder:
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             self.rows[:, layer] = self._to_positions(row, kv_len)
+        self.layers[layer] = self._qkv(cap, query, key, value, q_len)
+
+    def _qkv(self, cap: LayerCapture, query, key, value, q_len: int) -> LayerCapture:
+        """``cap`` with the forward's queries and its ``q_len`` new keys and values (under ``record_qkv``)."""
         if self.record_qkv:
             cap.q, cap.k, cap.v = query.detach(), key[:, :, -q_len:].detach(), value[:, :, -q_len:].detach()
-        self.layers[layer] = cap
+        return cap
 
     def prompt_attention(self) -> tuple:
         """``colsum [L, Hs, P]`` float64 and ``tail [L, Hs, obs, P]`` float32 (numpy, NaN as 0) of
