@@ -157,6 +157,7 @@ CASES = [
     ("unknown-command", ["explain", "{QKV}"], "invalid choice: 'explain'"),
     ("models-unknown-flag", ["models", "--verbose"], "unrecognized arguments: --verbose"),
     ("policies-unknown-flag", ["policies", "--verbose"], "unrecognized arguments: --verbose"),
+    ("replay-option-not-abbreviated", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--force"], "unrecognized arguments: --force"),
     # -- allocations and tune -------------------------------------------------------------------
     ("replay-allocation-unknown", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--allocation", "tilted"], "unknown allocation 'tilted'"),
     ("replay-pyramid-beta", ["replay", "{QKV}", "--policies", "h2o", "--budgets", "0.3", "--allocation", "pyramid:beta=0.5"], "pyramid parameter beta must be ≥ 1 (got 0.5)"),

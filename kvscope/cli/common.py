@@ -17,6 +17,12 @@ EXIT_BAD_INPUT = 2
 
 
 class Parser(argparse.ArgumentParser):
+    """An option is written in full: ``--force`` is not taken for ``--forced`` (no abbreviations)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2 (argparse prints usage + error otherwise)
         print(f"kvscope: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
