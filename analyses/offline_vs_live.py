@@ -382,8 +382,12 @@ def summary_md(doc: dict) -> str:
         lines += ["|---|" + "---|" * len(budgets)]
         for policy, cells in w["grid"].items():
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-        lines += ["", "Largest rank differences (offline vs live KL, rank 1 = least loss):", ""]
-        for b in w["breaks"]:
+        breaks = [b for b in w["breaks"] if b["offline_rank"] != b["live_rank"]]
+        if not breaks:
+            lines += ["", f"Ranked by {OFFLINE[w['best']]}, every cell takes the rank live KL gives it.", ""]
+        else:
+            lines += ["", "Largest rank differences (offline vs live KL, rank 1 = least loss):", ""]
+        for b in breaks:
             lines.append(
                 f"- {b['policy']} at β {b['budget']}: offline rank {b['offline_rank']} ({b['offline']}), "
                 f"live rank {b['live_rank']} (KL {b['live']})"
