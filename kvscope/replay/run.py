@@ -24,7 +24,7 @@ from .. import defaults
 from ..errors import KvscopeError
 from . import result as _result
 from .check import open_result
-from .forced import check_forced, forced_replay
+from .forced import check_forced, forced_replay, load_model
 from .plan import ReplaySetup, _block, _processes, plan
 from .result import Outputs, _attrs, _press_notes, _press_settings, forced_attrs
 from .store import TierStore, result_folder, write_variables
@@ -152,7 +152,7 @@ def replay(
     )  # fmt: skip
     if client is not None and path is None:
         raise KvscopeError("a replay on a dask cluster takes the trace as a store path (its workers open it)")
-    model = _forced_model(ds, device) if forced else None  # loaded once every input is checked
+    model = load_model(ds, device) if forced else None  # loaded once every input is checked
     if kv_itemsize is None and model is not None:
         setup = replace(setup, kv_itemsize=model.itemsize)
     processes = _processes(setup, processes, client, path)
@@ -180,13 +180,6 @@ def replay(
         if out is not None:
             write_variables(result, root, mode="a")
     return open_result(out) if out is not None else result
-
-
-def _forced_model(ds, device: str | None):
-    """The trace's model for forced replay."""
-    from .forced import load_model
-
-    return load_model(ds, device)
 
 
 def _run(
