@@ -86,9 +86,9 @@ def test_full_policy_is_plain_decoding(loaded, prompt_ids, full_decode):
 
 def test_an_observing_cache_serves_the_row_it_observes(loaded, prompt_ids, full_decode):
     """A policy that observes its decode rows gets them from the attention that produced the
-    output (probs · V, one pass over the keys), and the prompt's output from the blocked
-    probabilities its column sums are made of: with every position held (H2O at β = 1) that is
-    plain decoding up to float summation order; per head with padding slots, the kernel's output."""
+    output (probs · V, one pass over the keys), while the prompt's forward is the kernel's (its
+    column sums computed beside it): with every position held (H2O at β = 1) that is plain
+    decoding up to float summation order; per head with padding slots, the kernel's output."""
     from kvscope.tracing.capture import _masked_output, _observed_row, _per_head_mask, attention_probs
 
     _, model, _ = loaded
@@ -96,7 +96,7 @@ def test_an_observing_cache_serves_the_row_it_observes(loaded, prompt_ids, full_
     live = decode(model, prompt_ids, cache, STEPS)
     assert live.tokens == full_decode.tokens
     assert (live.logits - full_decode.logits).abs().max() < 1e-3
-    assert not torch.equal(live.logits[0], full_decode.logits[0])  # the prompt's output: from the blocks H2O reads
+    assert torch.equal(live.logits[0], full_decode.logits[0])  # the prompt's forward: the kernel's, bit for bit
     assert not torch.equal(live.logits[1:], full_decode.logits[1:])  # not the kernel's bits: the observed row's
     g = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, n, r, 16, generator=g) for n, r in ((6, 1), (2, 11), (2, 11)))

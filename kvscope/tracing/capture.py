@@ -368,6 +368,13 @@ class AttentionRecorder:
         blocks = self._causal_blocks(query, key, scaling, softcap, key.shape[1], value=value, out=out, sink=sink)
         return out, blocks
 
+    def prompt_blocks(self, query, key, mask, scaling, softcap, sink=None):
+        """``(colsum, tail)`` of an unpadded causal prefill (``_causal_blocks``, probabilities only:
+        the layer's output stays the kernel's), or None for any other forward."""
+        if self.ctx is None or not self._is_causal_prefill(mask, query.shape[2], key.shape[2]):
+            return None
+        return self._causal_blocks(query, key, scaling, softcap, key.shape[1], sink=sink)
+
     def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
         """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
         return mask is None and not self.ctx.padded and kv_len == q_len
@@ -815,9 +822,8 @@ def _capturing(kernel: str):
         elif view is not None and view.head_mask is not None:
             out = _masked_output(query, key, value, attention_mask, scale, softcap, sink)
         elif observer is not None:
-            with torch.no_grad():  # the prompt's attention the policy reads: the output from it too
-                prefilled = observer.causal_prefill(query, key, value, attention_mask, scale, softcap, sink)
-                out, blocks = prefilled or (None, None)
+            with torch.no_grad():  # the prompt's attention the policy reads, once for every recorder; the
+                blocks = observer.prompt_blocks(query, key, attention_mask, scale, softcap, sink)  # kernel's output
         if out is None:
             out = base(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
