@@ -84,7 +84,7 @@ def _sample(trace, policies=("full",), budgets=(1.0,), allocations=None, chunk=4
         n_boot=10, seed=0, resample="samples",
     )  # fmt: skip
     sample = SampleForcing(setup, 0, forced, chunk, max_rounds)
-    sample.start(presses=True, feeds=True)
+    sample.start()
     _SAMPLES[key] = setup, sample
     return setup, sample
 

@@ -181,9 +181,13 @@ class Prefill:
 
 class SampleForcing:
     """Sample ``s`` of a replay ``setup`` under the loaded ``forced`` model: its prefill, its full-KV
-    reference, then any policy's forced decode (``ForcedRun.run``)."""
+    reference, then any policy's forced decode (``ForcedRun.run``). What the runs read: the
+    prompt's attention (``prompt_attention``: a policy or allocation), each forward's q/k/v
+    (``decoding_presses``: a kvpress press that acts while decoding — the prefill keeps the
+    prompt's, the reference each step's)."""
 
-    def __init__(self, setup, s: int, forced: ForcedModel, chunk: int, max_rounds: int):
+    def __init__(self, setup, s: int, forced: ForcedModel, chunk: int, max_rounds: int,
+                 prompt_attention: bool = True, decoding_presses: bool = True):  # fmt: skip
         import torch
 
         acc = setup.ds.kvscope
@@ -197,10 +201,9 @@ class SampleForcing:
         self.reader = SampleReader(setup.ds, s, setup.group)
         self.model_spec = acc.model
         self.rope = forced.rope
-        self.feeds_needed = False
-        self.prefill: Prefill | None = None  # the prompt's forward, its layers' outputs by the model's kernel
-        self._prefills: dict[str, Prefill] = {}  # by where the layers' outputs come from: "kernel", "probs"
-        self._presses = False
+        self.feeds_needed = decoding_presses
+        self.prompt_attention = prompt_attention
+        self._prefill_done: Prefill | None = None  # the prompt's forward, shared by every run
         self.reference: np.ndarray | None = None  # [S, vocab] float32 log-probabilities under full KV
         self.reference_feeds: list | None = None  # per step (keys, values, queries) of the full-KV forward
         self._capture = None
@@ -209,29 +212,26 @@ class SampleForcing:
     def final_len(self) -> int:
         return self.P + self.S
 
-    def start(self, presses: bool, feeds: bool) -> None:
-        """The prefill (with the prompt's q/k/v for ``presses``) and the full-KV reference (keeping
-        each decode forward's q/k/v for policies that read them: ``feeds``)."""
-        self.feeds_needed, self._presses = feeds, presses or self._presses
-        self.prefill = self.prefill_of("kernel")
+    def start(self) -> None:
+        """The full-KV reference (after the prefill)."""
         full = ForcedRun(self, parse("full"), None, 1.0)
         full.run(keep_logits=True)
         self.reference = full.log_probs
         self.reference_feeds = full.feeds
         self._check_tokens()
 
-    def prefill_of(self, outputs: str) -> Prefill:
-        """The prompt's forward with its layers' outputs computed as a live cache computes them for a
-        policy: by the model's kernel (``kernel``: a full cache, or a policy that does not read the
-        prompt's attention — none is recorded), or from the probabilities the policy observes
-        (``probs``). The two agree up to float summation order; a quantizer's codes can tell them apart."""
-        if outputs not in self._prefills:
-            self._prefills[outputs] = self._prefill(outputs)
-        return self._prefills[outputs]
+    @property
+    def prefill(self) -> Prefill:
+        """The prompt's forward, made once: its layers' outputs by the model's kernel (as a live
+        cache computes them under every policy), with the prompt's attention where
+        ``prompt_attention``."""
+        if self._prefill_done is None:
+            self._prefill_done = self._prefill()
+        return self._prefill_done
 
-    def _prefill(self, outputs: str, capture: bool = False) -> Prefill:
-        """The prompt's forward (``prefill_of``); with ``capture`` the same forward
-        keeps what each layer's press hook is handed (``self._capture``)."""
+    def _prefill(self, capture: bool = False) -> Prefill:
+        """The prompt's forward (``prefill``); with ``capture`` the same forward keeps what each
+        layer's press hook is handed (``self._capture``)."""
         import torch
         from transformers import DynamicCache
 
@@ -240,10 +240,10 @@ class SampleForcing:
         from ..tracing.capture import AttentionRecorder, ForwardContext
 
         model, spec = self.forced.model, self.model_spec
-        observed = outputs == "probs"
+        observed = self.prompt_attention
         recorder = AttentionRecorder(
             n_layers=spec.n_layers, n_stored_heads=spec.n_kv_heads, obs_window=self.setup.ds.kvscope.obs_window,
-            record_qkv=self._presses, n_units=spec.n_kv_heads, attn_output=outputs, probabilities=observed,
+            record_qkv=self.feeds_needed, n_units=spec.n_kv_heads, probabilities=observed,
             layer_slots={layer: i for i, layer in enumerate(spec.layer_index)} if spec.attention_layers else None,
         )  # fmt: skip
         recorder.begin(ForwardContext(seq_len=self.P, pad=torch.zeros(1, dtype=torch.long)))
@@ -263,7 +263,7 @@ class SampleForcing:
             forward()
         out = done["out"]
         colsum, tail = recorder.prompt_attention() if observed else (None, None)
-        qkv = recorder.forward_tensors() if self._presses else None
+        qkv = recorder.forward_tensors() if self.feeds_needed else None
         return Prefill(returned_cache(out), out.logits[0, -1].float().cpu(), colsum, tail, qkv)
 
     def _check_tokens(self) -> None:
@@ -290,14 +290,13 @@ class SampleForcing:
     def capture(self):
         """The prompt's prefill on the model with what each layer's press hook is handed kept
         (``PrefillCapture``), made once per sample: prompt-time presses decide from it, as their
-        hook does on a live prefill. It is the kernel prefill's own forward where that is still to
-        run (runs are made before ``start``), else a forward of its own."""
+        hook does on a live prefill. It is the prefill's own forward where that is still to run
+        (runs are made before ``start``), else a forward of its own."""
         if self._capture is None:
             from ..policies.press_hooks import PrefillCapture
 
-            self._presses = True
-            if "kernel" not in self._prefills:
-                self._prefills["kernel"] = self._prefill("kernel", capture=True)
+            if self._prefill_done is None:
+                self._prefill_done = self._prefill(capture=True)
             else:
                 self._capture = PrefillCapture(self.forced.model, self.prompt.tolist(), spec=self.model_spec,
                                                tokenizer=self.forced.tokenizer)  # fmt: skip
@@ -353,6 +352,126 @@ class QuantLog:
         return tuple(q.signature() for q in self.layers)
 
 
+class ServedQuantized:
+    """What one run's queries see of the positions its ledger quantized, per stored layer: the
+    dequantized K/V of each group (the ledger's quantizer applied to the forward's own K/V of its
+    positions) and ``since [unit, P + S]``, the first step that sees them.
+
+    Groups quantized before a chunk (``close_chunk``) are final: their positions' K/V are the cache's
+    and no longer change, so they are dequantized once and kept (``[unit, P + S, D]`` per layer).
+    A chunk's own groups may change from round to round: those of positions before the chunk are
+    dequantized once per chunk (by group), those holding the chunk's own positions on every forward."""
+
+    def __init__(self, run: ForcedRun):
+        self.run = run
+        self.kept: dict[int, tuple] = {}  # layer → (keys, values [unit, P + S, D] tensors, since [unit, P + S])
+        self.final: list[dict[int, int]] = [{} for _ in run.log.layers]  # layer → G → groups final
+        self.done: list[dict[int, int]] = [{} for _ in run.log.layers]  # layer → G → groups kept
+        self.chunk_first = 0  # the chunk's first position
+        self.chunk_groups: dict[tuple, tuple] = {}  # (layer, head, positions) → (k̂, v̂ [G, D]) of the chunk
+
+    def close_chunk(self, first: int) -> None:
+        """The groups quantized so far are final (the next chunk's forwards keep their values); the
+        next chunk's first position is ``first``."""
+        self.chunk_first, self.chunk_groups = first, {}
+        for layer, quantized in enumerate(self.run.log.layers):
+            self.final[layer] = {G: sum(len(h) for _, h, _ in parts) for G, parts in quantized.parts.items()}
+
+    def served(self, layer: int, keys, values, first: int, steps: range):
+        """``(k̂, v̂ [keys, kv, D], since [keys, kv])`` for the key slots ``first …`` of this forward
+        (``keys``, ``values`` the K/V it hands attention), or None where nothing is quantized."""
+        import torch
+
+        groups_by_size = self.run.log.layers[layer].arrays()
+        if not groups_by_size:
+            return None
+        kv = keys.shape[1]
+        k_kept, v_kept, since_kept = self._kept(layer, groups_by_size, keys, values, first)
+        k_hat, v_hat = k_kept[:, first : first + kv], v_kept[:, first : first + kv]
+        since = since_kept[:, first : first + kv]
+        current = [(g[n:], h[n:], v[n:]) for (g, h, v), n in zip(groups_by_size, self._final_counts(layer))]
+        current = [(g, h, v) for g, h, v in current if len(h)]
+        if current:
+            k_hat, v_hat, since = k_hat.clone(), v_hat.clone(), since.copy()
+        for groups, heads, visible in current:
+            keep = (visible < steps.stop) & (groups.min(1) >= first)  # seen in this chunk, keys handed over
+            if keep.any():
+                groups, heads, visible = groups[keep], heads[keep], visible[keep]
+                self._chunk_roundtrip(layer, groups, heads, first, (keys, values), (k_hat, v_hat))
+                since[heads[:, None], groups - first] = visible[:, None]
+        return k_hat, v_hat, torch.from_numpy(since)
+
+    def _chunk_roundtrip(self, layer: int, groups: np.ndarray, heads: np.ndarray, first: int, kv, out) -> None:
+        """``_roundtrip`` of a chunk's groups, those of positions before the chunk once per chunk."""
+        settled = groups.max(1) < self.chunk_first
+        if not settled.all():
+            self._roundtrip(layer, groups[~settled], heads[~settled], first, kv, out)
+        if not settled.any():
+            return
+        groups, heads = groups[settled], heads[settled]
+        names = [(layer, int(h), g.tobytes()) for h, g in zip(heads, groups)]
+        new = [i for i, name in enumerate(names) if name not in self.chunk_groups]
+        if new:
+            k_hat, v_hat = self._dequantized(layer, groups[new], heads[new], first, kv)
+            for j, i in enumerate(new):
+                self.chunk_groups[names[i]] = (k_hat[j], v_hat[j])
+        got = [self.chunk_groups[name] for name in names]
+        self._write(out, groups, heads, first, np.stack([k for k, _ in got]), np.stack([v for _, v in got]))
+
+    def _final_counts(self, layer: int) -> list[int]:
+        sizes = sorted(self.run.log.layers[layer].parts)
+        return [self.final[layer].get(G, 0) for G in sizes]
+
+    def _kept(self, layer: int, groups_by_size, keys, values, first: int):
+        """The layer's kept values, with the final groups not yet kept dequantized now."""
+        import torch
+
+        if layer not in self.kept:
+            n, units = self.run.sample.final_len, keys.shape[0]
+            self.kept[layer] = (
+                torch.zeros((units, n, keys.shape[-1]), dtype=keys.dtype, device=keys.device),
+                torch.zeros((units, n, values.shape[-1]), dtype=values.dtype, device=values.device),
+                np.full((units, n), FOREVER, dtype=np.int64),
+            )
+        k_kept, v_kept, since = self.kept[layer]
+        sizes = sorted(self.run.log.layers[layer].parts)
+        for G, (groups, heads, visible), n_final in zip(sizes, groups_by_size, self._final_counts(layer)):
+            n_done = self.done[layer].get(G, 0)
+            if n_final <= n_done:
+                continue
+            groups, heads, visible = groups[n_done:n_final], heads[n_done:n_final], visible[n_done:n_final]
+            self.done[layer][G] = n_final
+            handed = groups.min(1) >= first  # a sliding window's dropped positions are never seen again
+            groups, heads, visible = groups[handed], heads[handed], visible[handed]
+            if len(heads):
+                window = (k_kept[:, first : first + keys.shape[1]], v_kept[:, first : first + keys.shape[1]])
+                self._roundtrip(layer, groups, heads, first, (keys, values), window)
+                since[heads[:, None], groups] = visible[:, None]
+        return k_kept, v_kept, since
+
+    def _roundtrip(self, layer: int, groups: np.ndarray, heads: np.ndarray, first: int, kv, out) -> None:
+        """The groups ``positions [n, G]`` of ``heads [n]`` quantized and dequantized by the ledger
+        (the quantizer of docs/concepts.md#quantizer) from this forward's own K/V ``kv`` (key slots
+        from position ``first``), into ``out`` (the same slots)."""
+        self._write(out, groups, heads, first, *self._dequantized(layer, groups, heads, first, kv))
+
+    def _dequantized(self, layer: int, groups: np.ndarray, heads: np.ndarray, first: int, kv) -> tuple:
+        """``(k̂, v̂ [n, G, D])`` float32 of the groups (``_roundtrip``)."""
+        import torch
+
+        slots, hh = torch.from_numpy(groups - first), torch.from_numpy(heads)[:, None]  # [n, G], [n, 1]
+        keys, values = (x[hh, slots].float().cpu().numpy() for x in kv)  # [n, G, D]
+        return self.run.state.ledger.dequantized(keys, values, groups, np.full(len(groups), layer))
+
+    @staticmethod
+    def _write(out, groups: np.ndarray, heads: np.ndarray, first: int, k_hat, v_hat) -> None:
+        import torch
+
+        slots, hh = torch.from_numpy(groups - first), torch.from_numpy(heads)[:, None]
+        for target, got in zip(out, (k_hat, v_hat)):
+            target[hh, slots] = torch.from_numpy(got).to(target.dtype).to(target.device)
+
+
 def _start(policy, spec, sample: SampleForcing):
     """The policy's state for a forced decode, as a live cache would drive it: a prompt-time kvpress
     press decides from its hook on the model's own prefill (``PrefillCapture``); a press that acts
@@ -360,10 +479,8 @@ def _start(policy, spec, sample: SampleForcing):
     forced decode computes them)."""
     if not policy.reads_queries:
         return policy.start(spec, rope=sample.rope)
-    from ..policies.press_hooks import decodes
-
     model = sample.model_spec
-    if not decodes(policy.make_press()):
+    if not decoding_press(policy):
         return policy.start(spec, rope=sample.rope, model=model, capture=sample.capture())
     import torch
 
@@ -372,6 +489,18 @@ def _start(policy, spec, sample: SampleForcing):
     values = torch.zeros((model.n_layers, model.n_kv_heads, n, model.v_dim))
     queries = np.zeros((n, model.n_layers, model.n_heads, model.head_dim), dtype=np.float32)  # [qpos, layer, head, D]
     return policy.start(spec, keys, values, sample.rope, queries, model)
+
+
+def decoding_press(policy) -> bool:
+    """A kvpress press that acts while decoding (it reads each decode forward's q/k/v)."""
+    from ..policies.press_hooks import decodes
+
+    return policy.reads_queries and decodes(policy.make_press())
+
+
+def reads_prompt(policy, allocation) -> bool:
+    """The run reads the prompt's attention (its policy, or the allocation's scores)."""
+    return policy.observes or policy.observes_prefill or (allocation is not None and allocation.reads == "scores")
 
 
 def reads_decodes(state) -> bool:
@@ -399,9 +528,10 @@ class ForcedRun:
         self.log = QuantLog(spec.n_layers)
         self.depends = policy.observes or reads_decodes(state)  # its maps change with what the decode computes
         self.pressed = None  # the cache a prompt-time press left, where it rewrote what it kept
-        # a live cache computes the prompt's layer outputs from the probabilities its policy reads
-        reads_prompt = policy.observes or policy.observes_prefill or allocation.reads == "scores"
-        self.prefill_outputs = "probs" if reads_prompt else "kernel"
+        if (reads_prompt(policy, allocation) and not sample.prompt_attention) or (
+            reads_decodes(state) and not sample.feeds_needed
+        ):
+            raise ValueError(f"sample {sample.s} was prefilled without what {policy.label()} reads")
         self.futures = {}
         if policy.clairvoyant:
             self.futures = {policy.horizon: sample.reader.future(policy.horizon)}
@@ -410,6 +540,8 @@ class ForcedRun:
         self.rounds, self.converged = 1, True
         self.log_probs = None
         self.feeds = None
+        self.quantized: ServedQuantized | None = None  # during ``run``, where the ledger quantizes
+        self._rows_buffer: np.ndarray | None = None
 
     @property
     def state(self):
@@ -417,7 +549,7 @@ class ForcedRun:
 
     @property
     def prefill(self) -> Prefill:
-        return self.sample.prefill_of(self.prefill_outputs)
+        return self.sample.prefill
 
     # -- driving the policy ---------------------------------------------------------------------
     def _future(self, t: int):
@@ -488,6 +620,8 @@ class ForcedRun:
         sample = self.sample
         self._begin()
         cache = copy.deepcopy(self.prefill.cache) if self.pressed is None else self._pressed_cache()
+        quantizes = self.state.ledger is not None and self.pressed is None
+        self.quantized = ServedQuantized(self) if quantizes else None
         logits0 = torch.log_softmax(self.prefill.logits, -1)
         if keep_logits:
             self.log_probs = np.empty((sample.S, logits0.shape[-1]), dtype=np.float32)
@@ -498,6 +632,7 @@ class ForcedRun:
         for c0 in range(1, sample.S, sample.chunk):
             steps = range(c0, min(sample.S, c0 + sample.chunk))
             cache = self._chunk(steps, cache, keep_logits)
+        self.quantized = self._rows_buffer = None
         return self
 
     def _pressed_cache(self):
@@ -532,6 +667,8 @@ class ForcedRun:
     def _chunk(self, steps: range, cache, keep_logits: bool):
         """One chunk of steps, in rounds until its tier maps stop changing; returns the cache after it."""
         saved = self._snapshot() if self.depends else None
+        if self.quantized is not None:
+            self.quantized.close_chunk(self.sample.P - 1 + steps.start)
         self._chunk_start = cache.get_seq_length()
         mark = _Checkpoint(cache, self._chunk_start, again=self.depends)
         feeds = self.sample.reference_feeds
@@ -568,13 +705,23 @@ class ForcedRun:
         """The chunk's forward under ``maps``; returns its log-probabilities, the rows its queries saw
         (``observe``) and its new positions' q/k/v (where a policy reads them). With ``before`` (the
         previous round's) and ``first``: only the steps from the chunk's ``first`` on are run again
-        (``cache`` holds the ones before), the earlier ones kept from ``before``."""
+        (``cache`` holds the ones before), the earlier ones kept from ``before`` (its rows written over
+        from ``first`` on)."""
         if before is not None and first > 0 and cache.get_seq_length() == self._chunk_start + first:
-            again = self._forward(steps[first:], maps[first:], cache, observe)
+            rows = None if before.rows is None else before.rows[first:]
+            again = self._forward_all(steps[first:], maps[first:], cache, rows)
             return before.joined(first, again)
-        return self._forward_all(steps, maps, cache, observe)
+        return self._forward_all(steps, maps, cache, self._rows(len(steps), maps.shape[1:]) if observe else None)
 
-    def _forward_all(self, steps: range, maps: np.ndarray, cache, observe: bool) -> ChunkSeen:
+    def _rows(self, n: int, shape: tuple) -> np.ndarray:
+        """``[n, layer, unit, P + S]`` float32 for a forward's rows: one buffer of the run, reused by
+        every chunk (the rows of a chunk are read before the next one starts)."""
+        if self._rows_buffer is None or self._rows_buffer.shape[1:] != shape:
+            self._rows_buffer = np.zeros((self.sample.chunk, *shape), dtype=np.float32)
+        return self._rows_buffer[:n]
+
+    def _forward_all(self, steps: range, maps: np.ndarray, cache, rows: np.ndarray | None) -> ChunkSeen:
+        """The forward of ``steps`` under ``maps``, the rows its queries see written into ``rows``."""
         import torch
 
         from ..model.spec import with_cache
@@ -582,7 +729,7 @@ class ForcedRun:
 
         sample = self.sample
         model = sample.forced.model
-        attention = ChunkAttention(self, steps, maps, observe, feeds=sample.feeds_needed)
+        attention = ChunkAttention(self, steps, maps, rows, feeds=sample.feeds_needed)
         ids = sample.continuation[steps.start - 1 : steps.stop - 1][None].to(sample.forced.device)
         where = {}
         if self.pressed is not None and self.pressed.first_position != sample.P:  # the press renumbered the rows
@@ -634,10 +781,7 @@ class ChunkSeen:
         """This round's steps before ``first`` and ``later``'s from there."""
         import torch
 
-        rows = None
-        if self.rows is not None:
-            rows = self.rows.copy()
-            rows[first:] = later.rows
+        rows = self.rows  # later's were written into it
         feeds = None if self.feeds is None else self.feeds[:first] + later.feeds
         return ChunkSeen(torch.cat([self.log_probs[:first], later.log_probs]), rows, feeds)
 
@@ -675,12 +819,14 @@ class ChunkAttention:
     and unit, a key is shown where ``T_t ≥ Q`` (and the model's own mask shows it); keys and values
     of positions the ledger quantized before ``t`` are its dequantized ones."""
 
-    def __init__(self, run: ForcedRun, steps: range, maps: np.ndarray, observe: bool, feeds: bool):
+    def __init__(self, run: ForcedRun, steps: range, maps: np.ndarray, rows: np.ndarray | None, feeds: bool):
         sample = run.sample
         self.run, self.steps, self.maps = run, steps, maps  # maps [c, layer, unit, P + S]
         self.seq = sample.P - 1 + steps.stop
         self.spec = sample.model_spec
-        self.rows = np.zeros((len(steps), *maps.shape[1:]), dtype=np.float32) if observe else None
+        self.rows = rows  # [c, layer, unit, P + S] the rows the queries see, where observed
+        if rows is not None:
+            rows.fill(0)
         self.want_feeds = feeds
         self.new_qkv: dict[int, tuple] = {}  # stored layer → (queries [head, c, D], keys, values [unit, c, D])
 
@@ -696,26 +842,24 @@ class ChunkAttention:
         positions = self.run.slot_positions(layer, kv, self.seq)  # [1 | unit, kv]
         shown = self._shown(layer, positions, n_keys, mask, query.device)  # [keys, c, kv]
         q32 = attention.grouped(query[0].float(), n_keys)  # [keys, g·c, D]
-        keys, values = key[0], value[0]
-        deq = self._dequantized(layer, positions[0], keys, values) if self.run.pressed is None else None
+        keys, values, switching = self._served(layer, key[0], value[0], g)
         logits = attention.logits(q32, keys.float(), scaling, softcap)  # [keys, g·c, kv]
-        if deq is not None:
-            k_hat, v_hat, served = deq  # served [keys, c, kv]: the dequantized values are the ones seen
+        if switching is not None:  # slots a query before the ledger's step sees as computed, later dequantized
+            cols, k_hat, v_hat, served = switching  # served [keys, g·c, m]
             hat = attention.logits(q32, k_hat.float(), scaling, softcap)
-            logits = torch.where(_rows(served, g), hat, logits)
+            logits[..., cols] = torch.where(served, hat, logits[..., cols])
         bias = _bias(mask, h, n_keys, c, kv)
         column = None if sink is None else attention.grouped_sinks(sink, n_keys, c).to(query.device)
         probs = attention.softmax(logits, _rows(shown, g), bias, sink=column)  # [keys, g·c, kv]
-        weights = probs.to(values.dtype)
-        if deq is None:
+        weights = probs.to(values.dtype, copy=switching is not None)  # [keys, g·c, kv]
+        if switching is None:
             out = torch.matmul(weights, values)
         else:
-            from_hat = _rows(served, g)
-            out = torch.matmul(weights.masked_fill(from_hat, 0), values) + torch.matmul(
-                weights.masked_fill(~from_hat, 0), v_hat.to(values.dtype)
-            )
+            w_cols = weights[..., cols]
+            weights[..., cols] = w_cols.masked_fill(served, 0)
+            out = torch.matmul(weights, values) + torch.matmul(w_cols.masked_fill(~served, 0), v_hat)
         if self.rows is not None:
-            self._observe(layer, probs.view(n_keys, g, c, kv), positions[0])
+            self._observe(layer, probs.view(n_keys, g, c, kv), positions)
         if self.want_feeds:
             self.new_qkv[layer] = (query[0].float().cpu(), key[0, :, -c:].float().cpu(), value[0, :, -c:].float().cpu())
         return out.view(n_keys * g, c, -1)[None].transpose(1, 2).contiguous()  # [1, c, head, Dv]
@@ -725,56 +869,50 @@ class ChunkAttention:
         import torch
 
         maps = self.maps[:, layer]  # [c, unit, P + S]
-        at = np.broadcast_to(positions, (maps.shape[1], positions.shape[-1]))  # [unit, kv]
-        held = torch.from_numpy(np.take_along_axis(maps, at[None].repeat(len(maps), 0), axis=2) >= TIER_Q)
-        held = held.permute(1, 0, 2).to(device)  # [unit, c, kv]
+        if positions.shape[0] == 1 and positions[0, -1] - positions[0, 0] == positions.shape[1] - 1:
+            at = maps[..., positions[0, 0] : positions[0, -1] + 1]  # the cache's last slots
+        else:
+            at = np.broadcast_to(positions, (maps.shape[1], positions.shape[-1]))  # [unit, kv]
+            at = np.take_along_axis(maps, at[None].repeat(len(maps), 0), axis=2)
+        held = torch.from_numpy(at >= TIER_Q).permute(1, 0, 2).to(device)  # [unit, c, kv]
         if n_keys != held.shape[0]:
             held = held.repeat_interleave(n_keys // held.shape[0], dim=0)
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             held = held & mask[0, :, -held.shape[1] :, -held.shape[2] :]
         return held
 
-    def _dequantized(self, layer: int, positions: np.ndarray, keys, values):
-        """``(k̂, v̂ [keys, kv, D], served [keys, c, kv])`` where the ledger quantized positions
-        this chunk's queries see, or None."""
+    def _served(self, layer: int, keys, values, g: int):
+        """``(keys, values [keys, kv, D], switching)``: the K/V this chunk's queries see — the ledger's
+        dequantized values at slots quantized before the chunk's first step — and, for slots the ledger
+        quantizes within the chunk, ``(cols [m], k̂, v̂ [keys, m, D], served [keys, g·c, m])``; None
+        where nothing is."""
         import torch
 
-        first = self.seq - len(positions)
-        since = np.full((keys.shape[0], len(positions)), FOREVER, dtype=np.int64)  # [keys, kv]
-        k_hat = v_hat = None
-        for groups, heads, visible in self.run.log.layers[layer].arrays():
-            keep = (visible < self.steps.stop) & (groups.min(1) >= first)  # seen in this chunk, keys handed over
-            if not keep.any():
-                continue
-            groups, heads, visible = groups[keep], heads[keep], visible[keep]
-            if k_hat is None:
-                k_hat, v_hat = keys.clone(), values.clone()
-            self._roundtrip(layer, groups, heads, first, (keys, values), (k_hat, v_hat))
-            since[heads[:, None], groups - first] = visible[:, None]
-        if k_hat is None:
-            return None
-        step = np.arange(self.steps.start, self.steps.stop)
-        served = torch.from_numpy(since[:, None, :] <= step[None, :, None]).to(keys.device)  # [keys, c, kv]
-        return k_hat, v_hat, served
-
-    def _roundtrip(self, layer: int, groups: np.ndarray, heads: np.ndarray, first: int, kv, out) -> None:
-        """The groups ``positions [n, G]`` of ``heads [n]`` quantized and dequantized by the ledger
-        (the quantizer of docs/concepts.md#quantizer) from this forward's own K/V ``kv``, into ``out``."""
-        import torch
-
-        slots = torch.from_numpy(groups - first)  # [n, G]
-        hh = torch.from_numpy(heads)[:, None]
-        keys, values = (x[hh, slots].float().cpu().numpy() for x in kv)  # [n, G, D]
-        k_hat, v_hat = self.run.state.ledger.dequantized(keys, values, groups, np.full(len(groups), layer))
-        for target, got in zip(out, (k_hat, v_hat)):
-            target[hh, slots] = torch.from_numpy(got).to(target.dtype).to(target.device)
+        quantized = self.run.quantized
+        kv = keys.shape[1]
+        got = None if quantized is None else quantized.served(layer, keys, values, self.seq - kv, self.steps)
+        if got is None:
+            return keys, values, None
+        k_hat, v_hat, since = got  # since [keys, kv]
+        always = (since <= self.steps.start).to(keys.device)[..., None]
+        keys, values = torch.where(always, k_hat, keys), torch.where(always, v_hat, values)
+        cols = torch.nonzero(((since > self.steps.start) & (since < self.steps.stop)).any(0))[:, 0]
+        if not len(cols):
+            return keys, values, None
+        step = torch.arange(self.steps.start, self.steps.stop)
+        served = since[:, None, cols] <= step[None, :, None]  # [keys, c, m]
+        cols = cols.to(keys.device)
+        return keys, values, (cols, k_hat[:, cols], v_hat[:, cols], _rows(served.to(keys.device), g))
 
     def _observe(self, layer: int, probs, positions: np.ndarray) -> None:
         """The kv-group rows ``[c, unit, kv]`` (mean over the query heads of each unit), by position."""
         n_keys, g, c, kv = probs.shape
         units = self.rows.shape[2]
-        per_unit = probs.reshape(units, (n_keys * g) // units, c, kv).mean(1)  # [unit, c, kv]
-        self.rows[:, layer][..., positions] = per_unit.permute(1, 0, 2).cpu().numpy()
+        per_unit = probs.reshape(units, (n_keys * g) // units, c, kv).mean(1).permute(1, 0, 2).cpu().numpy()
+        if positions.shape[0] == 1 and positions[0, -1] - positions[0, 0] == kv - 1:
+            self.rows[:, layer, :, positions[0, 0] : positions[0, -1] + 1] = per_unit  # the cache's last slots
+        else:
+            self.rows[:, layer][..., positions[0]] = per_unit
 
     def step_feeds(self) -> list | None:
         """Per step ``(keys, values [layer, unit, 1, D], queries [1, layer, head, D])`` of its new
@@ -886,7 +1024,10 @@ class TaskResult:
 def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
     """The forced decodes of ``task`` (module docstring); ``splits``: the oracle allocation's, by sample."""
     s = task.sample
-    sample = SampleForcing(setup, s, forced, chunk, max_rounds)
+    allocations = [a.for_sample(s) if a is not None else None for a in setup.allocations]
+    prompt_attention = any(reads_prompt(setup.policies[pi], a) for pi in task.policies for a in allocations)
+    presses = any(decoding_press(setup.policies[pi]) for pi in task.policies)
+    sample = SampleForcing(setup, s, forced, chunk, max_rounds, prompt_attention, presses)
     runs = {
         (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget, splits.get(s, {}).get((pi, ai, bi)))
         for pi in task.policies
@@ -894,10 +1035,7 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, splits: dict, chunk: 
         for bi, budget in enumerate(setup.budgets)
     }
     loops = {run.policy.label(): loop_of(run.policy, run.state) for run in runs.values()}
-    sample.start(
-        presses=any(run.policy.reads_queries for run in runs.values()),
-        feeds=any(reads_decodes(run.state) for run in runs.values()),
-    )
+    sample.start()
     scored = slice(sample.first_scored, sample.S)
     done, served = {}, {}
     for key, run in runs.items():

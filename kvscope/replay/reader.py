@@ -78,7 +78,9 @@ class SampleReader:
             refuse_bad_rows(
                 row_checks(a.reshape(a.shape[0], -1, a.shape[-1]), self.query_pos[steps], self.slack, totals), where
             )
-            self._rows[b] = self._kv_groups(np.nan_to_num(cast(a, np.float32), copy=False), 2)  # [step, L, Hkv, pos]
+            a = cast(a, np.float32)
+            np.copyto(a, 0, where=np.isnan(a))  # the positions beyond each query (checked: no inf)
+            self._rows[b] = self._kv_groups(a, 2)  # [step, L, Hkv, pos]
             if shares is not None:
                 self._shares[b] = self._kv_groups(np.nan_to_num(shares), 2)  # [step, L, Hkv]
         return self._rows[b][t - steps.start]
