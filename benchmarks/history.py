@@ -82,7 +82,10 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
         "zoom_ms": "wheel zoom (ms)",
         "pan_exact_ms": "pan in exact rows (ms)",
     },
-    "forced_replay": {"forced_over_live": "forced replay / kvscope run, per cell"},  # per prompt and steps
+    "forced_replay": {  # per prompt and steps
+        "forced_over_live": "forced replay / kvscope run, the whole grid",
+        "one_budget_over_live": "the same at one budget",
+    },
     "press_cost": {  # the model-needing presses' grid, offline against kvscope run
         "live_over_offline": "kvscope run of the grid / offline replay",
         "offline_seconds": "offline replay (s)",
@@ -261,7 +264,11 @@ def _forced_replay(f, keys: dict) -> dict:
     out: dict = {}
     for row in f.get("sizes", []) if isinstance(f, dict) else []:
         if isinstance(row, dict):
-            _put(out, "forced_over_live", f"P {row.get('prompt_tokens')}, S {row.get('steps')}", row.get("forced_over_live"))
+            size = f"P {row.get('prompt_tokens')}, S {row.get('steps')}"
+            _put(out, "forced_over_live", size, row.get("forced_over_live"))
+            one = row.get("one_budget")
+            if isinstance(one, dict):
+                _put(out, "one_budget_over_live", size, one.get("forced_over_live"))
     return out
 
 
