@@ -84,7 +84,7 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
     },
     "forced_replay": {  # per prompt and steps
         "forced_over_live": "forced replay / kvscope run, the whole grid",
-        "one_budget_over_live": "the same at one budget",
+        "one_budget_over_live": "forced replay / kvscope run, one budget (four cells)",
     },
     "press_cost": {  # the model-needing presses' grid, offline against kvscope run
         "live_over_offline": "kvscope run of the grid / offline replay",
