@@ -382,14 +382,10 @@ class AttentionRecorder:
     def _prefill(self, query, key, mask, scaling, softcap, n_kv, blocks=None, sink=None):
         """Column sums, last ``obs_window`` rows and the last row of the prompt (``blocks``:
         the causal prefill's ``(colsum, tail)`` when ``attend`` computed them)."""
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if blocks is not None:
-            colsum, tail = blocks
-        elif self._is_causal_prefill(mask, q_len, kv_len):
-            colsum, tail = self._causal_blocks(query, key, scaling, softcap, n_kv, sink=sink)
-        else:
-            colsum, tail = self._masked_blocks(query, key, mask, scaling, softcap, sink)
-        return self._prefill_rows(colsum, tail, n_kv, kv_len)
+        if blocks is None:
+            blocks = self.prompt_blocks(query, key, mask, scaling, softcap, sink)
+        colsum, tail = blocks if blocks is not None else self._masked_blocks(query, key, mask, scaling, softcap, sink)
+        return self._prefill_rows(colsum, tail, n_kv, key.shape[2])
 
     def _prefill_rows(self, colsum, tail, n_kv: int, kv_len: int):
         """``(colsum [batch, head, kv], tail [batch, head, obs, kv])`` by key slot → the stored
