@@ -386,10 +386,11 @@ class ServedQuantized:
         if not groups_by_size:
             return None
         kv = keys.shape[1]
-        k_kept, v_kept, since_kept = self._kept(layer, groups_by_size, keys, values, first)
+        finals = self._final_counts(layer)  # [(G, groups final)] in the order of groups_by_size
+        k_kept, v_kept, since_kept = self._kept(layer, groups_by_size, finals, keys, values, first)
         k_hat, v_hat = k_kept[:, first : first + kv], v_kept[:, first : first + kv]
         since = since_kept[:, first : first + kv]
-        current = [(g[n:], h[n:], v[n:]) for (g, h, v), n in zip(groups_by_size, self._final_counts(layer))]
+        current = [(g[n:], h[n:], v[n:]) for (g, h, v), (_, n) in zip(groups_by_size, finals)]
         current = [(g, h, v) for g, h, v in current if len(h)]
         if current:
             k_hat, v_hat, since = k_hat.clone(), v_hat.clone(), since.copy()
@@ -418,11 +419,11 @@ class ServedQuantized:
         got = [self.chunk_groups[name] for name in names]
         self._write(out, groups, heads, first, np.stack([k for k, _ in got]), np.stack([v for _, v in got]))
 
-    def _final_counts(self, layer: int) -> list[int]:
-        sizes = sorted(self.run.log.layers[layer].parts)
-        return [self.final[layer].get(G, 0) for G in sizes]
+    def _final_counts(self, layer: int) -> list[tuple[int, int]]:
+        """``[(G, groups final)]`` by group size, as ``Quantized.arrays`` orders them."""
+        return [(G, self.final[layer].get(G, 0)) for G in sorted(self.run.log.layers[layer].parts)]
 
-    def _kept(self, layer: int, groups_by_size, keys, values, first: int):
+    def _kept(self, layer: int, groups_by_size, finals, keys, values, first: int):
         """The layer's kept values, with the final groups not yet kept dequantized now."""
         import torch
 
@@ -434,8 +435,7 @@ class ServedQuantized:
                 np.full((units, n), FOREVER, dtype=np.int64),
             )
         k_kept, v_kept, since = self.kept[layer]
-        sizes = sorted(self.run.log.layers[layer].parts)
-        for G, (groups, heads, visible), n_final in zip(sizes, groups_by_size, self._final_counts(layer)):
+        for (groups, heads, visible), (G, n_final) in zip(groups_by_size, finals):
             n_done = self.done[layer].get(G, 0)
             if n_final <= n_done:
                 continue
@@ -869,8 +869,9 @@ class ChunkAttention:
         import torch
 
         maps = self.maps[:, layer]  # [c, unit, P + S]
-        if positions.shape[0] == 1 and positions[0, -1] - positions[0, 0] == positions.shape[1] - 1:
-            at = maps[..., positions[0, 0] : positions[0, -1] + 1]  # the cache's last slots
+        last = self._last_slots(positions)
+        if last is not None:
+            at = maps[..., last]
         else:
             at = np.broadcast_to(positions, (maps.shape[1], positions.shape[-1]))  # [unit, kv]
             at = np.take_along_axis(maps, at[None].repeat(len(maps), 0), axis=2)
@@ -909,10 +910,13 @@ class ChunkAttention:
         n_keys, g, c, kv = probs.shape
         units = self.rows.shape[2]
         per_unit = probs.reshape(units, (n_keys * g) // units, c, kv).mean(1).permute(1, 0, 2).cpu().numpy()
-        if positions.shape[0] == 1 and positions[0, -1] - positions[0, 0] == kv - 1:
-            self.rows[:, layer, :, positions[0, 0] : positions[0, -1] + 1] = per_unit  # the cache's last slots
-        else:
-            self.rows[:, layer][..., positions[0]] = per_unit
+        last = self._last_slots(positions)
+        self.rows[:, layer][..., last if last is not None else positions[0]] = per_unit
+
+    def _last_slots(self, positions: np.ndarray) -> slice | None:
+        """The positions as a slice where they are the cache's last slots (``slot_positions`` without a
+        press that rewrote the cache), else None."""
+        return slice(int(positions[0, 0]), int(positions[0, -1]) + 1) if self.run.pressed is None else None
 
     def step_feeds(self) -> list | None:
         """Per step ``(keys, values [layer, unit, 1, D], queries [1, layer, head, D])`` of its new
