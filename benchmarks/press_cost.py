@@ -124,7 +124,7 @@ def _offline_forwards(trace, presses, budgets) -> int:
     import kvscope
     from kvscope.replay import presses as replay_presses
 
-    model, _ = replay_presses._loaded(replay_presses.TraceModel.of(kvscope.open_trace(trace), str(trace), "bench"))
+    model, _ = replay_presses.TraceModel.of(kvscope.open_trace(trace), str(trace), "bench").load()
     counter = Forwards(model)
     try:
         kvscope.replay(trace, presses, budgets, n_boot=10)

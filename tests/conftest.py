@@ -188,3 +188,27 @@ def tiny_models(tmp_path_factory, smollm2_dir):
     """kind -> folder of a tiny random-weight model (built once per session)."""
     base = tmp_path_factory.mktemp("tiny-models")
     return {kind: build_tiny(kind, base / kind, smollm2_dir) for kind in TINY_CONFIGS}
+
+
+TINY_GQA_STEPS = 3  # decode steps of ``tiny_gqa_trace``
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_trace(tiny_models, tmp_path_factory):
+    """The tiny GQA Llama prepared for live caches, its prompt's ids and a float32 q/k/v trace of a
+    ~100-token prose prompt, ``TINY_GQA_STEPS`` steps: ``(model, ids, trace)``, shared by the press
+    tests (tests/test_press_coverage.py, tests/test_press_model.py)."""
+    from pydoc_data import topics
+
+    import kvscope
+    from kvscope.live import prepare
+    from kvscope.model.loading import load, resolve
+
+    folder = str(tiny_models["llama"])
+    model, _ = load(resolve(folder))
+    prepare(model)
+    out = tmp_path_factory.mktemp("tiny-gqa") / "tiny.zarr"
+    kvscope.trace(topics.topics["assignment"][:420], out, model=folder, max_new_tokens=TINY_GQA_STEPS,
+                  stop_at_eos=False, record_qkv=True, dtype="float32")  # fmt: skip
+    ds = kvscope.open_trace(out)
+    return model, [int(t) for t in ds["tokens"].values[0, : int(ds.kvscope.prompt_len[0])]], out

@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
-
 import kvscope
 from kvscope.errors import KvscopeError
 
-from .conftest import ROOT
+from .conftest import ROOT, TINY_GQA_STEPS
 
 PAGE = ROOT / "docs" / "presses.md"
 BEGIN, END = "<!-- coverage: begin (tests/test_press_coverage.py) -->", "<!-- coverage: end -->"
-BUDGET, STEPS = 0.5, 3
+BUDGET, STEPS = 0.5, TINY_GQA_STEPS
 # what a press needs given to run (what kvscope's errors ask for); every other press runs as press:NAME
 GIVEN = {
     "AdaKVPress": "press=KnormPress",
@@ -45,24 +43,6 @@ GIVEN = {
     "SimLayerKVPress": "lazy_threshold=0.5:n_recent=8",
 }  # fmt: skip
 PLUMBING = re.compile(r"stand-in|kvscope does not hold|cannot run on|Traceback|kvscope's", re.IGNORECASE)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models, tmp_path_factory):
-    from pydoc_data import topics
-
-    from kvscope.live import prepare
-    from kvscope.model.loading import load, resolve
-
-    folder = str(tiny_models["llama"])
-    model, _ = load(resolve(folder))
-    prepare(model)
-    out = tmp_path_factory.mktemp("coverage") / "tiny.zarr"
-    text = topics.topics["assignment"][:420]
-    kvscope.trace(text, out, model=folder, max_new_tokens=STEPS, stop_at_eos=False, record_qkv=True, dtype="float32")
-    ds = kvscope.open_trace(out)
-    ids = [int(t) for t in ds["tokens"].values[0, : int(ds.kvscope.prompt_len[0])]]
-    return model, ids, out
 
 
 def _budget(spec: str, reached: bool) -> str:
@@ -121,15 +101,14 @@ def _offline(trace, spec: str, model_folder: str) -> tuple[str, str]:
 
 
 def _offline_cell(trace, policy, spec: str, result) -> str:
-    ds = kvscope.open_trace(trace)
-    where = "the trace's model" if policy.needs_model(ds.kvscope.model, ds.kvscope.rope) else "q, k, v"
+    where = "the trace's model" if policy.needs_model() else "q, k, v"
     return f"runs (on {where})" + _budget(spec, bool(result["budget_reached"].values.all()))
 
 
-def _rows(tiny) -> list[dict]:
+def _rows(tiny_gqa_trace) -> list[dict]:
     from kvscope.policies.kvpress_bridge import press_classes
 
-    model, ids, trace = tiny
+    model, ids, trace = tiny_gqa_trace
     rows = []
     for name in sorted(press_classes()):
         spec = ":".join(["press", name, *([GIVEN[name]] if name in GIVEN else [])])
@@ -156,10 +135,10 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def test_every_kvpress_class_runs_or_is_refused_for_a_reason_of_its_own(tiny):
+def test_every_kvpress_class_runs_or_is_refused_for_a_reason_of_its_own(tiny_gqa_trace):
     from kvscope.policies.kvpress_bridge import load
 
-    rows = _rows(tiny)
+    rows = _rows(tiny_gqa_trace)
     assert {row["press"] for row in rows} == {
         n for n in load().__all__ if isinstance(getattr(load(), n), type) and issubclass(getattr(load(), n), load().BasePress)
     }  # fmt: skip

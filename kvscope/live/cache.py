@@ -343,7 +343,7 @@ class PolicyCache(DynamicCache):
             record_qkv=policy.reads_queries and not policy.live_hooks,
         )  # fmt: skip
         self.position_shift = 0  # positions a re-rotating press took off the continuation's numbering
-        self.press = PressLink(self, model, policy, spec) if policy.live_hooks else None
+        self.press = PressLink(self, model, policy, self.model_spec) if policy.live_hooks else None
         self.keep_tiers, self.check = keep_tiers, check
         Cache.__init__(self, layers=[PolicyLayer(self, i) for i in range(self.n_layers)])
         self.pools = [_Pool(self.head_dim, self.kv_dtype, self.device) for _ in range(self.n_layers)]
@@ -412,22 +412,15 @@ class PolicyCache(DynamicCache):
     def _begin_forward(self, n_new: int) -> None:
         self.end_step()
         if self.state is None:
-            spec = CacheSpec(
-                self.n_layers,
-                self.n_kv,
-                self.head_dim,
-                n_new,
-                n_new + self.max_new_tokens,
-                self.budget,
-                self.n_sink,
-                self.w,
-                self.itemsize,
-                self.obs_window,
-            )
+            cache_spec = CacheSpec(
+                n_layers=self.n_layers, n_kv=self.n_kv, head_dim=self.head_dim, prompt_len=n_new,
+                final_len=n_new + self.max_new_tokens, budget=self.budget, n_sink=self.n_sink, w=self.w,
+                fp_itemsize=self.itemsize, tail_rows=self.obs_window,
+            )  # fmt: skip
             reads = {"model": self.model_spec} if self.policy.reads_queries else {}
             if self.press is not None:  # the press's decisions come from its hook on the model
                 reads["hooks"] = self.press.hooks
-            state = self.policy.start(spec, rope=self.rope, **reads)
+            state = self.policy.start(cache_spec, rope=self.rope, **reads)
             self._held = np.zeros((2, *state.tiers.shape), dtype=bool)
             self.driver = PolicyDriver(state, allocation=self.allocation, check=self.check)
             if self.state.ledger is not None:
@@ -446,7 +439,7 @@ class PolicyCache(DynamicCache):
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))
         prefill = self._pending == "prefill"
         reads_prompt = self.policy.observes_prefill or self.allocation.reads == "scores"  # adakv: the policy's scores
-        self.recorder.enabled = self.policy.observes or (prefill and reads_prompt) or self.state.reads_forward(prefill)
+        self.recorder.enabled = self.policy.observes or (prefill and reads_prompt)
         self._views = []
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -496,7 +489,7 @@ class PolicyCache(DynamicCache):
         changes."""
         pool, dtype = self.pools[layer], key_states.dtype
         if pool.served is None or pool.served.dtype != dtype:
-            pool.served = Served(self.n_kv, self.head_dim, self.state.spec.final_len, dtype, self.device)
+            pool.served = Served(self.n_kv, self.head_dim, self.state.spec.final_len, dtype, device=self.device)
             pool.served.fill(*self._gathered(layer, dtype))
         new_k, new_v = (x[0, :, 0].to(self.kv_dtype).to(dtype) for x in (key_states, value_states))
         served = pool.served.append(self.seen - 1, new_k, new_v)
@@ -524,20 +517,61 @@ class PolicyCache(DynamicCache):
             keys, values = torch.cat([keys, qk.to(dtype)]), torch.cat([values, qv.to(dtype)])
         return heads.cpu().numpy().astype(np.int64), pos.cpu().numpy().astype(np.int64), keys, values
 
+    def _fp_rows(self, pool: _Pool, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The index in ``pool``'s FP rows of each (``heads``, ``positions``) (CPU integer tensors
+        that broadcast together), −1 where it holds none."""
+        final = self.state.spec.final_len
+        lookup = torch.full((self.n_kv * final,), -1, dtype=torch.long)
+        lookup[(pool.fp_head.long() * final + pool.fp_pos.long()).cpu()] = torch.arange(pool.fp_pos.numel())
+        return lookup[heads.long() * final + positions.long()]
+
+    def rewrite_rows(
+        self,
+        layer: int,
+        heads: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        pruned_channels: torch.Tensor | None = None,
+    ) -> None:
+        """Rows a press rewrote, written over the full-precision rows the cache holds.
+
+        Args:
+            layer: The layer.
+            heads: ``[n]`` the KV head of each row.
+            positions: ``[n]`` the position of each row.
+            keys: ``[n, D]`` the rows' new keys.
+            values: ``[n, D]`` their new values.
+            pruned_channels: ``[kv_head, D]`` True where the press zeroed a key channel (those
+                channels are then not stored).
+        """
+        pool = self.pools[layer]
+        rows = self._fp_rows(pool, heads, positions)
+        if bool((rows < 0).any()):
+            raise RuntimeError(f"layer {layer}: a row the press left is not held by the cache")
+        rows = rows.to(pool.fp_k.device)
+        pool.fp_k[rows] = keys.to(pool.fp_k.dtype)
+        pool.fp_v[rows] = values.to(pool.fp_v.dtype)
+        if pool.served is not None:
+            pool.served.write(heads.numpy(), positions.numpy(), keys, values)
+        if pruned_channels is not None:  # the pruned channels are not stored at all
+            kept = ~pruned_channels.cpu()
+            channels = torch.stack([torch.nonzero(kept[h]).flatten() for h in range(kept.shape[0])])
+            moved = torch.zeros(pool.fp_pos.numel(), dtype=torch.bool)
+            moved[rows.cpu()] = True
+            pool.narrow_rows(moved.to(pool.fp_k.device), channels)
+
     # -- quantized rows -------------------------------------------------------------------
     def _quantize(self, positions: np.ndarray, layers: np.ndarray, heads: np.ndarray) -> None:
         """The ledger's sink: quantize groups ``positions [n, G]`` of (``layers [n]``,
         ``heads [n]``) from the FP originals this cache holds, and keep their codes."""
         ledger = self.state.ledger
-        final = self.state.spec.final_len
         d = self.head_dim
         for layer in np.unique(layers):
             rows = np.nonzero(layers == layer)[0]
             pos = positions[rows]  # [n, G]
             pool = self.pools[layer]
-            lookup = torch.full((self.n_kv * final,), -1, dtype=torch.long)
-            lookup[(pool.fp_head * final + pool.fp_pos).cpu()] = torch.arange(pool.fp_pos.numel())
-            index = lookup[torch.from_numpy(heads[rows][:, None] * final + pos)]  # [n, G]
+            index = self._fp_rows(pool, torch.from_numpy(heads[rows][:, None]), torch.from_numpy(pos))  # [n, G]
             if bool((index < 0).any()):
                 raise RuntimeError("the policy quantized a position this cache does not hold at full precision")
             index = index.to(pool.fp_k.device)
@@ -638,8 +672,6 @@ class PolicyCache(DynamicCache):
         for pool in self.pools:  # the new rows take their places before any row changes
             if pool.served is not None:
                 pool.served.settle()
-        if self.state.reads_forward(kind == "prefill"):
-            self.state.feed(*self.recorder.forward_tensors())
         decided = self.press.decided(kind == "prefill") if self.press is not None else {}
         used = self.driver.prefill(*self._prompt_attention()) if kind == "prefill" else self._decide()
         self.recorder.begin(ForwardContext(seq_len=self.seen, pad=torch.zeros(1, dtype=torch.long)))

@@ -24,18 +24,21 @@ import weakref
 
 import torch
 
-from ..policies.press_hooks import decodes, finish_prefill, hooked_prefill, language_model, rerotates, seeded
+from ..policies.press_hooks import finish_prefill, seeded
+from ..policies.press_run import language_model
+from ..policies.press_traits import decodes, hooked_prefill, rerotates
 
 
 class PressLink:
-    """The press of ``cache`` (a ``PolicyCache``) on ``model``."""
+    """The press of ``cache`` (a ``PolicyCache``) on ``model`` (a transformers model whose
+    ``ModelSpec`` is ``model_spec``)."""
 
-    def __init__(self, cache, model, policy, spec):
+    def __init__(self, cache, model, policy, model_spec):
         from transformers import DynamicCache
 
         self._cache = weakref.ref(cache)
         self.model = model
-        self.hooks = policy.hooks(model, spec)
+        self.hooks = policy.hooks(model, model_spec)
         self.press = self.hooks.press
         self.mirror = DynamicCache(config=model.config)
         self.decodes = decodes(self.press)
@@ -94,31 +97,14 @@ class PressLink:
     def rewrite(self, decided: dict) -> None:
         """The rows the press rewrote replace the cache's (after the cache dropped what it evicted)."""
         cache = self._cache()
-        final = cache.state.spec.final_len
         for layer, result in decided.items():
             if not (result.rewrites or result.pruned_channels is not None):
                 continue
-            pool = cache.pools[layer]
-            lookup = torch.full((cache.n_kv * final,), -1, dtype=torch.long)
-            lookup[(pool.fp_head.long() * final + pool.fp_pos.long()).cpu()] = torch.arange(pool.fp_pos.numel())
             present = result.present.cpu()
             heads = torch.arange(present.shape[0])[:, None].expand_as(present)[present]
-            pos = result.positions.cpu()[present]
-            rows = lookup[heads * final + pos]
-            if bool((rows < 0).any()):
-                raise RuntimeError(f"layer {layer}: a row the press left is not held by the cache")
+            positions = result.positions.cpu()[present]
             keys, values = result.keys[present], result.values[present]  # [n, D]
-            rows = rows.to(pool.fp_k.device)
-            pool.fp_k[rows] = keys.to(pool.fp_k.dtype)
-            pool.fp_v[rows] = values.to(pool.fp_v.dtype)
-            if pool.served is not None:
-                pool.served.write(heads.numpy(), pos.numpy(), keys, values)
-            if result.pruned_channels is not None:  # the pruned channels are not stored at all
-                kept = ~result.pruned_channels.cpu()
-                channels = torch.stack([torch.nonzero(kept[h]).flatten() for h in range(kept.shape[0])])
-                moved = torch.zeros(pool.fp_pos.numel(), dtype=torch.bool)
-                moved[rows.cpu()] = True
-                pool.narrow_rows(moved.to(pool.fp_k.device), channels)
+            cache.rewrite_rows(layer, heads, positions, keys, values=values, pruned_channels=result.pruned_channels)
 
 
 def _close(hooks, prompt_hook) -> None:

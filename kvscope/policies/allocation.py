@@ -45,6 +45,19 @@ from .base import CacheSpec, Policy, top_k_mask
 Gains = tuple[np.ndarray, np.ndarray]  # (capacities, loss) [candidate, layer, kv_head]: what the oracle split reads
 
 
+@dataclass(frozen=True)
+class Observed:
+    """What a split reads besides the spec (``Allocation.reads``).
+
+    Attributes:
+        scores: ``[layer, kv_head, P]`` the policy's scores of the prompt.
+        gains: Its loss at candidate capacities (the oracle's).
+    """
+
+    scores: np.ndarray | None = None
+    gains: Gains | None = None
+
+
 def room_above(spec: CacheSpec, floor: float) -> float:
     """``r = R/(L·H) = B/(L·H) − floor``: the mean room per unit an allocation splits (negative:
     the floor does not fit). Per unit, so that a replay task of some layers splits its layers
@@ -117,20 +130,12 @@ class Allocation:
         even = np.broadcast_to(spec.uniform_capacity, (spec.n_layers, spec.n_kv)).astype(np.float64)
         if room < 0:
             return even
-        shares = self.shares(spec, floor, room, scores=scores, gains=gains)  # [layer, kv_head], mean 1
+        shares = self.shares(spec, floor, room, Observed(scores, gains))  # [layer, kv_head], mean 1
         if shares is None:
             return even
         return floor + room * shares
 
-    def shares(
-        self,
-        spec: CacheSpec,
-        floor: float,
-        room: float,
-        *,
-        scores: np.ndarray | None = None,
-        gains: Gains | None = None,
-    ) -> np.ndarray | None:
+    def shares(self, spec: CacheSpec, floor: float, room: float, observed: Observed) -> np.ndarray | None:
         """``[layer, kv_head]`` each unit's room as a multiple of the mean room ``room`` (mean 1
         over the model), None for even.
 
@@ -138,8 +143,7 @@ class Allocation:
             spec: The cache's geometry and budget.
             floor: The policy's fewest bytes per unit.
             room: The mean room per unit above ``floor`` (``room_above``).
-            scores: ``[layer, kv_head, P]`` the policy's scores of the prompt.
-            gains: The policy's loss at candidate capacities (the oracle's).
+            observed: What the split reads besides the spec (``reads``).
         """
         raise NotImplementedError
 
@@ -156,15 +160,7 @@ class Uniform(Allocation):
         """Always: the split is not applied at all."""
         return True
 
-    def shares(
-        self,
-        spec: CacheSpec,
-        floor: float,
-        room: float,
-        *,
-        scores: np.ndarray | None = None,
-        gains: Gains | None = None,
-    ) -> np.ndarray | None:
+    def shares(self, spec: CacheSpec, floor: float, room: float, observed: Observed) -> np.ndarray | None:
         return None
 
 
@@ -190,15 +186,7 @@ class Pyramid(Allocation):
         top, bottom = 2 - 1 / self.beta, 1 / self.beta
         return top - np.arange(n_layers) * (top - bottom) / (n_layers - 1)
 
-    def shares(
-        self,
-        spec: CacheSpec,
-        floor: float,
-        room: float,
-        *,
-        scores: np.ndarray | None = None,
-        gains: Gains | None = None,
-    ) -> np.ndarray | None:
+    def shares(self, spec: CacheSpec, floor: float, room: float, observed: Observed) -> np.ndarray | None:
         schedule = self.layer_shares(spec.all_layers)  # [model layer]: the schedule of the whole model
         if floor + room * schedule[0] > np.max(spec.unit_full_bytes):
             return None  # PyramidKV's own fallback: the schedule does not fit the sequence
@@ -218,15 +206,8 @@ class AdaKV(Allocation):
     reads = "scores"
     across_heads = True
 
-    def shares(
-        self,
-        spec: CacheSpec,
-        floor: float,
-        room: float,
-        *,
-        scores: np.ndarray | None = None,
-        gains: Gains | None = None,
-    ) -> np.ndarray | None:
+    def shares(self, spec: CacheSpec, floor: float, room: float, observed: Observed) -> np.ndarray | None:
+        scores = observed.scores
         if scores is None:
             raise KvscopeError("the adakv allocation needs the policy's scores of the prompt")
         n_layers, n_kv, n_pos = scores.shape  # [layer, kv_head, P']

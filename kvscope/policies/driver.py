@@ -101,19 +101,14 @@ class PolicyDriver:
     def decide(
         self, row: np.ndarray | None = None, future: np.ndarray | None = None, check: bool = False
     ) -> np.ndarray:
-        """Observe, then compress.
+        """Observe, then compress (returns and raises as
+        [`prefill`][kvscope.policies.PolicyDriver.prefill]).
 
         Args:
             row: ``[layer, kv_head, length]`` the attention the cache served (read only by
                 policies that observe).
-            future: ``[layer, kv_head, pos]`` the future attention (the clairvoyant oracle only).
-            check: Verify the policy's invariants now.
-
-        Returns:
-            ``[layer, kv_head]`` the bytes held.
-
-        Raises:
-            BudgetExceeded: The policy holds more than its budget.
+            future: The clairvoyant oracle's future attention, as for ``prefill``.
+            check: Verify the policy's invariants after this step.
         """
         if self.policy.observes:
             self.state.observe(row)

@@ -10,8 +10,9 @@ import functools
 import logging
 
 from ..errors import KvscopeError
+from . import kvpress_adapter as adapter
+from .kvpress_adapter import KVPRESS_VERSION
 
-KVPRESS_VERSION = "0.5.5"
 INSTALL = (
     f"pip install 'kvscope[presses]' && pip install --no-deps kvpress=={KVPRESS_VERSION} peft (make setup does both)"
 )
@@ -43,10 +44,20 @@ def load():
 
 def presses_in(press) -> list:
     """``press`` and every press nested in it (attributes, lists of presses)."""
-    base = load().BasePress
+    base = press_base()
     out = [press]
     for value in vars(press).values():
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, base) and item is not press:
                 out += presses_in(item)
     return out
+
+
+def press_base() -> type:
+    """What every press class subclasses (kvpress's ``BasePress``)."""
+    return adapter.press_base(load())
+
+
+def scorer_base() -> type:
+    """The presses that keep the positions of highest score (kvpress's ``ScorerPress``)."""
+    return adapter.scorer_base(load())

@@ -12,10 +12,13 @@ Where a press runs ([presses](concepts.md#presses)):
 
     live      the press's own forward hook on the model's own attention modules, with its protocol
               (``kvscope.policies.press_hooks``); the live cache serves what the press left
-    offline   a press that reads only q, k, v on stand-ins of the layers built from the recording
-              (``kvscope.policies.kvpress_bridge``); one that reads more (a projection's weights,
-              the model itself) on the trace's own model, its prefill run once per sample
-              (``PrefillCapture``)
+    offline   a press the traits table declares to read only q, k, v on stand-ins of the layers
+              built from the recording (``kvscope.policies.press_standins``); any other (a
+              projection's weights, the model itself, a press of one's own) on the trace's own
+              model, its prefill run once per sample (``PrefillCapture``)
+
+Every way goes through one runner of the press's hook (``kvscope.policies.press_run``); what a
+press needs is its row in ``kvscope.policies.press_traits``.
 
 The budget sets the press's knob so that a press holds the same bytes as every other policy at
 the same β (``fit_budget``):
@@ -47,6 +50,7 @@ import numpy as np
 
 from ..errors import KvscopeError
 from . import kvpress_bridge as bridge
+from . import press_traits as traits
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy
 
 if TYPE_CHECKING:
@@ -99,7 +103,7 @@ class Press(Policy):
             local folder of its learned asset).
     """
 
-    press: str = "KnormPress"
+    press: str = traits.EXAMPLE
     options: tuple = field(default=())
 
     name = "press"
@@ -114,8 +118,7 @@ class Press(Policy):
         assets = [v for k, v in self.options if k == "asset"]
         self.asset = assets[-1] if assets else None
         self._tree = bridge.route(self.press, tuple((k, v) for k, v in self.options if k != "asset"))
-        kvpress = bridge.load()
-        if self._tree["class"] in (kvpress.BasePress, kvpress.ScorerPress):
+        if traits.traits_of(self._tree["class"]).base:
             raise KvscopeError(
                 f"press {self.press} is kvpress's base class, not a press: subclass it (a ScorerPress with a score)"
             )
@@ -146,28 +149,17 @@ class Press(Policy):
     @property
     def attentions(self) -> bool:
         """The press reads the layer's attention weights."""
-        return any(type(p).__name__ in bridge.NEEDS_ATTENTIONS for p in bridge.presses_in(self.make_press()))
+        return traits.attentions(self.make_press())
 
     @property
     def renumbers(self) -> bool:
         """The press numbers the continuation from the rows it keeps (KeyRerotation, Finch)."""
-        from .press_hooks import rerotates
+        return traits.rerotates(self.make_press())
 
-        return rerotates(self.make_press())
-
-    def needs_model(self, model: ModelSpec, rope: Rope | None = None) -> str | None:
-        """Why the press needs the model itself offline (None: recorded q, k, v suffice): its
-        protocol runs the model, or it fails on stand-ins built from q, k, v for what they lack
-        (rehearsed once on random tensors of the model's geometry).
-
-        Args:
-            model: The model's geometry.
-            rope: Its rotary parameters.
-        """
-        key = (self.label(), model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim)
-        if key not in _NEEDS_MODEL:
-            _NEEDS_MODEL[key] = _needs_model(self, model, rope)
-        return _NEEDS_MODEL[key]
+    def needs_model(self) -> str | None:
+        """Why the press needs the model itself offline (None: recorded q, k, v suffice), as the
+        traits table says of it and the presses nested in it (``press_traits.needs_model``)."""
+        return traits.needs_model(self.make_press())
 
     def check_live(self, model: ModelSpec, rope: Rope | None = None, loaded: PreTrainedModel | None = None) -> None:
         """Refuse in one line, before anything is decoded, a press that cannot run on the model:
@@ -218,58 +210,31 @@ class Press(Policy):
         import torch
 
         k, v = (torch.as_tensor(x).float() for x in (k, v))  # no copy of float32 tensors (replay shares them)
-        runner = bridge.PressRunner(press, spec, rope, model)
+        from .press_standins import StandInRunner
+
+        runner = StandInRunner(press, spec, rope, model)
         return _PressState(self, spec, press, model, runner=runner, recorded=(k, v, q))
 
-    def hooks(self, loaded: PreTrainedModel, model: ModelSpec) -> PressHooks:
+    def hooks(self, model: PreTrainedModel, model_spec: ModelSpec) -> PressHooks:
         """The press's hook on the attention modules of a model, installed, for a live cache.
 
         Args:
-            loaded: The transformers model.
-            model: Its geometry.
+            model: The transformers model.
+            model_spec: Its geometry.
         """
         from .press_hooks import PressHooks, post_init
 
         press = self.make_press()
-        post_init(press, loaded, self.asset)
-        return PressHooks(loaded, press, model, self.attentions).install()
-
-
-_NEEDS_MODEL: dict = {}
-
-
-def _needs_model(policy: Press, model, rope) -> str | None:
-    import torch
-
-    from .press_hooks import runs_the_model
-
-    n_layers, n_heads, n_kv, head_dim = model.n_layers, model.n_heads, model.n_kv_heads, model.head_dim
-    press = policy.make_press()
-    if runs_the_model(press):
-        return f"press {policy.press} runs the model itself"
-    sizes = [int(v) for _, v in policy.options if v.lstrip("-").isdigit()]
-    p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
-    spec = CacheSpec(n_layers, n_kv, head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
-    generator = torch.Generator().manual_seed(0)
-    shape = (n_layers, n_kv, p + 1, head_dim)
-    k, v = (torch.randn(shape, generator=generator) for _ in range(2))
-    q = torch.randn((p + 1, n_layers, n_heads, head_dim), generator=generator).numpy()
-    try:
-        state = policy.start(spec, k, v, rope, q, model)
-        state.prefill(np.zeros((n_layers, n_kv, p)), None)
-        state.append(p)
-        state.compress()
-    except bridge.NeedsModel as reason:
-        return str(reason)
-    return None
+        post_init(press, model, self.asset)
+        return PressHooks(model, press, model_spec, self.attentions).install()
 
 
 _REHEARSED: dict = {}
 
 
-def _rehearse_live(policy: Press, loaded, model) -> None:
+def _rehearse_live(policy: Press, model, model_spec) -> None:
     """A prefill of a random prompt under the press on the real model (once per press and model)."""
-    key = (policy.label(), id(loaded))
+    key = (policy.label(), id(model))
     if key in _REHEARSED:
         return
     import torch
@@ -278,16 +243,19 @@ def _rehearse_live(policy: Press, loaded, model) -> None:
 
     sizes = [int(v) for _, v in policy.options if v.lstrip("-").isdigit()]
     p = max(REHEARSAL_PROMPT, 2 * max(sizes, default=0))
-    ids = torch.randint(0, int(loaded.config.vocab_size), (p,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, int(model.config.vocab_size), (p,), generator=torch.Generator().manual_seed(0)).tolist()
     press = policy.make_press()
-    spec = CacheSpec(model.n_layers, model.n_kv_heads, model.head_dim, p, p + 1, 0.5, 1, 4, 4, 4)
-    bridge.fit_budget(press, spec, model)
-    PrefillCapture(loaded, ids, model).decide(press, policy.attentions, policy.asset)
+    cache_spec = CacheSpec(
+        n_layers=model_spec.n_layers, n_kv=model_spec.n_kv_heads, head_dim=model_spec.head_dim, prompt_len=p,
+        final_len=p + 1, budget=0.5, n_sink=1, w=4, fp_itemsize=4, tail_rows=4,
+    )  # fmt: skip
+    bridge.fit_budget(press, cache_spec, model_spec)
+    PrefillCapture(model, ids, model_spec).decide(press, policy.attentions, policy.asset)
     _REHEARSED[key] = True
 
 
 class _PressState(CacheState):
-    """Tiers follow the positions the press holds: from its hook on stand-ins fed a recording
+    """Tiers follow the positions the press holds: from its hook on stand-ins built from a recording
     (``runner``), from a prefill of the trace's model (``capture``), or from its hook on the live
     model (``hooks``, decisions handed over by ``take``).
 
@@ -296,29 +264,24 @@ class _PressState(CacheState):
     ``channels``)."""
 
     def __init__(
-        self, policy: Press, spec: CacheSpec, press, model, *, runner=None, recorded=None, capture=None, hooks=None
-    ):
-        super().__init__(policy, spec)
-        self.press, self.model = press, model
+        self, policy: Press, cache_spec: CacheSpec, press, model_spec: ModelSpec, *, runner=None, recorded=None,
+        capture=None, hooks=None,
+    ):  # fmt: skip
+        super().__init__(policy, cache_spec)
+        self.press, self.model_spec = press, model_spec
         self.runner, self.recorded, self.capture, self.hooks = runner, recorded, capture, hooks
         self.pooled = True
-        self.reached, self.setting = bridge.fit_budget(hooks.press if hooks is not None else press, spec, model)
-        self.pruned = np.zeros((spec.n_layers, spec.n_kv), dtype=np.int64)
+        pressing = hooks.press if hooks is not None else press
+        self.reached, self.setting = bridge.fit_budget(pressing, cache_spec, model_spec)
+        self.pruned = np.zeros((cache_spec.n_layers, cache_spec.n_kv), dtype=np.int64)
         self.rewrites: set[str] = set()
         self.pressed = None  # the PressedCache of an offline prefill on the model
-        self.fed = None
         self._taken: dict = {}
 
     @property
     def decodes(self) -> bool:
-        from .press_hooks import decodes
-
-        return decodes(self.hooks.press if self.hooks is not None else self.press)
-
-    def reads_forward(self, prefill: bool) -> bool:
-        """Whether the forward (the prompt's, or a decode step's) must be fed to ``feed``
-        (stand-ins driven by a live cache's tensors: none since presses run on the model live)."""
-        return False
+        """The press acts on decode forwards too (``press_traits.decodes``)."""
+        return traits.decodes(self.hooks.press if self.hooks is not None else self.press)
 
     def take(self, decided: dict) -> None:
         """A live forward's decisions: ``{layer: PressedLayer}`` (``PressHooks.take``)."""

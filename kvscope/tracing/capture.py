@@ -104,7 +104,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
 
 
-def _mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
+def mask_terms(mask: torch.Tensor | None, q_offset: int, q_len: int, kv_len: int, full_q_len: int, device):
     """transformers' ``mask`` (bool: True = attend; float: additive) for the rows
     ``q_offset … q_offset + q_len`` as ``(visible, bias)`` for ``kvscope.model.attention.softmax``.
     ``None`` with more than one query row means sdpa's upper-left causal alignment (docs/trace-format.md#capture)."""
@@ -134,7 +134,7 @@ def attention_probs(
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
     logits = attention.logits(attention.grouped(query, n_kv), key, scaling, softcap, float32=True).view(b, h, r, kv)
-    visible, bias = _mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
+    visible, bias = mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
     return attention.softmax(logits, visible, bias, sink=None if sink is None else sink.view(1, h, 1, 1))
 
 
@@ -695,7 +695,7 @@ def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, traini
     n_rep = query.shape[1] // key.shape[1]
     scores = attention.logits(query, repeat_kv(key, n_rep), scaling, softcap)
     if mask is None and query.shape[2] > 1:
-        mask, _ = _mask_terms(None, 0, query.shape[2], key.shape[2], query.shape[2], query.device)
+        mask, _ = mask_terms(None, 0, query.shape[2], key.shape[2], query.shape[2], query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)

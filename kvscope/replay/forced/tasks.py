@@ -1,0 +1,174 @@
+"""A replay's forced decodes as tasks: one per sample with steps (its runs share the prefill and the
+reference), in this process or on a dask cluster (each worker loads the trace's model once), and
+their figures gathered into ``ForcedOutputs``."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ...errors import KvscopeError
+from .loop import ForcedRun
+from .model import ForcedModel, load_model
+from .routing import decoding_press, loop_of, prompt_press, reads_prompt
+from .sample import SampleForcing
+
+
+def check_forced(chunk: int, max_rounds: int) -> tuple[int, int]:
+    """The forced-replay settings, checked where they are defined."""
+    for name, value in (("forced chunk", chunk), ("max rounds", max_rounds)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise KvscopeError(f"{name} must be an integer ≥ 1 (got {value!r})")
+    return int(chunk), int(max_rounds)
+
+
+@dataclass
+class ForcedOutputs:
+    """Every run's forced decode: ``kl``, ``nll``, ``top1`` ``[*run, sample, step]`` (NaN past a
+    sample's steps, and on the steps a question-agnostic trace does not score), ``rounds`` and
+    ``converged`` ``[*run, sample]``, ``perplexity_full [sample]`` (the continuation under full KV),
+    per policy how its loop ran (``loops``: closed, one round, or open for the clairvoyant), and
+    ``served``: per policy what the continuation saw, where not the masked cache."""
+
+    kl: np.ndarray
+    nll: np.ndarray
+    top1: np.ndarray
+    rounds: np.ndarray
+    converged: np.ndarray
+    perplexity_full: np.ndarray
+    loops: dict
+    settings: dict
+    served: dict = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, setup, settings: dict) -> ForcedOutputs:
+        lead = (len(setup.policies), len(setup.allocations), len(setup.budgets), setup.n_samples)
+        per_step = lead + (setup.n_step_total,)
+        return cls(
+            kl=np.full(per_step, np.nan), nll=np.full(per_step, np.nan), top1=np.full(per_step, np.nan),
+            rounds=np.zeros(lead, dtype=np.int64), converged=np.ones(lead, dtype=bool),
+            perplexity_full=np.full(setup.n_samples, np.nan), loops={}, settings=settings,
+        )  # fmt: skip
+
+    def absorb(self, result: TaskResult) -> None:
+        """A task's runs into place (their scored steps: the rest stay NaN)."""
+        s = result.sample
+        for (pi, ai, bi), (kl, nll, top1, rounds, converged) in result.runs.items():
+            at, steps = (pi, ai, bi, s), slice(result.first, result.first + len(kl))
+            self.kl[at][steps], self.nll[at][steps], self.top1[at][steps] = kl, nll, top1
+            self.rounds[at], self.converged[at] = rounds, converged
+        self.perplexity_full[s] = result.perplexity_full
+        self.loops.update(result.loops)
+        self.served.update(result.served)
+
+
+@dataclass(frozen=True)
+class ForcedTask:
+    """One sample's forced decodes under some policies (every allocation and budget of each):
+    one prefill and one full-KV reference shared by its runs."""
+
+    sample: int
+    policies: tuple[int, ...]
+
+
+@dataclass
+class TaskResult:
+    """What a task sends back: per run ``(policy, allocation, budget)`` its per-step figures, rounds
+    and convergence; the sample's perplexity under full KV; each policy's loop."""
+
+    sample: int
+    first: int  # the first scored step (the runs' arrays start there)
+    runs: dict  # (pi, ai, bi) → (kl, nll, top1 [scored step], rounds, converged)
+    perplexity_full: float
+    loops: dict  # policy label → loop
+    served: dict = field(default_factory=dict)  # policy label → what the continuation saw, where not the masked cache
+
+
+def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
+    """The forced decodes of ``task`` (``kvscope.replay.forced``): ``chunk`` steps per forward, at most
+    ``max_rounds`` per chunk; ``splits``: the oracle allocation's, by sample."""
+    s = task.sample
+    policies = [setup.policies[pi] for pi in task.policies]
+    allocations = [a.for_sample(s) if a is not None else None for a in setup.allocations]
+    sample = SampleForcing(
+        setup, s, forced, chunk=chunk, max_rounds=max_rounds,
+        prompt_attention=any(reads_prompt(policy, a) for policy in policies for a in allocations),
+        decoding_presses=any(decoding_press(policy) for policy in policies),
+        prompt_presses=any(prompt_press(policy) for policy in policies),
+    )  # fmt: skip
+    sample_splits = splits.get(s, {})
+    runs = {
+        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget, split=sample_splits.get((pi, ai, bi)))
+        for pi in task.policies
+        for ai, allocation in enumerate(setup.allocations)
+        for bi, budget in enumerate(setup.budgets)
+    }
+    loops = {run.policy.label(): loop_of(run.policy, run.state) for run in runs.values()}
+    scored = slice(sample.first_scored, sample.S)
+    done, served = {}, {}
+    for key, run in runs.items():
+        run.run()
+        done[key] = (run.kl[scored], run.nll[scored], run.top1[scored], run.rounds, run.converged)
+        if run.pressed is not None:
+            served[run.policy.label()] = "the press's own rewritten cache"
+    return TaskResult(sample=s, first=sample.first_scored, runs=done, perplexity_full=sample.perplexity_full(),
+                      loops=loops, served=served)  # fmt: skip
+
+
+def forced_tasks(setup, client) -> list[ForcedTask]:
+    """One task per sample with steps (its runs share the prefill and the reference); on a cluster one
+    per (sample, policy), so that the workers share the grid."""
+    samples = [int(s) for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0)]
+    if client is None:
+        return [ForcedTask(s, tuple(range(len(setup.policies)))) for s in samples]
+    return [ForcedTask(s, (pi,)) for s in samples for pi in range(len(setup.policies))]
+
+
+def forced_replay(setup, forced: ForcedModel, splits: dict, chunk: int, max_rounds: int, client=None,
+                  progress=None) -> ForcedOutputs:  # fmt: skip
+    """The forced decode of every run of ``setup`` on every sample with steps — in this process with
+    the model ``forced`` loaded once, or as tasks on a dask ``client`` (each worker loads the trace's
+    model once); ``splits``: the oracle allocation's per sample, as the replay chose them.
+    ``progress(done, total)`` per task."""
+    out = ForcedOutputs.allocate(setup, {"chunk": chunk, "max_rounds": max_rounds, "model": forced.label,
+                                         "kv_itemsize": setup.kv_itemsize})  # fmt: skip
+    forcing = {"splits": splits, "chunk": chunk, "max_rounds": max_rounds}
+    tasks = forced_tasks(setup, client)
+    if client is None:
+        results = (run_task(setup, forced, task, **forcing) for task in tasks)
+    else:
+        results = _on_cluster(client, setup, tasks, device=str(forced.device), forcing=forcing)
+    for done, result in enumerate(results, 1):
+        out.absorb(result)
+        if progress is not None:
+            progress(done, len(tasks))
+    return out
+
+
+def _on_cluster(client, setup, tasks, *, device: str, forcing: dict):
+    """The tasks' results from the cluster's workers, as they finish (``forcing``: ``run_task``'s
+    splits, chunk and max_rounds)."""
+    from distributed import as_completed
+
+    state = replace(setup, ds=None)
+    futures = [client.submit(_remote_task, state, setup.source, task, device=device, pure=False, **forcing)
+               for task in tasks]  # fmt: skip
+    for future in as_completed(futures):
+        yield future.result()
+
+
+@functools.lru_cache(maxsize=2)
+def _worker_model(path: str, device: str) -> tuple:
+    """A worker's trace and its model (``load_model``: the model itself loaded once per process),
+    opened and checked once per process."""
+    from ...storage.store import open_trace
+
+    ds = open_trace(path)
+    return ds, load_model(ds, device)
+
+
+def _remote_task(setup, path: str, task: ForcedTask, *, device: str, **forcing) -> TaskResult:
+    ds, forced = _worker_model(path, device)
+    return run_task(replace(setup, ds=ds), forced, task, **forcing)
