@@ -426,7 +426,7 @@ class Ledger:
         rotary = self._rotary(positions, layers)
         if rotary is not None:  # quantize keys before rotation (pre-RoPE)
             cos, sin, scale, n_rot = rotary
-            keys = undo_rope(keys, cos, sin, n_rot, scale)
+            keys = undo_rope(keys, cos, sin, n_rot, scaling=scale)
         if self.key_axis == "channel":
             qk = quantize(keys, self.bits, axis=1)  # per channel over the G tokens
         else:
@@ -566,26 +566,6 @@ class CacheState:
         """
         self.compress()
 
-    # -- what a live cache hands a state that reads more than rows (kvpress presses) --------
-    def reads_forward(self, prefill: bool) -> bool:
-        """Whether the state reads the q/k/v of a forward, which a live cache then hands to
-        [`feed`][kvscope.policies.CacheState.feed] before the state decides.
-
-        Args:
-            prefill: The forward is the prompt's (else a decode step's).
-        """
-        return False
-
-    def feed(self, keys: np.ndarray, values: np.ndarray, queries: np.ndarray) -> None:
-        """The tensors of a live forward's ``n`` new positions.
-
-        Args:
-            keys: ``[layer, kv_head, n, D]``.
-            values: ``[layer, kv_head, n, D]``.
-            queries: ``[n, layer, head, D]``.
-        """
-        raise NotImplementedError(f"{self.policy.label()} reads no forward's tensors")
-
     def scratch_bytes(self) -> int:
         """Bytes the state itself holds besides the cache's own (a press's working copies)."""
         return 0
@@ -663,6 +643,11 @@ class Policy:
             v: Recorded values ``[layer, kv_head, pos, D]``.
             rope: Rotary parameters (keys quantized before RoPE).
         """
+        return self.state_type()(self, spec)
+
+    def state_type(self) -> type[CacheState]:
+        """The class of this policy's per-sequence state where it needs only the cache's spec
+        (what ``start`` makes by default)."""
         raise NotImplementedError
 
     def __post_init__(self):

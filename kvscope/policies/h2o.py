@@ -4,15 +4,11 @@ hitters by cumulative attention; each step evict the lowest-scoring non-recent t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..params import param
 from .base import EVICTED, CacheSpec, CacheState, Policy, per_unit, top_k_mask
-
-if TYPE_CHECKING:
-    from ..model.rope import Rope
 
 
 @dataclass
@@ -35,10 +31,8 @@ class H2O(Policy):
     observes = True
     observes_prefill = True
 
-    def start(
-        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
-    ) -> CacheState:
-        return _H2OState(self, spec)
+    def state_type(self) -> type[CacheState]:
+        return _H2OState
 
     def unit_floor(self, spec: CacheSpec) -> float:
         return 2 * spec.fp_bytes  # one recent token and one heavy hitter

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import defaults
 from ..params import param
 from .base import EVICTED, FP, CacheSpec, CacheState, Policy, top_k_mask
-
-if TYPE_CHECKING:
-    from ..model.rope import Rope
 
 
 @dataclass
@@ -34,10 +30,8 @@ class Oracle(Policy):
     kind = "clairvoyant bound"
     clairvoyant = True
 
-    def start(
-        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
-    ) -> CacheState:
-        return _OracleState(self, spec)
+    def state_type(self) -> type[CacheState]:
+        return _OracleState
 
     def unit_floor(self, spec: CacheSpec) -> float:
         return spec.fp_bytes

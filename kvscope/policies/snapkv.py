@@ -4,16 +4,12 @@ attend; decode tokens all stay."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import KvscopeError
 from ..params import param
 from .base import CacheSpec, CacheState, Policy, top_k_mask
-
-if TYPE_CHECKING:
-    from ..model.rope import Rope
 
 
 @dataclass
@@ -54,10 +50,8 @@ class SnapKV(Policy):
         if self.kernel % 2 == 0:
             raise KvscopeError(f"snapkv parameter kernel must be a positive odd number (got {self.kernel})")
 
-    def start(
-        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
-    ) -> CacheState:
-        return _SnapKVState(self, spec)
+    def state_type(self) -> type[CacheState]:
+        return _SnapKVState
 
     def observed_rows(self, stored: int) -> int:
         """Observation rows scored when the trace stored ``stored`` prefill rows.

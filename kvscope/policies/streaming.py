@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..params import param
 from .base import FP, CacheSpec, CacheState, Policy, per_unit
-
-if TYPE_CHECKING:
-    from ..model.rope import Rope
 
 
 @dataclass
@@ -28,10 +24,8 @@ class Streaming(Policy):
     name = "streaming"
     kind = "eviction"
 
-    def start(
-        self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
-    ) -> CacheState:
-        return _StreamingState(self, spec)
+    def state_type(self) -> type[CacheState]:
+        return _StreamingState
 
     def sinks(self, spec: CacheSpec) -> int:
         """The sinks kept: ``n_sink``, or the trace's.
