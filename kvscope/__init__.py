@@ -125,7 +125,7 @@ def trace(
         KvscopeError: Bad input or an unusable store (one line naming the problem).
     """
     from .errors import KvscopeError
-    from .tracing.runner import trace as _trace
+    from .tracing import runner
 
     if (policy is None) != (budget is None):
         raise KvscopeError("--policy and --budget go together")
@@ -133,7 +133,7 @@ def trace(
         from .live import LivePolicy
 
         cache = LivePolicy(policy, budget, kv_dtype, allocation)
-    return _trace(
+    return runner.trace(
         prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache, shard=shard,
         continuation=continuation, **overrides,
     )  # fmt: skip
@@ -153,9 +153,9 @@ def view(ds: xr.Dataset, result: xr.Dataset | None = None, *, tokens: str = "mod
     Returns:
         A Panel object: displayed by Jupyter, served by ``.servable()``.
     """
-    from .explorer import view as _view
+    from . import explorer
 
-    return _view(ds, result, tokens=tokens, title=title)
+    return explorer.view(ds, result, tokens=tokens, title=title)
 
 
 __all__ = ["TraceSettings", "__version__", "open_result", "open_trace", "replay", "trace", "view"]

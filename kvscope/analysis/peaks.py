@@ -84,7 +84,7 @@ def uniform_log_lik(N_D: np.ndarray) -> float:
     return float(-np.dot(N_D[ok], np.log(D[ok])))
 
 
-def _block_rows(
+def block_rows(
     x: np.ndarray, q: np.ndarray, shares, fp_sets, n_sink: int, k: int, slack: float, block_steps: int, block_info=None
 ) -> np.ndarray:
     """Everything peaks needs from a task's rows, in one pass, summed over the steps of each
@@ -209,7 +209,7 @@ class Peaks(Bootstrapped, Metric):
 
     def statistics(self, ds: xr.Dataset, compute: bool = True) -> tuple:
         """One streaming pass over the rows: ``(rows, per_block)`` with ``per_block [sample,
-        step block, layer, H, 2 + n_bins + 3]`` the sums of ``_block_rows``; ``__call__`` adds
+        step block, layer, H, 2 + n_bins + 3]`` the sums of ``block_rows``; ``__call__`` adds
         them up over step blocks.
 
         Args:
@@ -231,7 +231,7 @@ class Peaks(Bootstrapped, Metric):
         starts = np.cumsum((0,) + c[1])
         n_blocks = tuple(len(step_blocks(int(t0), n, B)) for t0, n in zip(starts, c[1]))
         per_block = dsa.map_blocks(
-            _block_rows,
+            block_rows,
             arr,
             q_arr,
             shares,

@@ -271,8 +271,9 @@ def run(
     for prompt, ids, question in zip(prompts, encoded, questions):
         results.append(
             run_loaded(
-                loaded, tokenizer, ids, policy, budget, max_new_tokens, kv_dtype=dtype, n_sink=n_sink, w=w,
-                scorer=scorer, expected=prompt.expected, on_step=on_step, question=question, allocation=allocation,
+                loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=max_new_tokens, kv_dtype=dtype,
+                n_sink=n_sink, w=w, scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
+                allocation=allocation,
             )
         )  # fmt: skip
     return results

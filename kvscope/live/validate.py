@@ -89,14 +89,15 @@ def validate(
         live_out = Path(tmp.name) / "live.zarr"
     try:
         trace_loaded(
-            model, tokenizer, source, prompts, Path(live_out), settings, force=force, progress=progress, cache=cache
+            model, tokenizer, source, prompts, out=Path(live_out), settings=settings, force=force, progress=progress,
+            cache=cache,
         )
         live = open_trace(live_out)
         closed = replay(
             live, [policy], [budget], allocations=[allocation], observe="exact", kv_itemsize=itemsize,
             every=settings.window,
         )  # fmt: skip
-        report = _report(ds, live, open_loop, closed, policy.label(), budget, itemsize)
+        report = _report(ds, live, open_loop, closed, label=policy.label(), budget=budget, itemsize=itemsize)
         report["allocation"] = str(open_loop["allocation"].values[0])
     finally:
         if tmp is not None:

@@ -171,7 +171,7 @@ class LogQuant(AsEviction, Policy):
 
     def _ledger(self, spec: CacheSpec, k=None, v=None) -> Ledger:
         key_group = min(self.key_group, spec.head_dim) if self.key_axis == "token" else None
-        return Ledger(spec, self.bits, self.key_axis, key_group, self.value_group, k=k, v=v)
+        return Ledger(spec, self.bits, self.key_axis, key_group, value_group=self.value_group, k=k, v=v)
 
     def start(
         self, spec: CacheSpec, k: np.ndarray | None = None, v: np.ndarray | None = None, rope: Rope | None = None
@@ -189,7 +189,9 @@ class LogQuant(AsEviction, Policy):
         ledger = ledger or self._ledger(spec)
         groups = self.G if self.key_axis == "channel" and not self.evict else 0
         token_bytes = 0.0 if self.evict else ledger.token_value_bytes
-        return _max_bytes(spec.prompt_len, spec.final_len, W, spec.head_dim, token_bytes, groups, spec.fp_bytes)
+        return _max_bytes(
+            spec.prompt_len, spec.final_len, W, spec.head_dim, token_bytes=token_bytes, G=groups, fp_bytes=spec.fp_bytes
+        )
 
     def window(self, spec: CacheSpec, ledger: Ledger, capacity: float) -> tuple[int, bool]:
         """``(W, fits)``: the user's ``W`` or the largest that fits ``capacity`` bytes per unit.

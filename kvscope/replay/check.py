@@ -275,7 +275,7 @@ def check_arrays(path, metas: dict) -> dict[str, int]:
             first = sizes.setdefault(dim, (n, name))
             if first[0] != n:
                 raise StoreError(f"{path}: dim {dim} has size {n} in array {name} but {first[0]} in {first[1]}")
-        check_encoding(path, name, meta, None, True, ARRAY_ATTRIBUTES)
+        check_encoding(path, name, meta, None, crc=True, attributes=ARRAY_ATTRIBUTES)
     return {dim: n for dim, (n, _) in sizes.items()}
 
 
@@ -366,7 +366,7 @@ def check_result(path) -> CheckedResult:
     allocations = [str(a) for a in coords["allocation"]]
     if sorted(_json_object(attrs["allocations"]) or {}) != sorted(allocations):
         raise StoreError(f"{path}: attribute allocations does not describe the allocations {allocations}")
-    return CheckedResult(path, group, attrs, sizes, coords)
+    return CheckedResult(path, group, attrs, sizes, coords=coords)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -51,8 +51,8 @@ def reference(rules: LayerRules, query: np.ndarray, k, v, qpos: int) -> Referenc
     shown = rules.visible(qpos, n)[:, None, None, :]
     values = _torch(v)[:, :, :n].float()  # [L, Hkv, n, D]
     sink = rules.sink_column(q)
-    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], values, shown, sink=sink)
-    return Reference(q, logits, shown, probs, out, values, sink)
+    logits, probs, out = attended(rules, q, _torch(k)[:, :, :n], values, shown=shown, sink=sink)
+    return Reference(query=q, logits=logits, shown=shown, probs=probs, out=out, values=values, sink=sink)
 
 
 def effective_kv(state: CacheState, k: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor, n: int) -> tuple:
@@ -115,7 +115,7 @@ def evicted_errors(
         stacked = (n_l, n_kv, runs * g, n)
         sink = None if ref.sink is None else ref.sink.repeat(1, 1, runs, 1)  # rows in (run, head) order
         _, probs, out = attended(
-            rules, None, None, ref.values, shown.reshape(stacked), logits.reshape(stacked), sink=sink
+            rules, None, None, ref.values, shown=shown.reshape(stacked), logits=logits.reshape(stacked), sink=sink
         )
         probs, out = probs.view(n_l, n_kv, runs, g, n), out.view(n_l, n_kv, runs, g, -1)
         l1.append((probs - ref.probs[:, :, None]).abs().sum(-1).mean(-1))  # [L, Hkv, runs]
@@ -144,7 +144,7 @@ def against_full(rules: LayerRules, state: CacheState, ref: Reference, k, v, qpo
     changed = dequantized(state)
     logits = None if changed else ref.logits  # quantized values: the logits change too
     values = values if changed else ref.values  # evicted only: the full values, float32 already
-    _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown, logits, sink=ref.sink)
+    _, probs, out = attended(rules, ref.query, _torch(keys), _torch(values), shown=shown, logits=logits, sink=ref.sink)
     l1 = (probs - ref.probs).abs().sum(-1).mean(-1)
     norm = torch.linalg.vector_norm(ref.out, dim=-1)
     rel = torch.where(norm > 0, torch.linalg.vector_norm(out - ref.out, dim=-1) / norm, torch.nan).mean(-1)

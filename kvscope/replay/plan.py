@@ -219,8 +219,9 @@ class ReplaySetup:
         if needs_qkv and not acc.has_qkv:
             raise KvscopeError(f"the {needs_qkv[0]} allocation needs recorded q/k/v (trace with --record qkv)")
         setup = cls(
-            ds, policies, allocations, resolve_budgets(budgets), observe, fmm, lir, steps, acc.group,
-            with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize, source=source,
+            ds, policies, allocations, resolve_budgets(budgets), observe=observe, fmm=fmm, lir=lir, steps=steps,
+            group=acc.group, with_errors=errors and acc.has_qkv, validate=validate, kv_itemsize=kv_itemsize,
+            source=source,
         )  # fmt: skip
         return setup.with_press_model()
 
@@ -319,8 +320,8 @@ class ReplaySetup:
         prompt_len = int(acc.prompt_len[s])
         model, final = acc.model, prompt_len + int(acc.n_steps[s])
         return CacheSpec(
-            self.n_layers, self.n_kv, self.head_dim, prompt_len, final, budget, self.n_sink,
-            self.w, self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=model.n_layers,
+            self.n_layers, self.n_kv, self.head_dim, prompt_len, final_len=final, budget=budget, n_sink=self.n_sink,
+            w=self.w, fp_itemsize=self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=model.n_layers,
             model_kv=model.n_kv_heads, token_values=model.token_values,
             layer_windows=tuple(model.window(int(layer)) for layer in self.layers) if not model.global_only else (),
             model_held=0.0 if model.global_only else model.full_tokens(final) / (model.n_layers * model.n_kv_heads),
@@ -346,7 +347,7 @@ class ReplaySetup:
         return self.ds.kvscope.rope
 
 
-def _processes(setup: ReplaySetup, processes: int | None, client, path: str | None) -> int:
+def worker_count(setup: ReplaySetup, processes: int | None, client, path: str | None) -> int:
     """Worker processes to fork (0: none): ``processes`` checked, or the default (``replay``'s docstring)."""
     forkable = sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
     daemon = multiprocessing.current_process().daemon  # a dask worker, say: may not have children
@@ -428,7 +429,7 @@ def kv_heads_per_task(setup, layers: int, memory: int = defaults.REPLAY_TASK_BYT
     return setup.n_kv if fit >= setup.n_kv else math.ceil(setup.n_kv / math.ceil(setup.n_kv / fit))
 
 
-def _block(
+def task_block(
     setup: ReplaySetup, layers: int | None, kv_heads: int | None, workers: int, per_worker: int
 ) -> tuple[int, int]:
     """(layers, KV heads) per task, checked, or chosen for ``workers`` to keep busy
@@ -489,10 +490,10 @@ def plan(setup, layers: int, kv_heads: int | None = None) -> list[Piece]:
     for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0):
         if local:
             pieces += [
-                Piece(int(s), a, min(a + layers, n_layers), h, min(h + heads, n_kv), local)
+                Piece(int(s), a, min(a + layers, n_layers), h, kv_stop=min(h + heads, n_kv), policies=local)
                 for a in range(0, n_layers, layers)
                 for h in range(0, n_kv, heads)
             ]
         if whole:
-            pieces.append(Piece(int(s), 0, n_layers, 0, n_kv, whole))
+            pieces.append(Piece(int(s), 0, n_layers, 0, kv_stop=n_kv, policies=whole))
     return pieces

@@ -111,8 +111,8 @@ class SampleReader:
         k = self.kv()[0]  # [layer, kv_head, final_len, D]
         model, heads = self.ds.kvscope.model, "all" if self.group > 1 else "kv"
         rows = [
-            layer_rows(q[:, i], k[i], qpos, rule_of(self.ds, model.stored_layer(int(layer))), heads, int(qpos[0]),
-                       model.n_key_heads // model.n_kv_heads)[0, :, 0]
+            layer_rows(q[:, i], k[i], qpos, rule_of(self.ds, model.stored_layer(int(layer))), heads=heads,
+                       q_first=int(qpos[0]), per_unit=model.n_key_heads // model.n_kv_heads)[0, :, 0]
             for i, layer in enumerate(self.ds["layer"].values)
         ]  # fmt: skip
         return np.stack(rows, axis=1)

@@ -105,24 +105,24 @@ class Outputs:
         if tiers is None:
             tiers = TierStore(root, per_event + (setup.n_pos,), block) if root is not None else NoTiers()
         return cls(
-            tiers,
-            np.full(lead + (setup.n_step_total,), np.nan),
-            np.full(per_event + (3,), np.nan),
-            np.full((2,) + lead + (len(setup.horizons),) + per_event[4:], np.nan),
-            np.full(per_event, np.nan),
-            np.full(per_event, np.nan),
-            np.full(lead + (max(0, len(setup.steps) - 1),) + per_event[5:], np.nan),
-            np.zeros(per_unit, dtype=np.int64),
-            np.zeros(per_unit, dtype=np.int64),
-            np.zeros(lead + (4,), dtype=np.int64),
-            np.ones(lead, dtype=bool),
-            np.zeros(lead, dtype=np.int64),
-            np.full(per_unit, np.nan),
-            np.zeros((len(setup.budgets), setup.n_samples)),
-            np.zeros(setup.n_samples),
-            valid_events(setup.steps, setup.ds.kvscope.n_steps),
-            setup.n_sink,
-            setup.lir,
+            tiers=tiers,
+            bytes=np.full(lead + (setup.n_step_total,), np.nan),
+            mass=np.full(per_event + (3,), np.nan),
+            curve=np.full((2,) + lead + (len(setup.horizons),) + per_event[4:], np.nan),
+            l1=np.full(per_event, np.nan),
+            out=np.full(per_event, np.nan),
+            churn=np.full(lead + (max(0, len(setup.steps) - 1),) + per_event[5:], np.nan),
+            eligible=np.zeros(per_unit, dtype=np.int64),
+            reactivated=np.zeros(per_unit, dtype=np.int64),
+            transitions=np.zeros(lead + (4,), dtype=np.int64),
+            reached=np.ones(lead, dtype=bool),
+            n_quantized=np.zeros(lead, dtype=np.int64),
+            allocated=np.full(per_unit, np.nan),
+            budget_bytes=np.zeros((len(setup.budgets), setup.n_samples)),
+            full_bytes=np.zeros(setup.n_samples),
+            n_valid=valid_events(setup.steps, setup.ds.kvscope.n_steps),
+            n_sink=setup.n_sink,
+            lir=setup.lir,
         )
 
 
@@ -141,7 +141,8 @@ class RunRecord:
         self.churn = o.churn[index]  # [event−1, layer, kv_head]
         n_valid = o.n_valid[index[-1]]
         self.churn_stream = ChurnStream(n_valid, earlier_only=True)
-        self.lir_stream = LirStream(shape, n_valid, o.lir.m, o.lir.h_lir, o.lir.delta)  # shape [layer, kv_head, pos]
+        # shape [layer, kv_head, pos]
+        self.lir_stream = LirStream(shape, n_valid, o.lir.m, o.lir.h_lir, delta=o.lir.delta)
 
     BYTES_GRID = 1024  # a unit's bytes are summed on a grid of 1/1024 B (record_bytes)
 
@@ -344,7 +345,7 @@ def ci_attr(setup) -> str:
     return setup.fmm.ci_note(setup.n_samples, setup.n_samples * setup.n_layers * setup.n_kv)
 
 
-def _attrs(setup, trace, seconds: float) -> dict:
+def run_attrs(setup, trace, seconds: float) -> dict:
     ds = setup.ds
     return {
         "kind": "kvscope replay",
@@ -375,7 +376,7 @@ def forced_attrs(forced, seconds: float) -> dict:
     return {"forced": json.dumps(doc)}
 
 
-def _press_settings(setup, settings: dict) -> str:
+def press_settings(setup, settings: dict) -> str:
     """JSON ``{policy label: {β: {setting: [value per sample]}}}``: what each press was set to
     so that it holds the budget's bytes (kvscope.policies.press)."""
     out: dict = {}
@@ -387,7 +388,7 @@ def _press_settings(setup, settings: dict) -> str:
     return json.dumps(out)
 
 
-def _press_notes(setup, settings: dict) -> str:
+def press_notes(setup, settings: dict) -> str:
     """JSON ``{policy label: note}``: for each press that rewrote what it kept, what its
     position-level metrics (FMM, churn) mean, and why its attn L1 and out err are not given
     (the recording holds the keys and values as computed, not as the press left them)."""

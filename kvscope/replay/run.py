@@ -22,11 +22,10 @@ import xarray as xr
 
 from .. import defaults
 from ..errors import KvscopeError
-from . import result as _result
 from .check import open_result
 from .forced import check_forced, forced_replay, load_model
-from .plan import ReplaySetup, _block, _processes, plan
-from .result import Outputs, _attrs, _press_notes, _press_settings, forced_attrs
+from .plan import ReplaySetup, plan, task_block, worker_count
+from .result import Outputs, build, forced_attrs, press_notes, press_settings, result_bytes, run_attrs
 from .store import TierStore, result_folder, write_variables
 from .tasks import oracle_splits, probe, replay_piece
 
@@ -155,26 +154,29 @@ def replay(
     model = load_model(ds, device) if forced else None  # loaded once every input is checked
     if kv_itemsize is None and model is not None:
         setup = replace(setup, kv_itemsize=model.itemsize)
-    processes = _processes(setup, processes, client, path)
+    processes = worker_count(setup, processes, client, path)
     workers = sum(client.nthreads().values()) if client is not None else processes
-    block = _block(setup, layers_per_task, kv_heads_per_task, workers, 2 if client is not None else 1)
-    needs = functools.partial(_result.result_bytes, setup, block)
+    block = task_block(setup, layers_per_task, kv_heads_per_task, workers, per_worker=2 if client is not None else 1)
+    needs = functools.partial(result_bytes, setup, block)
     with result_folder(out, needs) as root:
-        outputs = _result.Outputs.allocate(setup, root, block=block)
-        ran_on = _run(setup, outputs, block, client, threads, processes, progress)
+        outputs = Outputs.allocate(setup, root, block=block)
+        ran_on = _run(
+            setup, outputs, block=block, client=client, threads=threads, processes=processes, progress=progress
+        )
         outputs.tiers.complete()
         decoded, forced_seconds = None, 0.0
         if model is not None:
             forced_started = time.perf_counter()
-            decoded = forced_replay(setup, model, outputs.splits, forced_chunk, max_rounds, client, progress)
+            decoded = forced_replay(setup, model, splits=outputs.splits, chunk=forced_chunk, max_rounds=max_rounds,
+                                    client=client, progress=progress)  # fmt: skip
             forced_seconds = time.perf_counter() - forced_started
         tiers = None if out is not None else outputs.tiers.lazy(temporary=True)
-        result = _result.build(setup, outputs, tiers, decoded)
-        result.attrs.update(_attrs(setup, trace, time.perf_counter() - started))
+        result = build(setup, outputs, tiers, decoded)
+        result.attrs.update(run_attrs(setup, trace, time.perf_counter() - started))
         result.attrs["replay_workers"] = ran_on
         if outputs.settings:
-            result.attrs["press_settings"] = _press_settings(setup, outputs.settings)
-            result.attrs["press_notes"] = _press_notes(setup, outputs.settings)
+            result.attrs["press_settings"] = press_settings(setup, outputs.settings)
+            result.attrs["press_notes"] = press_notes(setup, outputs.settings)
         if decoded is not None:
             result.attrs.update(forced_attrs(decoded, forced_seconds))
         if out is not None:
@@ -247,7 +249,7 @@ def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, 
     if client is None:
         splits = oracle_splits(setup, pieces, [probe(setup, p) for p in pieces]) if oracle else {}
         steps_done = (lambda: progress(1)) if progress is not None else None
-        results = [replay_piece(setup, p, outputs.tiers, splits, pool, steps_done) for p in pieces]
+        results = [replay_piece(setup, p, outputs.tiers, splits, pool=pool, progress=steps_done) for p in pieces]
     else:
         state = {"setup": replace(setup, ds=None), "source": setup.source}
         splits = oracle_splits(setup, pieces, _gather(client, probe, state, pieces)) if oracle else {}

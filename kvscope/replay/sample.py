@@ -54,7 +54,7 @@ class Run:
         snapshot is dropped once its last horizon has ended (censored ones when the run ends)."""
         for r in resolved:
             tiers, present = self.pending[r.event]
-            fp, q, ev = tier_shares(r.future, r.den, tiers, r.exists, present, fp=r.horizon == horizon)
+            fp, q, ev = tier_shares(r.future, r.den, tiers, r.exists, present=present, fp=r.horizon == horizon)
             self.record.curve[0, r.index, r.event] = ev
             self.record.curve[1, r.index, r.event] = q + ev
             if r.horizon == horizon:
@@ -135,7 +135,7 @@ class SampleReplay:
         state = policy.start(self.spec(budget), k, v, st.rope, **recorded)
         pi, rest = divmod(gi, len(st.allocations) * len(st.budgets))
         ai, bi = divmod(rest, len(st.budgets))
-        record = self.outputs.record(pi, ai, bi, self.s, state.tiers.shape)
+        record = self.outputs.record(pi, ai, bi, self.s, shape=state.tiers.shape)
         if allocation.clairvoyant:  # the oracle's split, decided over every unit of the sample (replay.tasks)
             allocation = Given.of(self.splits[pi, ai, bi])  # a task of some layers: checked per unit (driver)
         driver = PolicyDriver(state, allocation=allocation, where=f" of sample {self.s}")
@@ -218,7 +218,7 @@ class SampleReplay:
         error_event = self.error_at.get(t)
         ref = self._reference(t, error_event) if t > 0 else None
         ahead = {h: f.at(t) for h, f in self.futures.items()}
-        return StepInputs(t, resolved, event, error_event, ref, ahead)
+        return StepInputs(t, resolved, event, error_event, ref=ref, ahead=ahead)
 
     def _advance(self, run: Run, inputs: StepInputs) -> None:
         setup, driver, t = self.setup, run.driver, inputs.t

@@ -107,7 +107,7 @@ class TierWindow:
         block = block.reshape(
             (len(self.piece.policies), n_a, n_b) + block.shape[1:]
         )  # [j, ai, bi, layer, kv_head, pos]
-        self.store.write_runs(self.piece.policies, self.piece.sample, event, block, self.piece.units)
+        self.store.write_runs(self.piece.policies, self.piece.sample, event, block, units=self.piece.units)
         s = self.piece.sample
         return [(p, ai, bi, s, event) for p in self.piece.policies for ai in range(n_a) for bi in range(n_b)]
 

@@ -108,9 +108,9 @@ def _chunk_regions(shape, chunks):
 
 def _sizes(path: Path, side: str) -> dict:
     """Bytes on disk of a whole store and of its ``attn`` chunks."""
-    from .store import _stored_bytes
+    from .store import stored_bytes
 
-    return {f"{side}_bytes": _stored_bytes(path), f"attn_{side}_bytes": _stored_bytes(path / "attn" / "c")}
+    return {f"{side}_bytes": stored_bytes(path), f"attn_{side}_bytes": stored_bytes(path / "attn" / "c")}
 
 
 def _raw_rows(checked) -> int:

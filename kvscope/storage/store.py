@@ -262,7 +262,7 @@ def store_info(path: str | os.PathLike) -> dict:
     with walking_members():
         members = sorted(group.arrays())
     for name, arr in members:
-        stored = _stored_bytes(Path(path) / name / "c")
+        stored = stored_bytes(Path(path) / name / "c")
         chunk_bytes = int(np.prod(arr.chunks)) * arr.dtype.itemsize
         logical = arr.nchunks_initialized * chunk_bytes
         arrays[name] = {
@@ -303,7 +303,7 @@ def store_info(path: str | os.PathLike) -> dict:
     }
 
 
-def _stored_bytes(folder: Path) -> int:
+def stored_bytes(folder: Path) -> int:
     """Bytes of the chunks under ``folder``; while other shards write the store, a chunk zarr is
     replacing (``*.partial``, renamed over the chunk) is not counted."""
     total = 0

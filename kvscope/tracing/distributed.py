@@ -25,12 +25,12 @@ from ..storage.paths import output_path
 from .runner import (
     TraceResult,
     TraceSettings,
-    _prepare_out,
-    _settings_doc,
     check_cache,
     check_continuations,
     finalize,
+    prepare_out,
     remove_store,
+    settings_doc,
     trace,
 )
 from .shard import Shard
@@ -90,7 +90,7 @@ def refuse_early(prompts, out, settings: TraceSettings, *, resume=False, force=F
     prompts, out = as_prompts(prompts), output_path(out, "--out")
     source = resolve(settings.model)
     check_continuations(settings, prompts, source=source)  # every shard then forces as many steps
-    existing = _prepare_out(out, _settings_doc(settings, source, prompts, cache), resume, force)
+    existing = prepare_out(out, settings_doc(settings, source, prompts, cache), resume, force)
     if existing is not None:
         _shard_count(out, existing, 1)
     return existing

@@ -181,8 +181,8 @@ def trace(
     out = output_path(out, "--out")
     source = resolve(settings.model)
     check_continuations(settings, prompts, source=source)
-    doc = _settings_doc(settings, source, prompts, cache)
-    _prepare_out(out, doc, resume, force, shard=shard)  # refuse early, before loading
+    doc = settings_doc(settings, source, prompts, cache)
+    prepare_out(out, doc, resume, force, shard=shard)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
     return trace_loaded(
         model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache,
@@ -208,7 +208,7 @@ def check_continuations(settings: TraceSettings, prompts: list[Prompt], tokenize
         settings.max_new_tokens = max(map(len, encode_continuations(tokenizer, prompts, None)))
 
 
-def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache) -> dict:
+def settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache) -> dict:
     return {
         **asdict(settings),
         "cache": cache.settings() if cache is not None else None,
@@ -221,10 +221,10 @@ def _settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache)
 def check_out(out: str | Path, force: bool, flag: str = "--out") -> None:
     """Refuse now, before a model is loaded, an ``out`` where a new trace may not be written
     (``flag`` names the option in messages)."""
-    _prepare_out(Path(out), {}, resume=False, force=force, flag=flag)
+    prepare_out(Path(out), {}, resume=False, force=force, flag=flag)
 
 
-def _prepare_out(
+def prepare_out(
     out: Path, settings_doc: dict, resume: bool, force: bool, flag: str = "--out", shard: Shard | None = None
 ) -> dict | None:
     """Decide what to do with ``out``; returns the existing attrs when resuming (or when
@@ -321,8 +321,8 @@ def trace_loaded(
     out = Path(out)
     check_cache(settings, cache)
     check_continuations(settings, prompts, tokenizer)
-    settings_doc = _settings_doc(settings, source, prompts, cache)
-    existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
+    doc = settings_doc(settings, source, prompts, cache)
+    existing = prepare_out(out, doc, resume, force, shard=shard)
     spec = traced_spec(model, settings.attn, settings.record_qkv)
     encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
     forced = encode_continuations(tokenizer, prompts, settings.max_new_tokens)
@@ -335,7 +335,7 @@ def trace_loaded(
     layout = _layout(settings, spec, encoded, rope, cache, _n_steps(settings, questions, forced))
     locks, create = None, None
     if existing is None:
-        attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, settings_doc, cache)
+        attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, doc, cache)
         if settings.question_agnostic:
             attrs["question_tokens"] = [len(q) for q in questions]
         if forced is not None:
@@ -344,7 +344,7 @@ def trace_loaded(
             attrs["shards"] = shard.count
             locks = _create_store(out, layout, attrs, encoded, rope, shard)
             if locks is None:  # another shard created the store first: join it
-                existing = _prepare_out(out, settings_doc, resume, force, shard=shard)
+                existing = prepare_out(out, doc, resume, force, shard=shard)
         else:  # one process's new store: the writer creates it while the prompt prefills
             locks = []
 
