@@ -189,3 +189,36 @@ def test_sessions_and_console_blocks_print_what_they_show(tmp_path):
     )
     assert outcomes[0] == "passed" and outcomes[1].startswith("failed: page.md:8: a session prints other than")
     assert outcomes[2:4] == ["passed", "passed"] and outcomes[4].startswith("failed: page.md:25: $ exit 2")
+
+
+LAYOUT_ENTRY = re.compile(r"^(?P<indent> *)(?P<name>[\w.]+/|[\w.]+\.py)(?: {2,}(?P<role>\S.*))?$")
+
+
+def layout_modules() -> dict[str, str]:
+    """``{path: role}`` of the module tree in docs/development.md#layout (the ``text`` block that
+    starts with ``kvscope/``): two spaces of indent a level, a module's role after two spaces or
+    more on its line, a package's on its own line or left out."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    layout = text[text.index("## Layout") :]
+    block = next(b for b in re.findall(r"```text\n(.*?)```", layout, re.DOTALL) if b.startswith("kvscope/"))
+    out, parents = {}, []
+    for line in block.splitlines():
+        match = LAYOUT_ENTRY.match(line)
+        if match is None:
+            continue  # a role that goes on over a second line
+        depth = len(match["indent"]) // 2
+        parents[depth:] = [match["name"].rstrip("/")]
+        if match["name"].endswith(".py"):
+            out["/".join(parents)] = (match["role"] or "").strip()
+    return out
+
+
+def test_the_layout_names_every_module_of_kvscope_with_its_role():
+    """docs/development.md's layout is the map of the package: every module, and nothing else."""
+    named = layout_modules()
+    modules = {
+        str(path.relative_to(ROOT)) for path in (ROOT / "kvscope").rglob("*.py") if path.name != "__init__.py"
+    }
+    assert sorted(modules - named.keys()) == [], "modules the layout does not name"
+    assert sorted(named.keys() - modules) == [], "the layout names modules that do not exist"
+    assert [path for path, role in named.items() if len(role) < 10] == [], "modules without a role"
