@@ -47,9 +47,10 @@ PLUMBING = re.compile(r"stand-in|kvscope does not hold|cannot run on|Traceback|k
 
 def _budget(spec: str, reached: bool) -> str:
     """How β set the press: nothing (it runs as its parameters say), or not reached at this β."""
-    from kvscope.policies.kvpress_bridge import AS_GIVEN
+    from kvscope.policies.kvpress_bridge import press_class
+    from kvscope.policies.press_traits import traits_of
 
-    if spec.split(":")[1] in AS_GIVEN:
+    if traits_of(press_class(spec.split(":")[1])).given is not None:
         return "; β sets nothing (its parameters do)"
     return "" if reached else f"; β = {BUDGET} not reached (its smallest setting)"
 

@@ -24,7 +24,8 @@ import weakref
 
 import torch
 
-from ..policies.press_hooks import finish_prefill, seeded
+from ..policies import press_protocol
+from ..policies.press_hooks import seeded
 from ..policies.press_run import language_model
 from ..policies.press_traits import decodes, hooked_prefill, rerotates
 
@@ -84,7 +85,7 @@ class PressLink:
         cache = self._cache()
         if prefill:
             with torch.no_grad(), seeded(cache.device):
-                finish_prefill(self.hooks, self.mirror, self.prompt_ids or [])
+                press_protocol.finish(self.hooks, self.mirror, self.prompt_ids or [])
         decided = self.hooks.take()
         cache.state.take(decided)
         if prefill and rerotates(self.press) and decided:

@@ -22,10 +22,9 @@ from ..errors import KvscopeError, first_line
 from ..params import hint_options, parse_text, split_outside_brackets
 from . import press_traits as traits
 from .kvpress_load import INSTALL, KVPRESS_VERSION, load, press_base, presses_in, scorer_base
-from .press_traits import AS_GIVEN
 
-# kvpress_load's and the traits table's, used through this module
-__all__ = ["AS_GIVEN", "INSTALL", "KVPRESS_VERSION", "load", "presses_in"]
+# kvpress_load's, used through this module
+__all__ = ["INSTALL", "KVPRESS_VERSION", "load", "presses_in"]
 
 ALIASES = {"base": "base_press"}  # press:DecodingPress:base=KnormPress
 SET_BY_BUDGET = ("compression_ratio", "target_size", "key_channel_compression_ratio", "target_compression_ratio")

@@ -305,7 +305,7 @@ class _PressState(CacheState):
             self.pressed = self.capture.decide(self.press, self.policy.attentions, self.policy.asset)
             present = self.pressed.held(p)
             layers = self.pressed.layers
-            self._note(_rewrites(layers), self.pressed.channel_counts())
+            self._note(_rewritten(layers), self.pressed.channel_counts())
         else:
             present = self._taken_present(p)
         self._evict_absent(present)
@@ -328,7 +328,7 @@ class _PressState(CacheState):
         self._taken = {}
         for layer, result in layers.items():
             present[layer] = result.held(length)
-        self._note(_rewrites(layers.values()), None)
+        self._note(_rewritten(layers.values()), None)
         for layer, result in layers.items():
             if result.pruned_channels is not None:
                 self.pruned[layer] = result.channel_counts()
@@ -357,14 +357,9 @@ class _PressState(CacheState):
         return used - held * self.pruned * self.spec.fp_itemsize
 
 
-def _rewrites(layers) -> set[str]:
-    out = set()
-    for layer in layers:
-        if layer.rewrote_keys:
-            out.add("keys")
-        if layer.rewrote_values:
-            out.add("values")
-    return out
+def _rewritten(layers) -> set[str]:
+    """What the press rewrote in any of ``layers`` (``PressedLayer``s)."""
+    return set().union(*(layer.rewritten for layer in layers))
 
 
 def notes(rewrites: str) -> str:

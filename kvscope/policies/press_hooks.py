@@ -29,13 +29,9 @@ from typing import Self
 from . import kvpress_adapter as adapter
 from . import press_protocol as protocol
 from .press_run import PressedCache, PressedLayer, attention_modules, language_model, run_hook, weights_of
-from .press_traits import RERUN_CONTEXT, decodes, hooked_prefill, rerotates
+from .press_traits import RERUN_CONTEXT, hooked_prefill, rerotates
 from .press_traits import attentions as reads_attentions
 from .press_traits import protocol as protocol_of
-
-# read through this module by replay and live (their home: press_run, press_traits)
-__all__ = ["PrefillCapture", "PressHooks", "PressedCache", "PressedLayer", "decodes", "finish_prefill",
-           "hooked_prefill", "language_model", "post_init", "pressed_prefill", "rerotates", "seeded"]  # fmt: skip
 
 _MODULES = threading.RLock()  # held while a press runs on a model's modules offline
 SEED = 0  # torch's generator is seeded with it for every press session (LeverageScore sketches at random)
@@ -185,12 +181,6 @@ def _arange(n: int):
     import torch
 
     return torch.arange(n)
-
-
-def finish_prefill(hooks: PressHooks, cache, prompt_ids, tokenizer=None) -> None:
-    """What the press's protocol does once the prompt is prefilled into ``cache`` (a DynamicCache
-    the hooks serve): ``kvscope.policies.press_protocol.finish``."""
-    protocol.finish(hooks, cache, prompt_ids, tokenizer)
 
 
 # -- a prompt's prefill under a press ---------------------------------------------------------------

@@ -48,6 +48,11 @@ class PressedLayer:
     def rewrites(self) -> bool:
         return self.rewrote_keys or self.rewrote_values
 
+    @property
+    def rewritten(self) -> set[str]:
+        """What it rewrote of the rows it kept: ``keys``, ``values``, both or neither."""
+        return {name for name, done in (("keys", self.rewrote_keys), ("values", self.rewrote_values)) if done}
+
     def held(self, length: int) -> np.ndarray:
         """``[kv_head, length]`` True at the positions the layer holds (present rows)."""
         positions = self.positions.cpu().numpy()

@@ -220,9 +220,7 @@ class StandInRunner:
         if result is None:
             return
         self.positions[layer] = result.positions
-        self.rewrites |= {
-            name for name, done in (("keys", result.rewrote_keys), ("values", result.rewrote_values)) if done
-        }
+        self.rewrites |= result.rewritten
         self.pruned[layer] = result.channel_counts()
 
     def _present(self, layer: int, length: int) -> np.ndarray:

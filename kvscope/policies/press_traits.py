@@ -25,6 +25,7 @@ press reads what its most demanding part reads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from .kvpress_load import presses_in
@@ -195,6 +196,7 @@ def _of_kvpress(cls: type) -> bool:
     return cls.__module__.split(".")[0] == "kvpress"
 
 
+@functools.cache
 def traits_of(cls: type) -> Traits:
     """The row of a press class: its own, or for a class the table does not hold its nearest
     kvpress ancestor's, run on the model (module docstring)."""
@@ -266,4 +268,3 @@ def needs_model(press) -> str | None:
 
 
 LOCAL = tuple(name for name, row in TABLE.items() if row.asset is not None and row.asset.local)  # asset=FOLDER
-AS_GIVEN = {name: (row.given.knob, row.given.default, row.given.what) for name, row in TABLE.items() if row.given}

@@ -39,10 +39,11 @@ class ForcedRun:
             allocation = Given.of(split)
         self.driver = PolicyDriver(state, allocation=allocation, where=f" of sample {sample.s} (forced)")
         self.log = QuantLog(cache_spec.n_layers)
-        self.depends = policy.observes or reads_decodes(state)  # its maps change with what the decode computes
+        self.decoding = reads_decodes(state)  # a decoding press on stand-ins: fed each forward's q/k/v
+        self.depends = policy.observes or self.decoding  # its maps change with what the decode computes
         self.pressed = None  # the cache a prompt-time press left, where it rewrote what it kept
         if (reads_prompt(policy, allocation) and not sample.prompt_attention) or (
-            reads_decodes(state) and not sample.feeds_needed
+            self.decoding and not sample.feeds_needed
         ):
             raise ValueError(f"sample {sample.s} was prefilled without what {policy.label()} reads")
         self.futures = {policy.horizon: sample.reader.future(policy.horizon)} if policy.clairvoyant else {}
@@ -71,7 +72,7 @@ class ForcedRun:
         pre, st = self.sample.prefill, self.state
         if st.ledger is not None:
             st.ledger.sink = self.log
-        if reads_decodes(st):  # a decoding press on the recording's stand-ins: the prompt's tensors first
+        if self.decoding:  # a decoding press on the recording's stand-ins: the prompt's tensors first
             keys, values, queries = st.recorded
             p = self.sample.P
             keys[:, :, :p], values[:, :, :p], queries[:p] = pre.qkv[0], pre.qkv[1], pre.qkv[2]
@@ -92,13 +93,13 @@ class ForcedRun:
             self.driver.append(sample.P - 1 + t)
             maps[i] = st.tiers
             self.log.visible = t + 1
-            if reads_decodes(st):  # the step's own q/k/v where its press reads them
+            if self.decoding:  # the step's own q/k/v where its press reads them
                 keys, values, queries = st.recorded
                 k, v, q = feeds_at(t)
                 at = sample.P - 1 + t
                 keys[:, :, at], values[:, :, at], queries[at] = k[:, :, 0], v[:, :, 0], q[0]
             self.driver.decide(rows_at(t, st) if self.policy.observes else None, self._future(t))
-            if reads_decodes(st) and st.rewrites:
+            if self.decoding and st.rewrites:
                 raise KvscopeError(
                     f"press {self.policy.press} rewrites what it keeps while decoding ({', '.join(sorted(st.rewrites))}"
                     "): forced replay serves a press's rewrites of the prompt's cache, not those made while decoding"
