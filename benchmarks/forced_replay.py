@@ -69,7 +69,7 @@ def one_size(model, tokenizer, source, prompt_tokens: int, steps: int, policies,
         store = workdir / "trace.zarr"
         settings = TraceSettings(model="smollm2-135m", max_new_tokens=steps, stop_at_eos=False,
                                  record_qkv=any(p.startswith("press:") for p in policies), dtype="float32")  # fmt: skip
-        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], store, settings)
+        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out=store, settings=settings)
         ds = kvscope.open_trace(store)
         ids = [int(x) for x in ds["tokens"].values[0, : int(ds.kvscope.prompt_len[0])]]
         t0 = time.perf_counter()

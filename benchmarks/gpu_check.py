@@ -117,7 +117,9 @@ def check_capture(tokenizer, args, workdir: Path) -> dict:
         store = workdir / f"capture-{name}.zarr"
         settings = TraceSettings(max_new_tokens=16, heads="all", dtype="float32", device=args.device, attn=kernel,
                                  attn_output=output, model_dtype="float32", stop_at_eos=False)  # fmt: skip
-        trace_loaded(model, tokenizer, source_of("capture-check"), [Prompt(prompt, "pydoc_data")], store, settings)
+        trace_loaded(
+            model, tokenizer, source_of("capture-check"), [Prompt(prompt, "pydoc_data")], out=store, settings=settings
+        )
         ds = kvscope.open_trace(store)
         p, n = int(ds.prompt_len[0]), int(ds.n_steps[0])
         tokens = ds.tokens.values[0, : p + n - 1].tolist()
@@ -151,7 +153,9 @@ def check_capture_bf16(tokenizer, args, workdir: Path) -> dict:
     store = workdir / "capture-bf16.zarr"
     settings = TraceSettings(max_new_tokens=16, heads="all", dtype="float32", device=args.device, record_qkv=True,
                              stop_at_eos=False)  # fmt: skip
-    trace_loaded(model, tokenizer, source_of("capture-bf16"), [Prompt(prompt, "pydoc_data")], store, settings)
+    trace_loaded(
+        model, tokenizer, source_of("capture-bf16"), [Prompt(prompt, "pydoc_data")], out=store, settings=settings
+    )
     ds = kvscope.open_trace(store)
     P, n, obs = int(ds.prompt_len[0]), int(ds.n_steps[0]), int(ds.attrs["obs_window"])
     T = P + n - 1  # the positions whose queries and keys were recorded
@@ -328,7 +332,7 @@ def replay_check(model, tokenizer, args, workdir: Path, prompt_tokens: int, deco
     store = workdir / "replay.zarr"
     settings = TraceSettings(max_new_tokens=args.new_tokens, device=args.device, stop_at_eos=False, record_qkv=True)
     prompt = prose_prompt(tokenizer, prompt_tokens)
-    trace_loaded(model, tokenizer, source_of("replay"), [Prompt(prompt, "pydoc_data")], store, settings)
+    trace_loaded(model, tokenizer, source_of("replay"), [Prompt(prompt, "pydoc_data")], out=store, settings=settings)
     t0 = time.perf_counter()
     result = kvscope.replay(store, POLICIES, [0.2, 0.5], n_boot=100)
     seconds = time.perf_counter() - t0

@@ -121,7 +121,7 @@ def main() -> None:
         store = workdir / "trace.zarr"
         settings = TraceSettings(model=args.model, max_new_tokens=args.new_tokens, stop_at_eos=False, record_qkv=True)
         t0 = time.perf_counter()
-        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], store, settings)
+        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out=store, settings=settings)
         traced_s = time.perf_counter() - t0
         del model
         runs = []

@@ -75,7 +75,7 @@ def main() -> None:
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     if not Path(args.trace).exists():
         settings = TraceSettings(model="smollm2-135m", max_new_tokens=128, stop_at_eos=False, record_qkv=True)
-        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], args.trace, settings)
+        trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out=args.trace, settings=settings)
 
     def decode() -> float:
         model.set_attn_implementation("sdpa")

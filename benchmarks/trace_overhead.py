@@ -107,7 +107,9 @@ def traced_run(model, tokenizer, source, prompt: str, settings, out: Path, sync)
 
     sync()
     t0 = time.perf_counter()
-    result = trace_loaded(model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out, settings, progress=on_step)
+    result = trace_loaded(
+        model, tokenizer, source, [Prompt(prompt, "pydoc_data")], out=out, settings=settings, progress=on_step
+    )
     sync()
     t_end = time.perf_counter()
     ds = kvscope.open_trace(out)

@@ -193,7 +193,7 @@ def check_params(obj) -> None:
     """Check and normalize every parameter field of ``obj`` (a dataclass, frozen or not)."""
     owner, flags = owner_name(obj), by_flag(obj)
     for name, (spec, kind, optional, _default) in specs(obj).items():
-        value = check_value(owner, name, getattr(obj, name), spec, kind, optional, flags)
+        value = check_value(owner, name, getattr(obj, name), spec=spec, kind=kind, optional=optional, by_flag=flags)
         object.__setattr__(obj, name, value)
 
 

@@ -284,7 +284,7 @@ def tune(
         out = []
         for c, (p, a) in zip(configs, pairs, strict=True):
             value, reached = values[(p.label(), a.label())]
-            made[config_key(c)] = Trial(c, p.label(), a.label(), value, reached)
+            made[config_key(c)] = Trial(params=c, policy=p.label(), allocation=a.label(), value=value, reached=reached)
             out.append(value)
         return out
 
@@ -294,7 +294,9 @@ def tune(
     ranked = search.run()
     trials_out = [made[config_key(c)] for c, _ in ranked]
     default = made[config_key(defaults)]
-    return TuneResult(policy, allocation, budget, objective, default, trials_out)
+    return TuneResult(
+        policy=policy, allocation=allocation, budget=budget, objective=objective, default=default, trials=trials_out
+    )
 
 
 # -- the live check ----------------------------------------------------------------------------
@@ -385,8 +387,8 @@ def check_live(result: TuneResult, trace, source: str, *, model: str | None = No
         policy, allocation = parse(trial.policy), allocation_module.parse(trial.allocation)
         runs = [
             run_loaded(
-                loaded, tokenizer, ids, policy, result.budget, steps, scorer=scorer, expected=p.expected,
-                question=q, allocation=allocation, on_step=progress,
+                loaded, tokenizer, ids, policy, budget=result.budget, max_new_tokens=steps, scorer=scorer,
+                expected=p.expected, question=q, allocation=allocation, on_step=progress,
             )
             for p, ids, q in zip(prompts, encoded, questions, strict=True)
         ]  # fmt: skip

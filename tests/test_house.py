@@ -3,6 +3,7 @@ registry, plots without global state, and the two scientific defects fixed (issu
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
@@ -330,3 +331,27 @@ def test_every_result_says_which_interval(tmp_path):
     store = write_synthetic_store(tmp_path / "s.zarr", n_samples=2, n_steps=16, n_layers=2, n_kv=2, prompt_len=24)
     replayed = kvscope.replay(store, ["h2o"], [0.5], n_boot=50)
     assert replayed.attrs["ci"] == "bootstrap over 2 samples (prompts)" and replayed.attrs["resample"] == "samples"
+
+
+# -- calls pass their arguments on by keyword -------------------------------------------------
+
+
+def test_no_call_passes_more_than_four_arguments_by_position():
+    """A call to a function, method or class defined in kvscope passes at most four arguments by
+    position, the rest by keyword (``*args`` not counted). Callees are matched by name, not
+    resolved: a library call whose name kvscope also defines (``tensor.view``, ``xr.Dataset.transpose``,
+    ``Client.submit``) counts too, and passes its arguments as one tuple, a ``*`` or by keyword."""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8"), str(path)) for path in (ROOT / "kvscope").rglob("*.py")}
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    defined = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, defs)}
+    found = []
+    for path, tree in sorted(trees.items()):
+        for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+            func = call.func
+            callee = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            n = sum(not isinstance(arg, ast.Starred) for arg in call.args)
+            if callee in defined and n > 4:
+                found.append((path.relative_to(ROOT).as_posix(), call.lineno, f"{callee} ({n} positional)"))
+    assert not found, "pass the arguments after the fourth by keyword:\n" + "\n".join(
+        f"{path}:{line}: {what}" for path, line, what in sorted(found)
+    )

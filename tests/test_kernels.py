@@ -112,7 +112,7 @@ def test_block_stats_equal_their_definition(dtype, ties):
     n_bins = 9
     windows = np.zeros((n_steps, n_heads, n_units))
     stats = np.zeros((n_heads, peak_width(n_bins)))
-    block_stats(x, qpos, fp, n_sink, w, n_units, k, n_bins, windows, stats)
+    block_stats(x, qpos, fp, n_sink=n_sink, w=w, n_units=n_units, k=k, n_bins=n_bins, windows=windows, stats=stats)
     expected = sum(
         np.stack([reference_row_stats(x[t, h], q, fp[t], n_sink, k, n_bins) for h in range(n_heads)])
         for t, q in enumerate(qpos)
@@ -126,7 +126,9 @@ def test_peaks_break_ties_toward_the_nearer_key_and_skip_sinks_and_the_query():
     row = np.array([[[9.0, 9.0, 1.0, 5.0, 5.0, 2.0, 5.0, 7.0, np.nan]]], dtype=np.float32)  # [1, 1, pos]
     q = np.array([7])  # the query sits at 7 (its own 7.0 is no peak), sinks 0-1
     stats = np.zeros((1, peak_width(4)))
-    block_stats(row, q, np.full((1, 0), -1), 2, 4, 0, 2, 4, np.empty((1, 1, 0)), stats)
+    block_stats(
+        row, q, np.full((1, 0), -1), n_sink=2, w=4, n_units=0, k=2, n_bins=4, windows=np.empty((1, 1, 0)), stats=stats
+    )
     # top 2 of positions 2..6 = {5 @ 6, 5 @ 4} (5 @ 3 loses the tie): d = 1 and 3
     assert stats[0, 1] == 4
     assert stats[0, 0] == pytest.approx(math.log(3))
@@ -149,8 +151,11 @@ def test_window_sums_are_chunking_invariant_float32_sums():
 
 
 def test_block_stats_refuses_windows_past_the_row():
+    x = np.zeros((1, 1, 20), np.float16)
     with pytest.raises(ValueError):
-        block_stats(np.zeros((1, 1, 20), np.float16), np.array([5]), np.zeros((1, 0)), 4, 8, 3, 0, 1, None, None)
+        block_stats(
+            x, np.array([5]), np.zeros((1, 0)), n_sink=4, w=8, n_units=3, k=0, n_bins=1, windows=None, stats=None
+        )
 
 
 # -- selection, LIR, cumulative sums ---------------------------------------------------------

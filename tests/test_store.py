@@ -165,7 +165,7 @@ def test_a_failed_creation_is_raised_and_removes_nothing(tmp_path, tiny_models):
     blocker.write_text("not a folder")
     settings = TraceSettings(model=str(tiny_models["llama"]), max_new_tokens=3)
     with pytest.raises(StoreError, match="cannot create"):
-        trace_loaded(model, tokenizer, source, [Prompt(PROMPT, "test")], blocker / "t.zarr", settings)
+        trace_loaded(model, tokenizer, source, [Prompt(PROMPT, "test")], out=blocker / "t.zarr", settings=settings)
     assert blocker.read_text() == "not a folder"
 
     theirs = tmp_path / "theirs.zarr"  # what another process created first (the rename then fails)

@@ -139,7 +139,8 @@ class Prepared:
         self.layers, self.heads, self.include_prefill = layers, heads, include_prefill
         m = unit_mass(ds, units, layers, heads)
         self.hdim = "kv_head" if "kv_head" in m.dims else "head"
-        m = m.transpose("sample", "step", "layer", self.hdim, units.dim)
+        order = ("sample", "step", "layer", self.hdim, units.dim)
+        m = m.transpose(*order)
         if not isinstance(m.data, dsa.Array):
             m = m.chunk({"sample": 1, "step": ds.kvscope.block_steps, "layer": 1})
         # one task per (sample, layer): all steps, all heads (heads are looped inside the task)
@@ -195,7 +196,8 @@ class Prepared:
         qpos, n_steps, units, with_prefill = self.query_pos, self.n_steps, self.units, self.include_prefill
         args = [m, pre]
         if selection is not None:
-            sel = selection.transpose("sample", "event", "layer", self.hdim, units.dim)
+            order = ("sample", "event", "layer", self.hdim, units.dim)
+            sel = selection.transpose(*order)
             args.append(dsa.from_array(np.asarray(sel.values), chunks=(1, -1, 1, -1, -1)))
             steps = np.asarray(selection["event_step"].values)
         else:
@@ -207,8 +209,8 @@ class Prepared:
                 np.moveaxis(mb[0, :, 0], 1, 0),  # [H, step, unit]
                 pb[0, 0, 0],
                 qpos[sample],
-                int(n_steps[sample]),
-                units,
+                n_steps=int(n_steps[sample]),
+                units=units,
                 include_prefill=with_prefill,
                 selection=None if sb is None else np.moveaxis(sb[0, :, 0], 1, 0),  # [H, event, unit]
                 selection_steps=steps,

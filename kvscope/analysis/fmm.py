@@ -122,7 +122,15 @@ class FutureMassStream:
             h = t - t_e
             if h in self.horizons:
                 future = self.cum - cum_e
-                out.append(Resolved(event, self.horizons.index(h), h, future, future[..., :exists].sum(-1), exists))
+                resolved = Resolved(
+                    event=event,
+                    index=self.horizons.index(h),
+                    horizon=h,
+                    future=future,
+                    den=future[..., :exists].sum(-1),
+                    exists=exists,
+                )
+                out.append(resolved)
         return out
 
     def decided(self, event: int, t: int, exists: int) -> None:
@@ -170,7 +178,15 @@ class FMM(SelectionMetric):
         cum = u.cum.reshape((-1,) + u.cum.shape[-2:])
         last = min(u.n_steps, cum.shape[-2])  # steps that exist
         horizons = np.asarray(self.curve_horizons(), dtype=np.int64)
-        fmm_curve(cum, np.asarray(st, np.int64), horizons, last, exists, missed, curve.reshape(-1, n_h, len(st)))
+        fmm_curve(
+            cum,
+            np.asarray(st, np.int64),
+            horizons,
+            n_steps=last,
+            exists=exists,
+            missed=missed,
+            out=curve.reshape(-1, n_h, len(st)),
+        )
         out = [u.flatten(curve)]
         if run.tiered:
             future = u.cum[..., np.minimum(st + self.horizon, u.m.shape[-2] - 1), :] - u.cum[..., st, :]

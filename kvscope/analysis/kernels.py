@@ -188,7 +188,7 @@ def row_block_stats(
                     buf[p] = v if v == v else zero
             if qt >= 0:
                 target = totals[t, h] if totals.shape[0] else 1.0
-                _check_row(buf, qt, nans, n_pos, is_half, checks, target)
+                _check_row(buf, qt, nans, n_pos=n_pos, is_half=is_half, checks=checks, target=target)
             if n_units == 0 and k == 0:  # the checks only
                 continue
             for j in range(n_win):  # position order within each window, windows side by side
@@ -203,7 +203,7 @@ def row_block_stats(
                 windows[t, h, j] = win[j]
             if k == 0 or qt < 0:
                 continue
-            n = _top_k(buf, n_sink, qt, k, top_v, top_p, block_max)
+            n = _top_k(buf, n_sink, qt, k, top_v=top_v, top_p=top_p, block_max=block_max)
             for i in range(n):
                 d = qt - top_p[i]
                 stats[h, 0] += math.log(d)
@@ -318,7 +318,10 @@ def row_checks(x: np.ndarray, q: np.ndarray, slack: float = 0.0, totals=None) ->
         np.empty(x.shape[:2] + (0,)),
         np.empty((x.shape[1], 0)),
     )
-    block_stats(x, q, no_fp, 0, x.shape[-1], 0, 0, 1, no_windows, no_stats, checks, totals)
+    block_stats(
+        x, q, no_fp, n_sink=0, w=x.shape[-1], n_units=0, k=0, n_bins=1, windows=no_windows, stats=no_stats,
+        checks=checks, totals=totals,
+    )  # fmt: skip
     return checks
 
 
@@ -349,7 +352,7 @@ _ONES = np.empty((0, 0), dtype=np.float64)  # totals: every row sums to 1
 
 
 def block_stats(
-    x, q, fp, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None, totals=None
+    x, q, fp, *, n_sink: int, w: int, n_units: int, k: int, n_bins: int, windows, stats, checks=None, totals=None
 ):
     """``row_block_stats`` on rows ``x [step, H, pos]`` as stored (fp16 or any float);
     ``checks`` (``new_checks``) accumulates the row checks of rows with a query, which sum
@@ -366,7 +369,10 @@ def block_stats(
         half, full = _NO_HALF, np.ascontiguousarray(x, dtype=np.float32)
     checks = new_checks() if checks is None else checks
     totals = _ONES if totals is None else np.ascontiguousarray(np.broadcast_to(totals, x.shape[:2]), dtype=np.float64)
-    row_block_stats(half, full, HALF_TABLE, q, fp, n_sink, w, n_units, k, n_bins, windows, stats, checks, totals)
+    row_block_stats(
+        half, full, HALF_TABLE, q, fp=fp, n_sink=n_sink, w=w, n_units=n_units, k=k, n_bins=n_bins, windows=windows,
+        stats=stats, checks=checks, totals=totals,
+    )  # fmt: skip
 
 
 def step_blocks(t0: int, n: int, block_steps: int) -> list[tuple[int, int]]:

@@ -46,7 +46,7 @@ def lir_kernel(sel: np.ndarray, n_valid: np.ndarray, m: int, h_lir: int | None) 
     n_valid = np.ascontiguousarray(np.broadcast_to(np.asarray(n_valid), lead).reshape(-1), dtype=np.int64)
     eligible = np.zeros(flat.shape[0], dtype=np.int64)
     reactivated = np.zeros(flat.shape[0], dtype=np.int64)
-    lir_episodes(flat, n_valid, m, -1 if h_lir is None else h_lir, eligible, reactivated)
+    lir_episodes(flat, n_valid, m, h_lir=-1 if h_lir is None else h_lir, eligible=eligible, reactivated=reactivated)
     return eligible.reshape(lead), reactivated.reshape(lead)
 
 

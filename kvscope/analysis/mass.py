@@ -106,7 +106,7 @@ def _checked_windows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
 
 
 def _refuse_bad_windows(windows, sinks, q, shares, n_sink: int, w: int, slack: float) -> np.ndarray:
-    rows, last = window_rows(windows, sinks, np.broadcast_to(q[..., 0], windows.shape[:-1]), n_sink, w)
+    rows, last = window_rows(windows, sinks, np.broadcast_to(q[..., 0], windows.shape[:-1]), n_sink=n_sink, w=w)
     flat = rows.reshape(-1, 1, rows.shape[-1])
     totals = row_totals(np.broadcast_to(shares[..., 0], windows.shape[:-1]).reshape(-1, 1))
     refuse_bad_rows(row_checks(flat, last.reshape(-1), slack, totals), "attn window rows")
@@ -115,7 +115,7 @@ def _refuse_bad_windows(windows, sinks, q, shares, n_sink: int, w: int, slack: f
 
 def _row_masses(block, q, shares, first: int, n_units: int, w: int, slack: float) -> np.ndarray:
     """``window_masses`` of a block of stored rows, checked against their learned sink's shares."""
-    return window_masses(block, q, first, n_units, w, slack, shares)
+    return window_masses(block, q, first, n_units=n_units, w=w, slack=slack, shares=shares)
 
 
 def window_masses(
@@ -135,7 +135,10 @@ def window_masses(
     no_fp = np.empty((rows_.shape[0], 0), dtype=np.int64)
     checks = new_checks(slack)
     totals = None if shares is None else row_totals(np.broadcast_to(shares[..., 0], lead).reshape(-1, 1))
-    block_stats(rows_, query.reshape(-1), no_fp, first, w, n_units, 0, 1, out, np.empty((1, 1)), checks, totals)
+    block_stats(
+        rows_, query.reshape(-1), no_fp, n_sink=first, w=w, n_units=n_units, k=0, n_bins=1, windows=out,
+        stats=np.empty((1, 1)), checks=checks, totals=totals,
+    )  # fmt: skip
     refuse_bad_rows(checks, "attn rows")
     return out.reshape(*lead, n_units)
 
@@ -146,7 +149,8 @@ def stored_rows(ds: xr.Dataset, layers=None, heads=None) -> xr.DataArray:
     import dask.array as dsa
 
     a = rows(ds, layers, heads)
-    a = a.transpose("sample", "step", "layer", head_dim(a), "pos")
+    order = ("sample", "step", "layer", head_dim(a), "pos")
+    a = a.transpose(*order)
     if not isinstance(a.data, dsa.Array):
         a = a.chunk({"sample": 1, "step": ds.kvscope.block_steps, "layer": 1})
     return a.copy(data=a.data.rechunk({4: -1}))

@@ -247,7 +247,7 @@ class UnitMetric(Metric):
             raise KvscopeError(
                 f"{self.name}: --sinks {units.n_sink} and --window {units.w} leave no unit in {n_pos} positions"
             )
-        return Prepared(ds, units, self.layers, self.heads, self.include_prefill)
+        return Prepared(ds, units, layers=self.layers, heads=self.heads, include_prefill=self.include_prefill)
 
     def events(self, prep: Prepared) -> np.ndarray:
         """``[event]`` the steps at which the history oracle decides: every ``every`` (default ``w``).
@@ -269,7 +269,7 @@ class UnitMetric(Metric):
         if given is None:
             return Pass(prep, self.events(prep))
         steps = np.asarray(given["event_step"].values)
-        return Pass(prep, steps, given, given.attrs.get("policy", "given"), tiered)
+        return Pass(prep, steps, given=given, source=given.attrs.get("policy", "given"), tiered=tiered)
 
     def width(self, run: Pass) -> int:
         """The numbers ``per_unit`` gives each trace unit.

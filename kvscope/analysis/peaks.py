@@ -112,8 +112,9 @@ def block_rows(
             totals = row_totals(shares[i, :, j, :, 0])
             for b, (lo, hi) in enumerate(blocks):
                 checks = new_checks(slack)
-                block_stats(x[i, lo:hi, j], q[i, lo:hi, 0, 0, 0], fp[lo:hi], n_sink, 8, 0, k, n_bins,
-                            np.empty((hi - lo, n_h, 0)), out[i, b, j], checks, totals[lo:hi])  # fmt: skip
+                block_stats(x[i, lo:hi, j], q[i, lo:hi, 0, 0, 0], fp[lo:hi], n_sink=n_sink, w=8, n_units=0, k=k,
+                            n_bins=n_bins, windows=np.empty((hi - lo, n_h, 0)), stats=out[i, b, j], checks=checks,
+                            totals=totals[lo:hi])  # fmt: skip
                 where = (
                     f"attn rows of sample {first_sample + i}, steps {t0 + lo}–{t0 + hi - 1}, layer {first_layer + j}"
                 )

@@ -63,7 +63,7 @@ def study(ds: xr.Dataset, metrics: list[str | Metric] | None = None, **params: A
     ):
         raise KvscopeError("peaks in a study must use the window metrics' sinks, layers and heads")
     runs = [m.start(prep) for m in units]
-    flat, a = _two_stages(ds, prep, units, runs, peaks)
+    flat, a = _two_stages(ds, prep, units, runs=runs, peaks=peaks)
     bounds = np.cumsum([0] + [m.width(run) for m, run in zip(units, runs)])
     results = {
         m.name: m.reduce(flat[..., bounds[i] : bounds[i + 1]], run) for i, (m, run) in enumerate(zip(units, runs))
@@ -103,9 +103,9 @@ def _two_stages(ds, prep, units, runs, peaks):
         for a, b in step_blocks(t0, t1 - t0, block_steps):  # per stored block: its peak sums in its first row
             peak_sums = out[0, a, 0, :, n_units:] if peaks else np.empty((x.shape[3], 0))
             checks = new_checks(slack)
-            block_stats(x[0, a:b, 0], qpos[sample, t0 + a : t0 + b], fp[a:b], u_geom.n_sink, u_geom.w, n_units, k,
-                        n_bins if peaks else 1, out[0, a:b, 0, :, :n_units], peak_sums, checks,
-                        None if totals is None else totals[a:b])  # fmt: skip
+            block_stats(x[0, a:b, 0], qpos[sample, t0 + a : t0 + b], fp[a:b], n_sink=u_geom.n_sink, w=u_geom.w,
+                        n_units=n_units, k=k, n_bins=n_bins if peaks else 1, windows=out[0, a:b, 0, :, :n_units],
+                        stats=peak_sums, checks=checks, totals=None if totals is None else totals[a:b])  # fmt: skip
             refuse_bad_rows(checks, f"attn rows of sample {sample}, steps {t0 + a}–{t0 + b - 1}, layer {layer}")
         return out
 
@@ -128,7 +128,12 @@ def _two_stages(ds, prep, units, runs, peaks):
         sample = block_info[0]["chunk-location"][0]
         masses = np.moveaxis(y[0, :, 0, :, :n_units], 1, 0)  # [H, step, unit]
         u = UnitData(
-            masses, pb[0, 0, 0], qpos[sample], int(n_steps_all[sample]), u_geom, include_prefill=prep.include_prefill
+            masses,
+            pb[0, 0, 0],
+            qpos[sample],
+            n_steps=int(n_steps_all[sample]),
+            units=u_geom,
+            include_prefill=prep.include_prefill,
         )
         out = np.empty((1, 1, 1, y.shape[3], width))
         out[0, 0, 0, :, :unit_width] = np.concatenate([m.per_unit(u, run) for m, run in zip(units, runs)], axis=-1)

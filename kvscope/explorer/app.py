@@ -75,8 +75,10 @@ class Explorer:
         self.queries = ColumnDataSource({"query": []}, name="queries")
         self.x_range, self.y_range = shared_ranges(shape["step"], shape["pos"])
         self.view = ((0.0, float(shape["step"])), (0.0, float(shape["pos"])))
-        self.main = Heatmap("heatmap", "attention", self.keys, self.queries, self.x_range, self.y_range)
-        self.other = Heatmap("heatmap-b", "policy B", self.keys, self.queries, self.x_range, self.y_range)
+        self.main = Heatmap("heatmap", "attention", self.keys, self.queries, x_range=self.x_range, y_range=self.y_range)
+        self.other = Heatmap(
+            "heatmap-b", "policy B", self.keys, self.queries, x_range=self.x_range, y_range=self.y_range
+        )
         self.views = SideViews(shape["layer"])
         self.message = Div(text="", name="message", styles={"color": "#b00"})
         self._labelled: int | None = None  # the sample whose token labels the page holds
@@ -150,8 +152,8 @@ class Explorer:
             rect = self.rect()
             values = self.trace.heat(sample, layer, head, rect)
             self._label(sample)
-            self.main.show(values, rect, self._tiers("policy", sample, layer, head, rect))
-            b = self._tiers("policy_b", sample, layer, head, rect)
+            self.main.show(values, rect, self._tiers("policy", sample, layer, head=head, rect=rect))
+            b = self._tiers("policy_b", sample, layer, head=head, rect=rect)
             self.other.fig.visible = b is not None
             if b is not None:
                 self.other.show(values, rect, b)
@@ -248,7 +250,9 @@ def load(
     trace = TraceView(ds)
     tiers = matching(result, trace, where) if result is not None else None
     found = {o.name: o for o in (HistoryOracle(ds), LogQuantFP(ds))}
-    return Shared(trace, tiers, Summaries(ds), found, decoder(ds.attrs.get("model", {}), tokens))
+    return Shared(
+        trace=trace, tiers=tiers, side=Summaries(ds), found=found, decode=decoder(ds.attrs.get("model", {}), tokens)
+    )
 
 
 def mass_columns(tier_mass: xr.DataArray, event_step: np.ndarray) -> dict[str, list]:

@@ -40,7 +40,7 @@ class Overlay:
 
     def cells(self, sample: int, layer: int, rect: Rect, n_steps: int) -> np.ndarray:
         """``[head, row, col]`` uint8 ``tier + 1`` of the rectangle; steps past ``n_steps`` none."""
-        codes = self.codes(sample, layer, rect.t0, rect.t1, rect.p0, rect.p1)
+        codes = self.codes(sample, layer, t0=rect.t0, t1=rect.t1, p0=rect.p0, p1=rect.p1)
         codes[:, max(0, n_steps - rect.t0) :] = NONE  # past the sample's steps: not part of the trace
         return overlay_cells(codes, rect)
 
@@ -53,7 +53,7 @@ class Replayed(Overlay):
         self.name = policy
 
     def codes(self, sample, layer, t0, t1, p0, p1):
-        return self.tiers.codes(self.run, sample, layer, t0, t1, p0, p1)
+        return self.tiers.codes(self.run, sample, layer, t0=t0, t1=t1, p0=p0, p1=p1)
 
 
 def _existing(query_pos: np.ndarray, p0: int, p1: int) -> np.ndarray:

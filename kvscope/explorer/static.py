@@ -57,7 +57,7 @@ def write_html(
     n_overlays = sum(_heads(ds, ov) for ov in overlays.values()) * shape["sample"] * shape["layer"]
     rows, cols = page_cells(shape["step"], shape["pos"], n_heats, n_overlays)
     app = Explorer(shared, title=title or title_of(ds), cells=(rows, cols))
-    rect = Rect.fitted((0, shape["step"]), (0, shape["pos"]), shape["step"], shape["pos"], rows, cols)
+    rect = Rect.fitted((0, shape["step"]), (0, shape["pos"]), shape["step"], shape["pos"], rows=rows, cols=cols)
     app.view = ((0, shape["step"]), (0, shape["pos"]))  # the page's one geometry: the whole trace
     app.redraw()
     app.fill_side()  # waits for the side views' numbers

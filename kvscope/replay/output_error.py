@@ -117,7 +117,7 @@ def evicted_errors(
         _, probs, out = attended(
             rules, None, None, ref.values, shown=shown.reshape(stacked), logits=logits.reshape(stacked), sink=sink
         )
-        probs, out = probs.view(n_l, n_kv, runs, g, n), out.view(n_l, n_kv, runs, g, -1)
+        probs, out = probs.view((n_l, n_kv, runs, g, n)), out.view((n_l, n_kv, runs, g, -1))
         l1.append((probs - ref.probs[:, :, None]).abs().sum(-1).mean(-1))  # [L, Hkv, runs]
         norm = torch.linalg.vector_norm(ref.out, dim=-1)[:, :, None]
         error = torch.linalg.vector_norm(out - ref.out[:, :, None], dim=-1) / norm

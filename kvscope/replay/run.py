@@ -254,7 +254,7 @@ def run_pieces(setup, outputs: Outputs, *, block: tuple[int, int], client=None, 
         state = {"setup": replace(setup, ds=None), "source": setup.source}
         splits = oracle_splits(setup, pieces, _gather(client, probe, state, pieces)) if oracle else {}
         store = _StorePath(outputs.tiers.root)
-        results = _gather(client, replay_piece, state, pieces, store, splits, progress=progress, setup=setup)
+        results = _gather(client, replay_piece, state, pieces, args=(store, splits), progress=progress, setup=setup)
     outputs.splits = splits
     for piece, (part, taken) in zip(pieces, results, strict=True):
         outputs.absorb(part, piece.policies, piece.sample, piece.units)
@@ -284,7 +284,7 @@ class _StorePath(str):
     """The result store's folder, opened as a ``TierStore`` by the worker."""
 
 
-def _gather(client, function, state, pieces, *args, progress=None, setup=None) -> list:
+def _gather(client, function, state, pieces, *, args=(), progress=None, setup=None) -> list:
     """``function(setup, piece, *args)`` per piece on the cluster (or ``ForkedWorkers``),
     results in the pieces' order (``progress(k)`` with a finished task's steps)."""
     results: list = [None] * len(pieces)

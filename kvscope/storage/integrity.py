@@ -194,7 +194,7 @@ def check_array(
         raise differs("chunks", grid_shape, list(chunks))
     if fill is not None and not _same_fill(meta.get("fill_value"), fill):
         raise differs("fill value", meta.get("fill_value"), fill)
-    check_encoding(path, name, meta, transpose, crc)
+    check_encoding(path, name, meta, transpose=transpose, crc=crc)
 
 
 def chunk_shape(path, name: str, meta: dict, rank: int) -> list[int]:
@@ -333,9 +333,19 @@ def check_schema(path, attrs: dict, metas: dict):
     if missing:
         raise StoreError(f"{path} is missing arrays: {', '.join(missing)}")
     for name, n in coords:
-        check_array(path, name, metas[name], (n,), (name,), "int32", crc=False)
+        check_array(path, name, metas[name], shape=(n,), dims=(name,), dtype="int32", crc=False)
     for a in arrays:
-        check_array(path, a.name, metas[a.name], a.shape, a.dims, a.dtype, a.chunks, a.fill, transpose=a.transpose)
+        check_array(
+            path,
+            a.name,
+            metas[a.name],
+            shape=a.shape,
+            dims=a.dims,
+            dtype=a.dtype,
+            chunks=a.chunks,
+            fill=a.fill,
+            transpose=a.transpose,
+        )
     return layout, arrays
 
 
@@ -368,7 +378,7 @@ def check_small_arrays(path, attrs: dict, layout, arrays):
         raise StoreError(
             f"{path}: n_steps {small['n_steps'].tolist()} of a complete store ≠ steps_committed {committed.tolist()}"
         )
-    _check_positions(path, small, committed, prompt_len, layout, attrs)
+    _check_positions(path, small, committed, prompt_len=prompt_len, layout=layout, attrs=attrs)
     return store, committed, prompt_len, small
 
 

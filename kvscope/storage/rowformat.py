@@ -119,7 +119,7 @@ class RowFormat:
             low = -np.partition(-filled, keep - 1, axis=-1)[..., keep - 1 : keep]
             hold = filled >= low
         if self.carry and w > 1:  # (windows of one value: each error stays where it is, plain rounding)
-            return _carried(x, self.keepbits, hold, low, _window_starts(x.shape[-1], n_sink, w))
+            return _carried(x, self.keepbits, hold=hold, low=low, starts=_window_starts(x.shape[-1], n_sink, w))
         from numcodecs import BitRound
 
         d = np.asarray(BitRound(self.keepbits).encode(x)).view(x.dtype).reshape(x.shape)

@@ -108,10 +108,17 @@ class ArraySpec:
         return (*(i for i, d in enumerate(self.dims) if d != "step"), self.dims.index("step"))
 
 
-def _spec(name, dims, dtype, sizes: dict, chunks: dict, written: str, fill=float("nan")) -> ArraySpec:
+def _spec(name, dims, dtype, sizes: dict, *, chunks: dict, written: str, fill=float("nan")) -> ArraySpec:
     """An array over ``dims`` whose chunk is the whole dim except where ``chunks`` says."""
-    shape = tuple(sizes[d] for d in dims)
-    return ArraySpec(name, shape, dims, dtype, tuple(max(1, chunks.get(d, sizes[d])) for d in dims), fill, written)
+    return ArraySpec(
+        name=name,
+        shape=tuple(sizes[d] for d in dims),
+        dims=dims,
+        dtype=dtype,
+        chunks=tuple(max(1, chunks.get(d, sizes[d])) for d in dims),
+        fill=fill,
+        written=written,
+    )
 
 
 def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
@@ -130,20 +137,22 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
     per_sample = {"sample": 1}
     coords = ["sample", "step", "layer", hs, "pos", "obs"]
     last = "pos" if L.resolution == "token" else "window"
-    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, rows, "steps")]
+    arrays = [_spec("attn", ("sample", "step", "layer", hs, last), f, sizes, chunks=rows, written="steps")]
     if L.resolution == "window":
         coords += ["window", "sink"]
-        arrays.append(_spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, rows, "steps"))
+        arrays.append(
+            _spec("attn_sink", ("sample", "step", "layer", hs, "sink"), f, sizes, chunks=rows, written="steps")
+        )
     arrays += [
-        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, per_layer, "sample"),
-        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, per_layer, "sample"),
-        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, per_sample, "sample", -1),
-        *_sink_arrays(L, hs, sizes, rows, per_layer),
-        _spec("tokens", ("sample", "pos"), "int32", sizes, per_sample, "static", -1),
-        _spec("prompt_len", ("sample",), "int32", sizes, {}, "static", 0),
-        _spec("n_steps", ("sample",), "int32", sizes, {}, "any", 0),
-        _spec("query_pos", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
-        _spec("token_id", ("sample", "step"), "int32", sizes, per_sample, "sample", -1),
+        _spec("prefill_colsum", ("sample", "layer", hs, "pos"), "float32", sizes, chunks=per_layer, written="sample"),
+        _spec("prefill_tail", ("sample", "layer", hs, "obs", "pos"), f, sizes, chunks=per_layer, written="sample"),
+        _spec("prefill_tail_qpos", ("sample", "obs"), "int32", sizes, chunks=per_sample, written="sample", fill=-1),
+        *_sink_arrays(L, hs, sizes, rows=rows, per_layer=per_layer),
+        _spec("tokens", ("sample", "pos"), "int32", sizes, chunks=per_sample, written="static", fill=-1),
+        _spec("prompt_len", ("sample",), "int32", sizes, chunks={}, written="static", fill=0),
+        _spec("n_steps", ("sample",), "int32", sizes, chunks={}, written="any", fill=0),
+        _spec("query_pos", ("sample", "step"), "int32", sizes, chunks=per_sample, written="sample", fill=-1),
+        _spec("token_id", ("sample", "step"), "int32", sizes, chunks=per_sample, written="sample", fill=-1),
     ]
     if L.record_qkv:
         kh, vd = L.key_head_dim_name, "vdim" if L.v_dim else "dim"
@@ -152,19 +161,21 @@ def schema(L: Layout) -> tuple[list[tuple[str, int]], list[ArraySpec]]:
         pb = L.pos_block
         q_chunks, kv_chunks = {"sample": 1, "qpos": pb, "layer": 1}, {"sample": 1, "layer": 1, "pos": pb}
         arrays += [
-            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, q_chunks, "positions"),
-            _spec("k", ("sample", "layer", kh, "pos", "dim"), f, sizes, kv_chunks, "positions"),
-            _spec("v", ("sample", "layer", kh, "pos", vd), f, sizes, kv_chunks, "positions"),
-            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, {}, "static"),
-            _spec("rope_attention_scaling", ("layer",), "float32", sizes, {}, "static"),
+            _spec("q", ("sample", "qpos", "layer", "head", "dim"), f, sizes, chunks=q_chunks, written="positions"),
+            _spec("k", ("sample", "layer", kh, "pos", "dim"), f, sizes, chunks=kv_chunks, written="positions"),
+            _spec("v", ("sample", "layer", kh, "pos", vd), f, sizes, chunks=kv_chunks, written="positions"),
+            _spec("rope_inv_freq", ("layer", "rope_freq"), "float32", sizes, chunks={}, written="static"),
+            _spec("rope_attention_scaling", ("layer",), "float32", sizes, chunks={}, written="static"),
         ]
     if L.policy_events:
         coords += ["event"] + (["kv_head"] if hs != "kv_head" and not L.record_qkv else [])
         tiers = ("sample", "event", "layer", "kv_head", "pos")
         arrays += [
-            _spec("policy_tiers", tiers, "int8", sizes, {"sample": 1, "event": 1}, "events", -1),
-            _spec("policy_bytes", ("sample", "step"), "float64", sizes, per_sample, "sample"),
-            _spec("policy_cache_bytes", ("sample", "step"), "int64", sizes, per_sample, "sample", -1),
+            _spec("policy_tiers", tiers, "int8", sizes, chunks={"sample": 1, "event": 1}, written="events", fill=-1),
+            _spec("policy_bytes", ("sample", "step"), "float64", sizes, chunks=per_sample, written="sample"),
+            _spec(
+                "policy_cache_bytes", ("sample", "step"), "int64", sizes, chunks=per_sample, written="sample", fill=-1
+            ),
         ]
     return [(name, sizes[name]) for name in coords], arrays
 
@@ -176,9 +187,16 @@ def _sink_arrays(L: Layout, hs: str, sizes: dict, rows: dict, per_layer: dict) -
     if not L.learned_sinks:
         return []
     return [
-        _spec("attn_learned_sink", ("sample", "step", "layer", hs), "float32", sizes, rows, "steps"),
-        _spec("prefill_learned_sink", ("sample", "layer", hs), "float32", sizes, per_layer, "sample"),
-        _spec("prefill_tail_learned_sink", ("sample", "layer", hs, "obs"), "float32", sizes, per_layer, "sample"),
+        _spec("attn_learned_sink", ("sample", "step", "layer", hs), "float32", sizes, chunks=rows, written="steps"),
+        _spec("prefill_learned_sink", ("sample", "layer", hs), "float32", sizes, chunks=per_layer, written="sample"),
+        _spec(
+            "prefill_tail_learned_sink",
+            ("sample", "layer", hs, "obs"),
+            "float32",
+            sizes,
+            chunks=per_layer,
+            written="sample",
+        ),
     ]
 
 

@@ -182,7 +182,9 @@ def check_store(path: str | os.PathLike) -> CheckedStore:
     check_attrs(p, attrs)
     layout, arrays = check_schema(p, attrs, read_metas(p))
     store, committed, prompt_len, small = check_small_arrays(p, attrs, layout, arrays)
-    return CheckedStore(p, attrs, layout, store, committed, prompt_len, small)
+    return CheckedStore(
+        path=p, attrs=attrs, layout=layout, store=store, committed=committed, prompt_len=prompt_len, small=small
+    )
 
 
 def open_trace(path: str | os.PathLike, chunks: str | dict | None = None) -> xr.Dataset:

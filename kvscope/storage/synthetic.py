@@ -123,7 +123,7 @@ def write_synthetic_store(
     path = Path(path)
     create(path, layout, attrs)
     g = zarr.open_group(str(path), mode="r+")
-    _write_prompt(g, rng, n_samples, n_steps, n_layers, n_kv, prompt_len, layout.obs_window)
+    _write_prompt(g, rng, n_samples, n_steps=n_steps, n_layers=n_layers, n_kv=n_kv, P=prompt_len, obs=layout.obs_window)
     for s in range(n_samples):
         for t0 in range(0, n_steps, block_steps):
             t1 = min(n_steps, t0 + block_steps)
@@ -215,14 +215,14 @@ def write_geometry_store(
     path = Path(path)
     create(path, layout, attrs)
     g = zarr.open_group(str(path), mode="r+")
-    _write_prompt(g, rng, 1, n_steps, n_layers, n_kv, prompt_len, layout.obs_window)
+    _write_prompt(g, rng, 1, n_steps=n_steps, n_layers=n_layers, n_kv=n_kv, P=prompt_len, obs=layout.obs_window)
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
     g["rope_inv_freq"][:] = np.broadcast_to(inv_freq.astype(np.float32), (n_layers, head_dim // 2))
     g["rope_attention_scaling"][:] = np.ones(n_layers, dtype=np.float32)
     u = rng.standard_normal((n_layers, n_kv, head_dim)).astype(np.float32)
     u /= np.linalg.norm(u, axis=-1, keepdims=True)  # [layer, kv_head, D]
-    _write_qkv(g, rng, u, T, n_sink, layout.pos_block, n_heads // n_kv)
-    _write_window_rows(g, rng, prompt_len, n_steps, layout, block_steps)
+    _write_qkv(g, rng, u, T=T, n_sink=n_sink, pos_block=layout.pos_block, group=n_heads // n_kv)
+    _write_window_rows(g, rng, prompt_len, n_steps=n_steps, layout=layout, block_steps=block_steps)
     g.attrs.update({"status": "complete", "steps_committed": [n_steps], "samples_done": [True]})
     consolidate(path)
     return path
@@ -295,7 +295,7 @@ def toy_trace() -> xr.Dataset:
     colsum[0, 0, 0, :P] = TOY_PREFILL_COLSUM
     ds = dataset_from_rows(attn, prompt_len=P, prefill_colsum=colsum, w=4, n_sink=2)
     # the prompt's last row (step 0's) is its observation window of one row
-    ds["prefill_tail"] = (("sample", "layer", "kv_head", "obs", "pos"), attn[:, :1].transpose(0, 2, 3, 1, 4))
+    ds["prefill_tail"] = (("sample", "layer", "kv_head", "obs", "pos"), attn[:, :1].transpose((0, 2, 3, 1, 4)))
     ds = ds.assign_coords(prefill_tail_qpos=(("sample", "obs"), np.array([[P - 1]], dtype=np.int32)))
     ds.attrs["obs_window"] = 1
     return ds

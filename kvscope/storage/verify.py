@@ -146,7 +146,7 @@ def check_attn(report: Report, ctx: Context, index, origin, data: np.ndarray, sh
     (``shares [1, step, 1, Hs]``: their learned sink's)."""
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
-    _rows(report, ctx, "attn", index, data[0, :, 0], qpos, None if shares is None else shares[0, :, 0])
+    _rows(report, ctx, "attn", index, rows=data[0, :, 0], qpos=qpos, shares=None if shares is None else shares[0, :, 0])
 
 
 def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray, sinks: np.ndarray, shares=None):
@@ -157,8 +157,9 @@ def check_windows(report: Report, ctx: Context, index, origin, data: np.ndarray,
 
     s, t0 = origin[0], origin[1]
     qpos = ctx.query_pos[s, t0 : t0 + data.shape[1]]  # [step]
-    rows, last = window_rows(data[0, :, 0], sinks[0, :, 0], qpos, ctx.n_sink, ctx.w)  # [step, Hs, unit], [step]
-    _rows(report, ctx, "attn", index, rows, last, None if shares is None else shares[0, :, 0])
+    # rows [step, Hs, unit], last [step]
+    rows, last = window_rows(data[0, :, 0], sinks[0, :, 0], qpos, n_sink=ctx.n_sink, w=ctx.w)
+    _rows(report, ctx, "attn", index, rows=rows, qpos=last, shares=None if shares is None else shares[0, :, 0])
 
 
 def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray, shares=None) -> None:
@@ -166,7 +167,7 @@ def check_tail(report: Report, ctx: Context, index, origin, data: np.ndarray, sh
     obs]``: their learned sink's)."""
     qpos = ctx.checked.small["prefill_tail_qpos"][index[0]]  # [obs]
     rows = np.moveaxis(data[0, 0], 1, 0)  # [obs, Hs, pos]
-    _rows(report, ctx, "prefill_tail", index, rows, qpos, None if shares is None else shares[0, 0].T)
+    _rows(report, ctx, "prefill_tail", index, rows=rows, qpos=qpos, shares=None if shares is None else shares[0, 0].T)
 
 
 def check_colsum(report: Report, ctx: Context, index, origin, data: np.ndarray, sink_sum=None) -> None:
@@ -368,7 +369,7 @@ def _chunks(report: Report, ctx: Context) -> None:
                     report.add(spec.name, index, data)
                     continue
                 report.chunks += 1
-                _values(report, ctx, arrays, spec, index, data)
+                _values(report, ctx, arrays, spec=spec, index=index, data=data)
 
 
 def _read_slab(array, spec, first: tuple, dim: int, count: int) -> list[tuple[tuple, np.ndarray | str]]:
@@ -411,21 +412,21 @@ def _values(report: Report, ctx: Context, arrays: dict, spec, index, data: np.nd
     if name == "attn" and ctx.checked.attrs["resolution"] == "window":
         sinks = read_block(report, arrays["attn_sink"], "attn_sink", index)
         if sinks is not None:
-            check_windows(report, ctx, index, origin, data, sinks, shares)
+            check_windows(report, ctx, index, origin=origin, data=data, sinks=sinks, shares=shares)
     elif name == "attn":
-        check_attn(report, ctx, index, origin, data, shares)
+        check_attn(report, ctx, index, origin=origin, data=data, shares=shares)
     elif name == "prefill_tail":
-        check_tail(report, ctx, index, origin, data, shares)
+        check_tail(report, ctx, index, origin=origin, data=data, shares=shares)
     elif name == "prefill_colsum":
-        check_colsum(report, ctx, index, origin, data, shares)
+        check_colsum(report, ctx, index, origin=origin, data=data, sink_sum=shares)
     elif name in LEARNED_SINKS.values():
-        check_learned(report, ctx, name, index, origin, data, spec.dims)
+        check_learned(report, ctx, name, index, origin=origin, data=data, dims=spec.dims)
     elif name in ("q", "k", "v"):
-        check_recorded(report, ctx, name, index, origin, data, spec.dims)
+        check_recorded(report, ctx, name, index, origin=origin, data=data, dims=spec.dims)
     elif name.startswith("rope_"):
-        check_rope(report, ctx, name, index, origin, data, spec.dims)
+        check_rope(report, ctx, name, index, origin=origin, data=data, dims=spec.dims)
     elif name.startswith("policy_"):
-        check_policy(report, ctx, name, index, origin, data, spec.dims)
+        check_policy(report, ctx, name, index, origin=origin, data=data, dims=spec.dims)
 
 
 # each row array and the array of its learned sink's shares (same chunks along their common dims)
@@ -468,7 +469,8 @@ def _deep(report: Report, checked, n_rows: int) -> None:
             q = ds["q"].isel(sample=s, layer=layer).values  # [qpos, head, D]
             k = ds["k"].isel(sample=s, layer=layer).values  # [key_head, pos, D]
             mode = "all" if heads == "all" else "kv"
-            again = layer_rows(q, k, qpos, model.rule(layer), mode, 0, model.n_key_heads // model.n_kv_heads)[0, :, 0]
+            per_unit = model.n_key_heads // model.n_kv_heads
+            again = layer_rows(q, k, qpos, model.rule(layer), heads=mode, per_unit=per_unit)[0, :, 0]
             if heads == "mean":
                 again = again.mean(1, keepdims=True)
             stored = ds["attn"].isel(sample=s, layer=layer, step=steps).values.astype(np.float32)

@@ -172,7 +172,9 @@ class BatchDecode:
         if capturing:
             self.buffers.add_step(t, self.recorder, live, self.lens)
             if t == 0:
-                self.prefill = prefill_writes(self.batch, self.recorder, self.layout, self.lens, self.pad, self.dtype)
+                self.prefill = prefill_writes(
+                    self.batch, self.recorder, self.layout, lens=self.lens, pad=self.pad, dtype=self.dtype
+                )
         for i in range(len(self.batch)):
             generated = t >= len(self.forced[i])
             if live[i] and ((generated and int(token[i]) in self.eos) or t >= self.last_step[i]):
@@ -181,7 +183,14 @@ class BatchDecode:
         S = self.layout.n_steps
         end_of_block = (t + 1) % self.layout.block_steps == 0 or t == S - 1 or self.finished.all()
         if end_of_block and capturing:
-            block = self.buffers.block(self.batch, t + 1, self.prompt_ids, self.generated, self.n_steps, self.finished)
+            block = self.buffers.block(
+                self.batch,
+                t + 1,
+                prompt_ids=self.prompt_ids,
+                generated=self.generated,
+                n_steps=self.n_steps,
+                finished=self.finished,
+            )
             if self.prefill is not None:  # the prompt's arrays go ahead of the first block's rows
                 block.writes[:0], self.prefill = self.prefill.writes, None
             if self.records is not None:
@@ -216,8 +225,9 @@ def decode_all(
             continue
         cache = cache_factory(model, layout, batch)
         decoder = BatchDecode(
-            model, encoded, batch, layout, settings, writer, cache, eos, questions, continuations, staging
-        )
+            model, encoded, batch, layout=layout, settings=settings, writer=writer, cache=cache, eos=eos,
+            questions=questions, continuations=continuations, staging=staging,
+        )  # fmt: skip
         decoder.run(step_done)
     writer.flush()
 
@@ -243,7 +253,7 @@ def prefill_writes(batch, recorder, layout: Layout, lens, pad, dtype) -> Block:
         block.writes.append(("prefill_tail", (slice(s, s + 1),), _stored_tail(tails, P, T, dtype)[None]))
         block.writes.append(("prefill_tail_qpos", (slice(s, s + 1),), np.where(qpos >= 0, qpos, -1)[None]))
         if layout.learned_sinks:
-            _sink_shares(block, s, P, colsum[i], shares[i])
+            _sink_shares(block, s, P, colsum=colsum[i], tail_shares=shares[i])
         if layout.record_qkv:
             p0 = int(pad[i])
             q = stored(torch.stack([c.q[i, :, p0:] for c in caps], 0).permute(2, 0, 1, 3), dtype)  # [P, L, H, D]
@@ -363,7 +373,9 @@ class BlockBuffers:
             blk.writes.append(("attn_learned_sink", (sl, steps), host["learned"]))
         if L.record_qkv:
             self._qkv_writes(blk, batch, host, self.qkv_pos[j0:j1])
-        self._token_writes(blk, batch, t_end, prompt_ids, generated, n_steps, finished)
+        self._token_writes(
+            blk, batch, t_end, prompt_ids=prompt_ids, generated=generated, n_steps=n_steps, finished=finished
+        )
         return blk
 
     def _window_rows(self, rows: np.ndarray, qpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -63,7 +63,7 @@ def trace_dask(
     threads, tag = torch.get_num_threads(), uuid.uuid4().hex[:8]
     futures = {
         client.submit(
-            _shard_task, prompts, out, settings, Shard(i, n), resume, cache, threads,
+            _shard_task, prompts, out, settings, shard=Shard(i, n), resume=resume, cache=cache, threads=threads,
             key=f"kvscope-trace-{tag}-shard-{i}-of-{n}", workers=[workers[i % len(workers)]], allow_other_workers=True,
             pure=False,
         ): i

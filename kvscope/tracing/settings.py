@@ -138,7 +138,8 @@ class TraceSettings:
             if f.type in kinds:
                 spec = ParamSpec(flag=_FLAGS.get(f.name))
                 optional = f.type.endswith("| None")
-                value = check_value("trace", f.name, getattr(self, f.name), spec, kinds[f.type], optional, by_flag=True)
+                value = check_value("trace", f.name, getattr(self, f.name), spec=spec, kind=kinds[f.type],
+                                    optional=optional, by_flag=True)  # fmt: skip
                 setattr(self, f.name, value)
 
 
