@@ -175,6 +175,27 @@ def test_logits_bit_identical_with_capture(tiny_models, kernel):
     torch.testing.assert_close(run(True, "probs"), run(False), atol=1e-4, rtol=1e-4)
 
 
+def test_kvpress_imported_after_registration_leaves_the_attention_as_it_was(tiny_models):
+    """kvpress wraps every registered attention function when it is imported, passing ``dropout``
+    as the sixth positional argument: kvscope's function, wrapped so, computes what it did."""
+    from kvpress.attention_patch import attention_patch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    register()
+    name = implementation_name("eager")
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], attn_implementation=name).eval()
+    ids = torch.randint(0, 1000, (1, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    registered = AttentionInterface._global_mapping[name]
+    AttentionInterface.register(name, attention_patch(registered))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, plain)
+    finally:
+        AttentionInterface.register(name, registered)
+
+
 @pytest.mark.parametrize(
     "P,heads,kv_heads,obs,softcap", [(600, 9, 3, 32, None), (5, 4, 2, 8, None), (130, 4, 4, 16, 20.0)]
 )
@@ -602,7 +623,8 @@ def test_a_model_that_ignores_the_cache_it_is_handed_is_refused(tmp_path, tiny_m
     model.forward = forgetful
     settings = TraceSettings(model=str(tiny_models["llama"]), max_new_tokens=3)
     with pytest.raises(KvscopeError, match="did not use the cache it was handed"):
-        trace_loaded(model, tokenizer, source, [Prompt("Some words to trace.", "test")], tmp_path / "t.zarr", settings)
+        prompts = [Prompt("Some words to trace.", "test")]
+        trace_loaded(model, tokenizer, source, prompts, out=tmp_path / "t.zarr", settings=settings)
     assert not (tmp_path / "t.zarr").exists()
 
 

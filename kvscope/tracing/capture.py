@@ -134,7 +134,7 @@ def attention_probs(
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
     logits = attention.logits(attention.grouped(query, n_kv), key, scaling, softcap, float32=True).view(b, h, r, kv)
-    visible, bias = mask_terms(mask, q_offset, r, kv, full_q_len or r, query.device)
+    visible, bias = mask_terms(mask, q_offset, q_len=r, kv_len=kv, full_q_len=full_q_len or r, device=query.device)
     return attention.softmax(logits, visible, bias, sink=None if sink is None else sink.view(1, h, 1, 1))
 
 
@@ -251,11 +251,11 @@ class AttentionRecorder:
         b, h, q_len, _ = query.shape
         n_kv, kv_len = key.shape[1], key.shape[2]
         if not self.probabilities:
-            self.layers[layer] = self._qkv(LayerCapture(), query, key, value, q_len)
+            self.layers[layer] = self._qkv(LayerCapture(), query, key, value, q_len=q_len)
             return
         if slot_pos is not None and q_len == 1:
             if probs is None:
-                probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
+                probs = attention_probs(query, key, mask, scaling=scaling, softcap=softcap, sink=sink)
             probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
@@ -277,7 +277,7 @@ class AttentionRecorder:
             )
         if q_len == 1 and ctx.seq_len > 1:  # a decode row (a one-token prompt is a prefill: its row fills every slot)
             if probs is None:
-                probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
+                probs = attention_probs(query, key, mask, scaling=scaling, softcap=softcap, sink=sink)
             probs = probs[:, :, 0]  # [batch, head, kv]
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
@@ -288,11 +288,13 @@ class AttentionRecorder:
             cap = LayerCapture()
         else:
             cap = LayerCapture()
-            cap.colsum, cap.tail, row = self._prefill(query, key, mask, scaling, softcap, n_kv, blocks, sink)
+            cap.colsum, cap.tail, row = self._prefill(
+                query, key, mask, scaling=scaling, softcap=softcap, n_kv=n_kv, blocks=blocks, sink=sink
+            )
             if self.rows is None:
                 self.rows = torch.zeros((b, self.n_layers, self.n_stored_heads, ctx.seq_len), device=query.device)
             self.rows[:, layer] = self._to_positions(row, kv_len)
-        self.layers[layer] = self._qkv(cap, query, key, value, q_len)
+        self.layers[layer] = self._qkv(cap, query, key, value, q_len=q_len)
 
     def _qkv(self, cap: LayerCapture, query, key, value, q_len: int) -> LayerCapture:
         """``cap`` with the forward's queries and its ``q_len`` new keys and values (under ``record_qkv``)."""
@@ -345,14 +347,14 @@ class AttentionRecorder:
         if self.attn_output == "kernel" or ctx is None:
             return None
         if query.shape[2] == 1 and ctx.seq_len > 1:
-            out, probs = _observed_row(query, key, value, mask, scaling, softcap, sink)
-            self.observe(module, query, key, value, mask, scaling, softcap, probs=probs, sink=sink)
+            out, probs = _observed_row(query, key, value, mask, scaling=scaling, softcap=softcap, sink=sink)
+            self.observe(module, query, key, value, mask=mask, scaling=scaling, softcap=softcap, probs=probs, sink=sink)
             return out
-        prefilled = self.causal_prefill(query, key, value, mask, scaling, softcap, sink)
+        prefilled = self.causal_prefill(query, key, value, mask, scaling=scaling, softcap=softcap, sink=sink)
         if prefilled is None:
             return None
         out, blocks = prefilled
-        self.observe(module, query, key, value, mask, scaling, softcap, blocks=blocks, sink=sink)
+        self.observe(module, query, key, value, mask=mask, scaling=scaling, softcap=softcap, blocks=blocks, sink=sink)
         return out
 
     def causal_prefill(self, query, key, value, mask, scaling, softcap, sink=None):
@@ -365,7 +367,9 @@ class AttentionRecorder:
         out = torch.empty(
             (b, q_len, h, value.shape[-1]), dtype=value.dtype, device=value.device
         )  # [batch, q, head, Dv]
-        blocks = self._causal_blocks(query, key, scaling, softcap, key.shape[1], value=value, out=out, sink=sink)
+        blocks = self._causal_blocks(
+            query, key, scaling=scaling, softcap=softcap, n_kv=key.shape[1], value=value, out=out, sink=sink
+        )
         return out, blocks
 
     def prompt_blocks(self, query, key, mask, scaling, softcap, sink=None):
@@ -373,7 +377,7 @@ class AttentionRecorder:
         the layer's output stays the kernel's), or None for any other forward."""
         if self.ctx is None or not self._is_causal_prefill(mask, query.shape[2], key.shape[2]):
             return None
-        return self._causal_blocks(query, key, scaling, softcap, key.shape[1], sink=sink)
+        return self._causal_blocks(query, key, scaling=scaling, softcap=softcap, n_kv=key.shape[1], sink=sink)
 
     def _is_causal_prefill(self, mask, q_len: int, kv_len: int) -> bool:
         """An unpadded causal prefill: no mask tensor (sdpa's upper-left causal), ``q`` queries on ``q`` keys."""
@@ -383,8 +387,10 @@ class AttentionRecorder:
         """Column sums, last ``obs_window`` rows and the last row of the prompt (``blocks``:
         the causal prefill's ``(colsum, tail)`` when ``attend`` computed them)."""
         if blocks is None:
-            blocks = self.prompt_blocks(query, key, mask, scaling, softcap, sink)
-        colsum, tail = blocks if blocks is not None else self._masked_blocks(query, key, mask, scaling, softcap, sink)
+            blocks = self.prompt_blocks(query, key, mask, scaling=scaling, softcap=softcap, sink=sink)
+        if blocks is None:
+            blocks = self._masked_blocks(query, key, mask, scaling=scaling, softcap=softcap, sink=sink)
+        colsum, tail = blocks
         return self._prefill_rows(colsum, tail, n_kv, key.shape[2])
 
     def _prefill_rows(self, colsum, tail, n_kv: int, kv_len: int):
@@ -475,8 +481,8 @@ class AttentionRecorder:
             colsum[..., :r1] += probs.sum(2)
             if values is not None:  # the group's rows on their shared values, weights in the value's dtype
                 weights = probs.view(b * n_kv, g * (r1 - r0), r1).to(values.dtype)
-                rows_out = torch.matmul(weights, values[:, :r1]).view(b, n_kv, g, r1 - r0, dv)
-                out[:, r0:r1].view(b, r1 - r0, n_kv, g, dv).copy_(rows_out.permute(0, 3, 1, 2, 4))
+                rows_out = torch.matmul(weights, values[:, :r1]).view((b, n_kv, g, r1 - r0, dv))
+                out[:, r0:r1].view((b, r1 - r0, n_kv, g, dv)).copy_(rows_out.permute(0, 3, 1, 2, 4))
             t0 = max(r0, P - n_obs)  # tail row o holds query slot P − n_obs + o
             if t0 < r1:
                 o0 = t0 - (P - n_obs)
@@ -504,8 +510,8 @@ class AttentionRecorder:
                 query[:, :, r0:r1],
                 key[:, :, :kv_end],
                 block_mask,
-                scaling,
-                softcap,
+                scaling=scaling,
+                softcap=softcap,
                 q_offset=r0,
                 full_q_len=q_len,
                 sink=sink,
@@ -571,9 +577,16 @@ class Probe:
             self.shared[layer] = owner
         tensors = frozenset(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "s_aux")
         self.layers[layer] = LayerSeen(
-            query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], float(scaling), softcap,
-            kwargs.get("s_aux") is not None, tensors, self._visible(mask),
-        )  # fmt: skip
+            heads=query.shape[1],
+            key_heads=key.shape[1],
+            head_dim=query.shape[-1],
+            v_dim=value.shape[-1],
+            scaling=float(scaling),
+            softcap=softcap,
+            sink=kwargs.get("s_aux") is not None,
+            kwargs=tensors,
+            visible=self._visible(mask),
+        )
 
     def _visible(self, mask) -> torch.Tensor | None:
         """``[q, kv]``: what the mask lets each query row see (in any batch row and head); a float
@@ -695,7 +708,8 @@ def _eager_output(query, key, value, mask, scaling, softcap, dropout=0.0, traini
     n_rep = query.shape[1] // key.shape[1]
     scores = attention.logits(query, repeat_kv(key, n_rep), scaling, softcap)
     if mask is None and query.shape[2] > 1:
-        mask, _ = mask_terms(None, 0, query.shape[2], key.shape[2], query.shape[2], query.device)
+        q_len = query.shape[2]
+        mask, _ = mask_terms(None, 0, q_len=q_len, kv_len=key.shape[2], full_q_len=q_len, device=query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -729,7 +743,7 @@ def _per_head_mask(head_mask, n_heads, q_len, mask):
 def _masked_output(query, key, value, mask, scaling, softcap, sink=None):
     """Attention output ``[batch, q, head, D]`` with a per-head bool ``mask`` (any kernel)."""
     if softcap is not None or sink is not None:
-        return _eager_output(query, key, value, mask, scaling, softcap, sink=sink)
+        return _eager_output(query, key, value, mask, scaling=scaling, softcap=softcap, sink=sink)
     n_rep = query.shape[1] // key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=mask, scale=scaling
@@ -746,7 +760,7 @@ def _observed_row(query, key, value, mask, scaling, softcap, sink=None):
     a second time."""
     b, h, r, _ = query.shape
     n_kv, kv = key.shape[1], key.shape[2]
-    probs = attention_probs(query, key, mask, scaling, softcap, sink=sink)
+    probs = attention_probs(query, key, mask, scaling=scaling, softcap=softcap, sink=sink)
     grouped = probs.view(b, n_kv, (h // n_kv) * r, kv).to(value.dtype)  # [batch, kv_head, group·1, kv]
     out = torch.matmul(grouped, value).view(b, h, r, value.shape[-1])
     return out.transpose(1, 2).contiguous(), probs
@@ -767,7 +781,15 @@ def _base_forward(kernel: str):
         if fast is None or (kernel == "sdpa" and (softcap is not None or sink is not None)):
             # eager by choice, or softcapping or a learned sink, which sdpa cannot apply: eager math
             return _eager_output(
-                query, key, value, attention_mask, scaling, softcap, dropout, module.training, sink=sink
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                softcap=softcap,
+                dropout=dropout,
+                training=module.training,
+                sink=sink,
             )
         if kernel == "sdpa":
             return fast(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
@@ -781,7 +803,10 @@ def _base_forward(kernel: str):
 def _capturing(kernel: str):
     base = _base_forward(kernel)
 
-    def kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    # transformers' registered-function order (sdpa, flash): ``dropout`` sixth, then ``scaling`` — a
+    # wrapper that passes ``dropout`` by position (kvpress's attention patch, applied to every
+    # registered function when kvpress is imported) must not land it in ``scaling``
+    def kvscope_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         sink = kwargs.get("s_aux")  # [head] learned sink logits (gpt-oss), or None
         override = _OVERRIDE.get()
@@ -790,12 +815,14 @@ def _capturing(kernel: str):
                 return override(module, query, key, value, attention_mask, scale, softcap, sink), None
         probe = _PROBE.get()
         if probe is not None:
-            probe.saw(module, query, key, value, attention_mask, scale, softcap, kwargs)
+            probe.saw(module, query, key, value, mask=attention_mask, scaling=scale, softcap=softcap, kwargs=kwargs)
         view = _slot_view(key)
         recorder = _ACTIVE.get()
         if view is None and recorder is not None and not module.training:
             with torch.no_grad():
-                out = recorder.attend(module, query, key, value, attention_mask, scale, softcap, sink)
+                out = recorder.attend(
+                    module, query, key, value, mask=attention_mask, scaling=scale, softcap=softcap, sink=sink
+                )
             if out is not None:  # the output from the recorded probabilities (attn_output="probs")
                 return out, None
         slot_pos = None
@@ -814,12 +841,13 @@ def _capturing(kernel: str):
         out = probs = blocks = None
         if observer is not None and slot_pos is not None:
             with torch.no_grad():  # the policy observes this row: the output comes from the same probabilities
-                out, probs = _observed_row(query, key, value, attention_mask, scale, softcap, sink)
+                out, probs = _observed_row(query, key, value, attention_mask, scaling=scale, softcap=softcap, sink=sink)
         elif view is not None and view.head_mask is not None:
-            out = _masked_output(query, key, value, attention_mask, scale, softcap, sink)
+            out = _masked_output(query, key, value, attention_mask, scaling=scale, softcap=softcap, sink=sink)
         elif observer is not None:
-            with torch.no_grad():  # the prompt's attention the policy reads, once for every recorder; the
-                blocks = observer.prompt_blocks(query, key, attention_mask, scale, softcap, sink)  # kernel's output
+            # the prompt's attention the policy reads, once for every recorder; the kernel's output
+            with torch.no_grad():
+                blocks = observer.prompt_blocks(query, key, attention_mask, scaling=scale, softcap=softcap, sink=sink)
         if out is None:
             out = base(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
@@ -830,8 +858,8 @@ def _capturing(kernel: str):
                     if recorder is not None:
                         shared = blocks if blocks is not None and recorder.obs_window == observer.obs_window else None
                         recorder.observe(
-                            module, query, key, value, attention_mask, scale, softcap, slot_pos, probs,
-                            blocks=shared, sink=sink,
+                            module, query, key, value, mask=attention_mask, scaling=scale, softcap=softcap,
+                            slot_pos=slot_pos, probs=probs, blocks=shared, sink=sink,
                         )  # fmt: skip
         return out, None
 
