@@ -129,7 +129,7 @@ def test_a_shard_that_loses_the_creation_race_leaves_the_store_as_it_is(tmp_path
     checked = kvscope.storage.store.check_store(out)
     layout, _ = check_schema(out, checked.attrs, read_metas(out))
     encoded = [[1, 2, 3]] * layout.n_samples
-    assert _create_store(out, layout, dict(checked.attrs), encoded, None, Shard(1, 2)) is None
+    assert _create_store(out, layout, dict(checked.attrs), encoded=encoded, rope=None, shard=Shard(1, 2)) is None
     assert tree_digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["race.zarr"]
 
 
@@ -191,7 +191,7 @@ def test_bad_input(tmp_path, single, tiny_models, prompts_file):
     one_line_error(run_main("trace", "--finalize", single, "--prompt", "hi"), "--finalize STORE takes no other")
     one_line_error(run_main("trace", "--finalize", tmp_path / "none.zarr"), "no trace store at")
     one_line_error(run_main("trace", "--model", tiny_models["llama"], *FLAGS, "--out", tmp_path / "a.zarr"),
-                   "one of the arguments --prompt --prompts --workload is required")  # fmt: skip
+                   "one of the arguments --prompt --prompts --workload --dataset is required")  # fmt: skip
     one_line_error(run_main(*base), "the following arguments are required: --out")
     assert tree_digest(single) == before
 

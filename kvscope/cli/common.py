@@ -70,31 +70,38 @@ def progress_bar(label: str, quiet: bool, what: str = "", fields: dict | None = 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(
-        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(what), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=quiet, transient=True,
+    columns = (
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(what), TimeRemainingColumn()
     )  # fmt: skip
+    bar = Progress(*columns, console=Console(stderr=True), disable=quiet, transient=True)
     return bar, bar.add_task(label, total=None, **(fields or {}))
 
 
 def add_prompt_sources(p, required: bool = True) -> None:
-    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples]`` (read by ``read_prompts``;
-    ``required=False``: the command checks that one is given, where it needs one)."""
+    """``--prompt | --prompts FILE | --workload NAME [--context] [--samples] | --dataset FILE`` (read by
+    ``read_prompts``; ``required=False``: the command checks that one is given, where it needs one)."""
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument(
         "--prompts", metavar="FILE.jsonl", help='JSONL, one {"prompt": …} or {"context": …, "question": …} per line'
     )
     src.add_argument("--workload", help=f"a built-in workload (see kvscope workloads): {workload_names()}")
+    src.add_argument(
+        "--dataset", metavar="FILE",
+        help="your own data with kvpress's evaluation columns, JSON lines (.jsonl) or Parquet (.parquet): context, "
+        "question, answer (a string or a list), answer_prefix, max_new_tokens, task; one sample per row",
+    )  # fmt: skip
     p.add_argument("--context", type=int, default=None, help="--workload: prompt length in tokens (recipe's default)")
     p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
 
 
 def read_prompts(args):
-    """The prompts of ``--prompt``, ``--prompts FILE`` or ``--workload NAME`` (and the workload),
-    with their continuations where the command takes them (``trace``: ``--continuation FILE``
-    for ``--prompt``, a ``"continuation"`` per JSONL line, ``--continuation-tokens N`` for a
-    workload that continues a text); ``--max-new-tokens`` left out means all of each continuation."""
+    """The prompts of ``--prompt``, ``--prompts FILE``, ``--workload NAME`` (and the workload) or
+    ``--dataset FILE`` (``kvscope.model.dataset``: prompts with answers, whose gold answers a
+    trace forces), with their continuations where the command takes them (``trace``:
+    ``--continuation FILE`` for ``--prompt``, a ``"continuation"`` per JSONL line,
+    ``--continuation-tokens N`` for a workload that continues a text); ``--max-new-tokens``
+    left out means all of each continuation (or gold answer)."""
     from ..model.prompts import Prompt, continuations, load_continuation_file, load_prompts_file
 
     workload = None
@@ -125,7 +132,11 @@ def read_prompts(args):
     else:
         if args.context is not None or args.samples is not None:
             raise KvscopeError("--context and --samples go with --workload")
-        if args.prompt is not None:
+        if getattr(args, "dataset", None) is not None:
+            from ..model.dataset import load_dataset
+
+            prompts = load_dataset(args.dataset)
+        elif args.prompt is not None:
             if not args.prompt.strip():
                 raise KvscopeError("--prompt is empty")
             given = load_continuation_file(continuation) if continuation is not None else None

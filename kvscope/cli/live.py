@@ -22,7 +22,10 @@ def add_run(sub) -> None:
     p.add_argument("--budget", required=True, help="β: share of the full cache's bytes, in (0, 1]")
     add_allocation(p, several=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64, or the workload's")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help="default 64, or the workload's (--dataset: a row's own max_new_tokens comes first)",
+    )  # fmt: skip
     p.add_argument("--kv-dtype", default="model", help="storage of FP entries: " + " | ".join(("model", *KV_DTYPES)))
     p.add_argument("--window", type=int, default=defaults.W, help="window size w")
     p.add_argument("--sinks", type=int, default=defaults.N_SINK, dest="n_sink", help="sink positions")
@@ -83,8 +86,10 @@ def cmd_run(args) -> int:
     from rich.table import Table
 
     r0 = results[0]
+    exact = any(r.answer_exact is not None for r in results)
     table = Table(
         "sample", "agree", "KL", "ppl (full)", "tok/s (full)", "cache peak", "of full", "score (full)",
+        *(["exact (full)"] if exact else []),
         title=f"run · {r0.policy} at β = {r0.budget}"
         + ("" if r0.allocation == "uniform" else f" under {r0.allocation}")
         + f" · {args.model} · kv {r0.kv_dtype}"
@@ -96,11 +101,17 @@ def cmd_run(args) -> int:
             str(n), f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.perplexity:.3f} ({r.perplexity_full:.3f})",
             f"{r.tokens_per_s:.1f} ({r.tokens_per_s_full:.1f})", human_bytes(r.bytes_actual_peak),
             f"{r.bytes_actual_peak / r.full_bytes:.3f}" + ("" if r.budget_reached else " floor"), score,
+            *([_exact(r)] if exact else []),
         )  # fmt: skip
-    print_table(table, 110)
+    print_table(table, 126 if exact else 110)
     for n, r in enumerate(results):
         print(f"  sample {n}: {r.text[:120]!r}")
     return 0
+
+
+def _exact(r) -> str:
+    """``answer_exact (answer_exact_full)`` of one result (blank without a gold answer)."""
+    return "" if r.answer_exact is None else f"{r.answer_exact} ({r.answer_exact_full})"
 
 
 def add_validate(sub) -> None:

@@ -26,7 +26,8 @@ def add_trace(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF folder, .gguf file or hub id")
     p.add_argument(
         "--max-new-tokens", type=int, default=None,
-        help="required, except with --workload (recipe's) or a given continuation (all of it)",
+        help="required, except with --workload (recipe's), a given continuation (all of it) or --dataset (every "
+        "gold answer whole)",
     )  # fmt: skip
     p.add_argument(
         "--continuation", default=None, metavar="FILE",
@@ -125,8 +126,8 @@ def cmd_trace(args) -> int:
     if args.finalize is not None:
         return _finalize(args)
     shard = _shard(args)
-    if args.prompt is None and args.prompts is None and args.workload is None:
-        raise KvscopeError("one of the arguments --prompt --prompts --workload is required")
+    if args.prompt is None and args.prompts is None and args.workload is None and args.dataset is None:
+        raise KvscopeError("one of the arguments --prompt --prompts --workload --dataset is required")
     if args.out is None:
         raise KvscopeError("the following arguments are required: --out")
     cache = _trace_cache(args)
@@ -135,7 +136,7 @@ def cmd_trace(args) -> int:
     settings = _trace_settings(args)
     settings.check()  # before torch and transformers load: a refused option costs no import
     if args.dask is not None:
-        return _trace_dask(args, prompts, workload, settings, cache)
+        return _trace_dask(args, prompts, workload=workload, settings=settings, cache=cache)
     from ..tracing.runner import trace
 
     what = "steps · {task.fields[tps]:.1f} tok/s · {task.fields[written]} written"
@@ -151,7 +152,7 @@ def cmd_trace(args) -> int:
             shard=shard,
         )  # fmt: skip
     label = f"shard {shard.label}: " if shard is not None else ""
-    _print_traced([result], result.seconds, label, prompts, workload)
+    _print_traced([result], result.seconds, label=label, prompts=prompts, workload=workload)
     return 0
 
 
@@ -166,7 +167,7 @@ def _shard(args):
     return Shard.parse(args.shard)
 
 
-def _trace_dask(args, prompts, workload, settings, cache) -> int:
+def _trace_dask(args, prompts, *, workload, settings, cache) -> int:
     """``trace --dask``: one shard per worker, then the store is complete."""
     import time
 
@@ -182,11 +183,11 @@ def _trace_dask(args, prompts, workload, settings, cache) -> int:
                 on_shard=lambda r: bar.advance(task),
             )  # fmt: skip
     label = f"{len(results)} shards on {args.dask}: "
-    _print_traced(results, time.perf_counter() - started, label, prompts, workload)
+    _print_traced(results, time.perf_counter() - started, label=label, prompts=prompts, workload=workload)
     return 0
 
 
-def _print_traced(results, seconds: float, label: str, prompts, workload) -> None:
+def _print_traced(results, seconds: float, *, label: str, prompts, workload) -> None:
     """What a trace (or its shards) decoded: steps, speed, the store, each sample's text."""
     from ..storage.store import store_info
 
@@ -205,6 +206,7 @@ def _print_traced(results, seconds: float, label: str, prompts, workload) -> Non
         if workload is not None and workload.scorer is not None:
             graded = f" score {workload.scorer(text, prompts[n].expected):.2f} (expected {prompts[n].expected})"
         forced = " (given continuation)" if prompts[n].continuation is not None else ""
+        forced = " (gold answer)" if prompts[n].answers is not None else forced
         print(f"  sample {n}{forced}: {text[:120]!r}{graded}")
 
 
@@ -214,7 +216,9 @@ def _finalize(args) -> int:
 
     given = [
         f
-        for f in ("prompt", "prompts", "workload", "out", "shard", "dask", "continuation", "continuation_tokens")
+        for f in (
+            "prompt", "prompts", "workload", "dataset", "out", "shard", "dask", "continuation", "continuation_tokens"
+        )  # fmt: skip
         if getattr(args, f) is not None
     ]
     given += [f for f in ("resume", "force") if getattr(args, f)]

@@ -17,6 +17,13 @@ decode, so ``kl`` isolates what the cache changed. ``question_agnostic``: the pr
 is prefilled alone (the policy compresses it there), the question's tokens are then fed one
 forward each, and the ``S`` steps above are those after the question. Bytes are the policy cache's own (free
 decode): the peak of ``bytes_actual`` and of the byte model (docs/concepts.md#budget), against the budget.
+
+A prompt with answers (``Prompt.answers``: ``run --dataset``, a workload's) is graded on the
+free decode's text and on full KV's: ``score`` / ``score_full``, its task's metric
+(``kvscope.workloads.metrics.metric_for(task)(text, answers)``), and ``answer_exact`` /
+``answer_exact_full``, 1 where the greedy tokens begin with the gold answer's
+(``kvscope.model.prompts.answer_ids``), else 0. A prompt whose ``meta`` gives
+``max_new_tokens`` (a dataset row's) decodes that many steps instead of the run's.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import numpy as np
 from .. import defaults
 from ..errors import KvscopeError
 from ..model.loading import DEFAULT_MODEL, check_model_dtype, load, resolve
-from ..model.prompts import as_prompts, check_context, encode_prompts, eos_ids
+from ..model.prompts import as_prompts, check_context, encode_answers, encode_prompts, eos_ids
 from ..model.spec import ModelSpec, cache_keyword, last_logits_only, returned_cache
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
@@ -128,6 +135,8 @@ class RunResult:
     layer_bytes: list[float] = field(default_factory=list)  # [layer] bytes the allocation gave, × uniform
     score: float | None = None
     score_full: float | None = None
+    answer_exact: int | None = None  # 1: the policy's greedy tokens begin with the gold answer's (prompts with answers)
+    answer_exact_full: int | None = None  # the same under full KV
     bytes_actual: list[int] = field(default_factory=list)  # [step]
 
     def doc(self) -> dict:
@@ -151,11 +160,16 @@ def run_loaded(
     question: list[int] = (),
     allocation=None,
     full: Decoded | None = None,
+    answers: list[str] | None = None,
+    answer: list[int] | None = None,
+    task: str | None = None,
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
     ``question`` holds the question's tokens (question-agnostic). ``full``: the full-KV decode
-    of this prompt already made (``full_decode``), shared by every policy run on it."""
+    of this prompt already made (``full_decode``), shared by every policy run on it.
+    ``answers`` (with ``task``): the accepted answers, graded by the task's metric instead of
+    ``scorer``; ``answer``: the gold answer's token ids (``answer_exact``)."""
     n_forwards = len(question) + max_new_tokens
 
     def make():
@@ -194,9 +208,17 @@ def run_loaded(
         bytes_actual=list(probe.bytes_actual),
         **metrics,
     )
-    if scorer is not None and expected is not None:
+    if answers is not None:
+        from ..workloads.metrics import metric_for
+
+        metric = metric_for(task)
+        result.score, result.score_full = float(metric(text, answers)), float(metric(text_full, answers))
+    elif scorer is not None and expected is not None:
         result.score = float(scorer(text, expected))
         result.score_full = float(scorer(text_full, expected))
+    if answer is not None:
+        result.answer_exact = int(free.tokens[: len(answer)] == list(answer))
+        result.answer_exact_full = int(full.tokens[: len(answer)] == list(answer))
     return result
 
 
@@ -206,6 +228,11 @@ def full_decode(model, prompt_ids: list[int], max_new_tokens: int, on_step=None,
 
     cache = DynamicCache(config=model.config)
     return decode(model, prompt_ids, cache, max_new_tokens, on_step=on_step, question=question)
+
+
+def _task(prompt) -> str | None:
+    """The task whose metric grades a prompt's answers: a dataset row's ``task``, else its workload."""
+    return prompt.meta.get("task") or prompt.meta.get("workload")
 
 
 def _layer_shares(spec) -> list[float]:
@@ -245,7 +272,8 @@ def run(
     """Generate every prompt (text or [`Prompt`][kvscope.model.prompts.Prompt]) under
     ``policy`` at ``budget`` and compare with full KV (module docstring). ``progress(done,
     total)`` is called after every forward (3 decodes × (question + ``max_new_tokens``) per
-    prompt)."""
+    prompt). A prompt's own ``meta["max_new_tokens"]`` (a dataset row's) replaces
+    ``max_new_tokens`` for it; a gold answer longer than its decode is refused."""
     check_budget(budget)
     policy = live_policy(policy)
     allocation = live_allocation(allocation)
@@ -257,23 +285,33 @@ def run(
     prompts = as_prompts(prompts)
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
-    prepare(loaded, attn)
     encoded, questions = encode_prompts(tokenizer, prompts, chat, question_agnostic)
-    check_context(encoded, max_new_tokens, ModelSpec.from_model(loaded).max_position_embeddings, questions)
+    steps = [int(p.meta.get("max_new_tokens") or max_new_tokens) for p in prompts]
+    answers = encode_answers(tokenizer, prompts)
+    for n, (prompt, ids, s) in enumerate(zip(prompts, answers, steps)):
+        if ids is not None and len(ids) > s:
+            what = "its max_new_tokens" if prompt.meta.get("max_new_tokens") else "--max-new-tokens"
+            raise KvscopeError(
+                f"the answer of prompt {n} ({prompt.source}) has {len(ids)} tokens, more than {what} {s}: the output "
+                "could never begin with it; decode more tokens"
+            )
+    context = ModelSpec.from_model(loaded).max_position_embeddings
+    check_context(encoded, max_new_tokens, context, questions, prompts=prompts, steps=steps)
+    prepare(loaded, attn)
     results = []
-    done, total = [0], 3 * sum(len(q) + max_new_tokens for q in questions)
+    done, total = [0], 3 * sum(len(q) + s for q, s in zip(questions, steps))
 
     def on_step():
         done[0] += 1
         if progress is not None:
             progress(done[0], total)
 
-    for prompt, ids, question in zip(prompts, encoded, questions):
+    for prompt, ids, question, s, answer in zip(prompts, encoded, questions, steps, answers):
         results.append(
             run_loaded(
-                loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=max_new_tokens, kv_dtype=dtype,
+                loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=s, kv_dtype=dtype,
                 n_sink=n_sink, w=w, scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
-                allocation=allocation,
+                allocation=allocation, answers=prompt.answers, answer=answer, task=_task(prompt),
             )
         )  # fmt: skip
     return results

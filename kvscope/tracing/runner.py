@@ -1,7 +1,7 @@
 """``kvscope.trace``: decode prompts with attention capture and write a trace store.
 
     trace(prompts, "out.zarr", max_new_tokens=64)           load the model, then trace_loaded
-    trace_loaded(model, tokenizer, source, prompts, out, s)  with a model already loaded
+    trace_loaded(model, tokenizer, source, prompts, out=out, settings=s)  with a model already loaded
 
 The store is created under a temporary name and renamed into place (``out`` is either absent
 or an openable store); the decode loop (``kvscope.tracing.decode``) hands blocks of steps
@@ -185,16 +185,18 @@ def trace(
     prepare_out(out, doc, resume, force, shard=shard)  # refuse early, before loading
     model, tokenizer = load(source, settings.device, settings.model_dtype, settings.trust_remote_code)
     return trace_loaded(
-        model, tokenizer, source, prompts, out, settings, resume=resume, force=force, progress=progress, cache=cache,
-        shard=shard,
+        model, tokenizer, source, prompts, out=out, settings=settings, resume=resume, force=force, progress=progress,
+        cache=cache, shard=shard,
     )  # fmt: skip
 
 
 def check_continuations(settings: TraceSettings, prompts: list[Prompt], tokenizer=None, source=None) -> None:
-    """Prompts with given continuations (every prompt or none) are decoded greedily — nothing is
-    sampled, every step is forced — and ``max_new_tokens=None`` becomes the longest
-    continuation's tokens (with ``tokenizer``, else the model's, loaded alone); None without
-    continuations is refused."""
+    """Prompts with given continuations or answers (every prompt or none) are decoded greedily —
+    nothing is sampled, every step is forced — and ``max_new_tokens=None`` becomes the longest
+    continuation's (or gold answer's) tokens (with ``tokenizer``, else the model's, loaded
+    alone); None without continuations is refused. Gold answers are tokenized here, before
+    anything is loaded or written: one that cannot be split from its answer prefix, or that is
+    longer than ``max_new_tokens``, is refused."""
     if continuations(prompts) is None:
         if settings.max_new_tokens is None:
             raise KvscopeError("--max-new-tokens is required (it may be left out only with given continuations)")
@@ -203,9 +205,11 @@ def check_continuations(settings: TraceSettings, prompts: list[Prompt], tokenize
         raise KvscopeError(
             "a given continuation forces every decode step and nothing is sampled: --temperature must be 0"
         )
-    if settings.max_new_tokens is None:
+    if settings.max_new_tokens is None or any(p.answers is not None for p in prompts):
         tokenizer = tokenizer or load_tokenizer(source or resolve(settings.model), settings.trust_remote_code)
-        settings.max_new_tokens = max(map(len, encode_continuations(tokenizer, prompts, None)))
+        forced = encode_continuations(tokenizer, prompts, settings.max_new_tokens)
+        if settings.max_new_tokens is None:
+            settings.max_new_tokens = max(map(len, forced))
 
 
 def settings_doc(settings: TraceSettings, source, prompts: list[Prompt], cache) -> dict:
@@ -248,7 +252,7 @@ def prepare_out(
     if force:
         return None
     if shard is not None:
-        return _join(out, attrs, settings_doc, resume, shard)
+        return _join(out, attrs, settings_doc=settings_doc, resume=resume, shard=shard)
     if resume:
         if status == "complete":
             raise KvscopeError(f"{out} is already complete; nothing to resume")
@@ -278,7 +282,7 @@ def _device_kind(doc: dict) -> dict:
     return {**doc, "device": device.split(":")[0]} if isinstance(device, str) else doc
 
 
-def _join(out: Path, attrs: dict, settings_doc: dict, resume: bool, shard: Shard) -> dict:
+def _join(out: Path, attrs: dict, *, settings_doc: dict, resume: bool, shard: Shard) -> dict:
     """The attrs of the partial store that ``shard`` joins: made for as many shards, with the
     same settings, and none of the shard's samples begun unless ``resume``."""
     flag = f"--shard {shard.label}"
@@ -326,30 +330,36 @@ def trace_loaded(
     spec = traced_spec(model, settings.attn, settings.record_qkv)
     encoded, questions = encode_prompts(tokenizer, prompts, settings.chat, settings.question_agnostic)
     forced = encode_continuations(tokenizer, prompts, settings.max_new_tokens)
-    check_context(encoded, settings.max_new_tokens, spec.max_position_embeddings, questions, forced)
+    check_context(
+        encoded, settings.max_new_tokens, spec.max_position_embeddings, questions=questions, forced=forced,
+        prompts=prompts,
+    )  # fmt: skip
     mine = batches(len(encoded), settings.batch_size, shard)
     check_kernel(settings, spec, encoded, mine)
     if cache is not None and hasattr(cache, "check_model"):
         cache.check_model(model, spec)
     rope = Rope.from_model(model, spec.layer_index) if settings.record_qkv else None
-    layout = _layout(settings, spec, encoded, rope, cache, _n_steps(settings, questions, forced))
+    layout = _layout(settings, spec, encoded, rope=rope, cache=cache, S=_n_steps(settings, questions, forced))
     locks, create = None, None
     if existing is None:
-        attrs = _store_attrs(source, spec, model, tokenizer, settings, layout, prompts, doc, cache)
+        attrs = _store_attrs(
+            source, spec, model, tokenizer=tokenizer, settings=settings, layout=layout, prompts=prompts,
+            settings_doc=doc, cache=cache,
+        )  # fmt: skip
         if settings.question_agnostic:
             attrs["question_tokens"] = [len(q) for q in questions]
         if forced is not None:
             attrs["continuation_tokens"] = [len(c) for c in forced]
         if shard is not None:
             attrs["shards"] = shard.count
-            locks = _create_store(out, layout, attrs, encoded, rope, shard)
+            locks = _create_store(out, layout, attrs, encoded=encoded, rope=rope, shard=shard)
             if locks is None:  # another shard created the store first: join it
                 existing = prepare_out(out, doc, resume, force, shard=shard)
         else:  # one process's new store: the writer creates it while the prompt prefills
             locks = []
 
             def create():
-                return _create_store(out, layout, attrs, encoded, rope)
+                return _create_store(out, layout, attrs, encoded=encoded, rope=rope)
 
     if locks is None:
         locks = _writer_locks(out, shard)
@@ -367,8 +377,8 @@ def trace_loaded(
 
         staging = HostStaging(settings.device)
         decode_all(
-            model, encoded, mine, layout, settings, writer, cache or _model_cache, eos, on_step, questions, forced,
-            staging,
+            model, encoded, mine, layout=layout, settings=settings, writer=writer, cache_factory=cache or _model_cache,
+            eos=eos, progress=on_step, questions=questions, continuations=forced, staging=staging,
         )  # fmt: skip
         writer.close()
         complete = _complete(out) if shard is None else _complete_if_done(out)
@@ -376,7 +386,10 @@ def trace_loaded(
         texts, steps = _texts(out, tokenizer, [len(q) for q in questions], samples)
         seconds = time.perf_counter() - started
         waits = Waits(writer.waited_s, writer.waits, staging.waited_s)
-        return TraceResult(out, len(encoded), steps, seconds, writer.bytes_written, texts, samples, complete, waits)
+        return TraceResult(
+            path=out, n_samples=len(encoded), steps=steps, seconds=seconds, bytes_written=writer.bytes_written,
+            texts=texts, samples=samples, complete=complete, waits=waits,
+        )  # fmt: skip
     except BaseException as exc:
         if existing is None and shard is None:
             _discard_uncommitted(out, writer)
@@ -476,7 +489,7 @@ def _n_steps(settings: TraceSettings, questions: list[list[int]], forced: list[l
     return max(len(q) + len(c) for q, c in zip(questions, forced))
 
 
-def _layout(settings: TraceSettings, spec: ModelSpec, encoded, rope: Rope | None, cache, S: int) -> Layout:
+def _layout(settings: TraceSettings, spec: ModelSpec, encoded, *, rope: Rope | None, cache, S: int) -> Layout:
     return Layout(
         n_samples=len(encoded),
         n_steps=S,
@@ -522,7 +535,7 @@ def _texts(out: Path, tokenizer, n_question: list[int], samples: list[int]) -> t
     return texts, [int(n_steps[s]) for s in samples]
 
 
-def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, prompts, settings_doc, cache) -> dict:
+def _store_attrs(source, spec: ModelSpec, model, *, tokenizer, settings, layout, prompts, settings_doc, cache) -> dict:
     """Group attributes of a new store (docs/trace-format.md#arrays)."""
     import torch
     import transformers
@@ -574,7 +587,7 @@ def _store_attrs(source, spec: ModelSpec, model, tokenizer, settings, layout, pr
     }
 
 
-def _create_store(out: Path, layout: Layout, attrs: dict, encoded, rope: Rope | None, shard: Shard | None = None):
+def _create_store(out: Path, layout: Layout, attrs: dict, *, encoded, rope: Rope | None, shard: Shard | None = None):
     """Create the store under a temporary name and rename it into place, so that ``out`` is
     either absent or an openable store (status ``partial``); returns the held writer locks.
     A shard that finds ``out`` made by another shard meanwhile (the rename fails: ``out`` is not

@@ -53,17 +53,25 @@ def load_model(ds, device: str | None = None) -> ForcedModel:
 
 
 def check_continuations(ds, forced: ForcedModel) -> None:
-    """A trace that forced given continuations: each recorded text still tokenizes to the stored
-    tokens with the loaded model's tokenizer (else the forced replay would score another text)."""
+    """A trace that forced given continuations or gold answers: each recorded text still
+    tokenizes to the stored tokens with the loaded model's tokenizer (else the forced replay
+    would score another text); a gold answer as ``kvscope.model.prompts.answer_ids`` does."""
+    from ...model.prompts import Prompt, answer_ids
+
     acc = ds.kvscope
     if not acc.continued:
         return
     prompts = ds.attrs.get("prompts") or []
     for s, n in enumerate(acc.continuation_tokens):
-        text = (prompts[s] if s < len(prompts) else {}).get("continuation")
+        doc = prompts[s] if s < len(prompts) else {}
+        text = doc.get("continuation")
         start = int(acc.prompt_len[s] + acc.question_tokens[s])
         stored = [int(x) for x in ds["tokens"].values[s, start : start + int(n)]]
-        ids = forced.tokenizer(text or "", add_special_tokens=False)["input_ids"][: int(n)]
+        if doc.get("answers") is not None and text is None:
+            text = doc["answers"][0] if doc["answers"] else None
+            ids = answer_ids(forced.tokenizer, Prompt.from_doc(doc))[: int(n)]
+        else:
+            ids = forced.tokenizer(text or "", add_special_tokens=False)["input_ids"][: int(n)]
         if not isinstance(text, str) or ids != stored:
             raise KvscopeError(
                 f"forced replay: sample {s}'s recorded continuation does not match the trace's tokens with the "
