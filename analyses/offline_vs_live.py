@@ -1,6 +1,6 @@
 """Does offline replay rank KV-cache policies the way live decoding does?
 
-For each workload (``niah``, ``passkey``, ``vt``) and ``--prompts`` prompts of it::
+For each workload (``niah``, ``passkey``, ``vt_chains``) and ``--prompts`` prompts of it::
 
     offline   one trace per prompt (q/k/v recorded, greedy, no EOS stop); every policy × budget
               replayed on it: FMM@H, FMM fp@H, attention L1 and output error, per prompt the
@@ -24,7 +24,7 @@ An interrupted study resumes: each workload's offline grid and each prompt's liv
 under ``results/offline_vs_live/parts/`` (keyed by every setting that decides it) once finished.
 
     python analyses/offline_vs_live.py [--prompts 10] [--budgets 0.2,0.3,0.5]
-        [--workloads niah,passkey,vt] [--workers 2] [--device cpu]
+        [--workloads niah,passkey,vt_chains] [--workers 2] [--device cpu]
             → results/offline_vs_live/{summary.md,summary.json} (every record), docs/offline-vs-live.md,
               docs/figures/offline_vs_live.png
 
@@ -70,8 +70,8 @@ OFFLINE = {
 PER_EVENT = ("fmm", "fmm_fp", "attn_l1", "output_rel_l2")  # means over events, layers and KV heads
 PER_STEP = {"forced_kl": "forced_kl", "forced_nll": "forced_nll", "forced_disagreement": "forced_top1"}
 LIVE = {"kl": "KL", "disagreement": "1 − agreement", "score_loss": "1 − score"}
-# new tokens: niah's four 7-digit numbers, passkey's key and a sentence, vt's list of variables
-STEPS = {"niah": 40, "passkey": 24, "vt": 32}
+# new tokens: niah's four 7-digit numbers, passkey's key and a sentence, vt_chains's list of variables
+STEPS = {"niah": 40, "passkey": 24, "vt_chains": 32}
 HORIZON = 16
 N_BOOT = 1000
 
@@ -449,7 +449,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.2,0.3,0.5")
     ap.add_argument("--policies", default=",".join(POLICIES))
     add_arguments(ap)  # --context, --workloads, --model, --seed, --results as every study takes them
-    ap.set_defaults(workloads="niah,passkey,vt")
+    ap.set_defaults(workloads="niah,passkey,vt_chains")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=2, help="processes (live) and threads (replay)")
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "offline_vs_live.png"))

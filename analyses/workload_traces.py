@@ -1,7 +1,7 @@
 """The traces every study reads: each built-in workload on the default model, recorded once
 (with q/k/v, so replay can measure attention errors) into ``results/traces/NAME.zarr``.
 
-    python analyses/workload_traces.py [--context 1024] [--workloads prose,code,niah,vt,reasoning]
+    python analyses/workload_traces.py [--context 1024] [--workloads prose,code,niah,vt_chains,reasoning]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORKLOADS = ["prose", "code", "niah", "vt", "reasoning"]
+WORKLOADS = ["prose", "code", "niah", "vt_chains", "reasoning"]
 RESULTS = ROOT / "results"
 
 

@@ -28,6 +28,7 @@ def cmd_workloads(args) -> int:
                 "max_new_tokens": r.get("max_new_tokens"),
                 "chat": bool(r.get("chat", False)),
                 "scorer": w.scorer.__name__ if w.scorer else None,
+                "answer_prefix": r.get("answer_prefix"),  # RULER's tasks: the text the answer starts after
                 "recipe": str(RECIPES / f"{name}.toml"),
             }
         )

@@ -1,7 +1,10 @@
 """Built-in workloads: offline, deterministic prompts from a seed, with their recipes
-(``recipes/NAME.toml``) and scorers — see ``kvscope.workloads.builtin``."""
+(``recipes/NAME.toml``) and scorers — see ``kvscope.workloads.builtin``; RULER's synthetic tasks
+in ``kvscope.workloads.ruler``, their metrics in ``kvscope.workloads.metrics``."""
 
 from .builtin import (
+    ANSWER_PREFIX,
+    ANSWERS,
     CONTINUATION,
     QUESTION_AT,
     RECIPES,
@@ -19,6 +22,8 @@ from .builtin import (
 )
 
 __all__ = [
+    "ANSWERS",
+    "ANSWER_PREFIX",
     "CONTINUATION",
     "QUESTION_AT",
     "RECIPES",

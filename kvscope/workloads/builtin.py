@@ -17,12 +17,16 @@ chat task) and lands within 2% of ``context``.
 | ``prose`` | continue reference-manual prose | — |
 | ``code`` | continue standard-library source | — |
 | ``niah`` | RULER-style needle in a haystack: single, multi-key, multi-value | share of the expected numbers in the answer |
-| ``vt`` | RULER-style variable tracking | share of the chain's variables in the answer |
+| ``vt_chains`` | RULER-style variable tracking: the asked chain among distractor chains | share of the chain's variables in the answer |
 | ``reasoning`` | few-shot multi-step arithmetic | 1 if the final number is right |
 | ``passkey`` | pass-key retrieval in repeated filler (Landmark Attention) | 1 if the key is in the answer |
+| RULER's 11 (``niah_single_1`` … ``vt``, ``cwe``, ``fwe``) | RULER's synthetic tasks (``.ruler``) | ``string_match_all`` |
 
-``niah``, ``vt`` and ``passkey`` prompts come split (``Prompt.context`` / ``Prompt.question``): the question
+``niah``, ``passkey`` and RULER's tasks come split (``Prompt.context`` / ``Prompt.question``): the question
 starts where the template asks it, so ``--question-agnostic`` compresses the haystack before it.
+RULER's tasks also carry ``Prompt.answer_prefix`` (the text the answer starts after, placed after
+the chat template's generation prompt) and ``Prompt.answers`` (= ``Prompt.expected``); their
+``context`` counts the answer prefix's tokens too.
 
 ``prose`` and ``code`` continue a text, and with ``continuation_tokens = N`` (the recipe's field, or
 ``prompts(…, continuation_tokens=N)``, ``trace --continuation-tokens N``) each prompt carries the text of
@@ -46,14 +50,16 @@ from typing import TYPE_CHECKING
 
 from ..errors import KvscopeError
 from ..model.prompts import Prompt, encode
+from . import ruler
+from .metrics import string_match_all
+from .sources import ANSWER_PREFIX, ANSWERS, CONTINUATION, QUESTION_AT, prose_text
+from .sources import haystack_words as _haystack_words
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 RECIPES = importlib.resources.files("kvscope.workloads") / "recipes"
 TOLERANCE = 0.02
-QUESTION_AT = "question_at"  # a builder's meta key: where the question starts (niah, vt: split prompts)
-CONTINUATION = "continuation"  # a builder's meta key: the text that follows the prompt (prose, code)
 
 
 @dataclass(frozen=True)
@@ -102,19 +108,7 @@ def load_recipe(name: str) -> dict:
         return tomllib.load(f)
 
 
-# -- text sources ---------------------------------------------------------------------------
-
-
-def prose_text() -> str:
-    """The reference-manual topics that ship with Python, in a fixed order."""
-    from pydoc_data import topics
-
-    return "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
-
-
-def prose_sentences() -> list[str]:
-    text = re.sub(r"\s+", " ", prose_text())
-    return [s.strip() + "." for s in re.split(r"(?<=[a-z])\. ", text) if 40 <= len(s) <= 300]
+# -- text sources (prose: see .sources) ---------------------------------------------------------
 
 
 def code_text(modules: list[str], rng: random.Random) -> str:
@@ -167,18 +161,6 @@ def build_code(recipe, tokenizer, rng, index):
     return _continuation(code_text(recipe["modules"], rng), rng, tokenizer, recipe.get("continuation_tokens", 0))
 
 
-def _haystack_words(rng: random.Random, n_words: int) -> list[str]:
-    """``n_words`` words of consecutive reference-manual sentences from a seeded start."""
-    sentences = prose_sentences()
-    start = rng.randrange(0, len(sentences))
-    words: list[str] = []
-    i = start
-    while len(words) < n_words:
-        words += sentences[i % len(sentences)].split()
-        i += 1
-    return words[:n_words]
-
-
 def _repeated_sentences(text: str, n: int) -> list[str]:
     """``n`` sentences of ``text`` (split at periods) repeated in order: RULER's noise filler."""
     sentences = [x.strip() + "." for x in text.split(".") if x.strip()]
@@ -210,7 +192,7 @@ def build_niah(recipe, tokenizer, rng, index):
     return make, None
 
 
-def build_vt(recipe, tokenizer, rng, index):
+def build_vt_chains(recipe, tokenizer, rng, index):
     def name():
         return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
 
@@ -334,9 +316,10 @@ WORKLOADS = {
     "prose": Workload("prose", build_prose, continues=True),
     "code": Workload("code", build_code, continues=True),
     "niah": Workload("niah", build_niah, score_all_present),
-    "vt": Workload("vt", build_vt, score_all_present),
+    "vt_chains": Workload("vt_chains", build_vt_chains, score_all_present),
     "reasoning": Workload("reasoning", build_reasoning, score_final_number),
     "passkey": Workload("passkey", build_passkey, score_all_present),
+    **{name: Workload(name, ruler.build, string_match_all) for name in ruler.TASKS},  # RULER's, by RULER's names
 }
 
 
@@ -359,24 +342,36 @@ def get(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> int:
-    """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it).
+def count_tokens(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool, answer_prefix: str | None = None) -> int:
+    """Tokens the model receives for ``text`` (as ``kvscope trace`` encodes it), with its
+    ``answer_prefix`` after the chat template's generation prompt where it has one: what the model
+    has read when it starts the answer.
 
     Args:
         tokenizer: The model's tokenizer.
         text: The prompt.
         chat: Wrapped in the model's chat template.
+        answer_prefix: The text the answer starts after (RULER's tasks), if any.
     """
-    return len(encode(tokenizer, [Prompt(text, "count")], chat)[0])
+    return len(encode(tokenizer, [Prompt(text, "count", answer_prefix=answer_prefix)], chat)[0])
 
 
-def _fit(make, tokenizer, chat: bool, context: int, limit: int | None):
-    """The filler amount whose prompt is closest to ``context`` tokens (monotone search)."""
-    smallest = count_tokens(tokenizer, make(0)[0], chat) if make(0)[0] else 0
+def _fit(make, tokenizer, *, chat: bool, context: int, limit: int | None):
+    """The filler amount whose prompt (with its answer prefix) is closest to ``context`` tokens
+    (monotone search)."""
+    sizes: dict[int, int] = {}
+
+    def size(n: int) -> int:
+        if n not in sizes:
+            text, _, meta = make(n)
+            sizes[n] = count_tokens(tokenizer, text, chat, meta.get(ANSWER_PREFIX)) if text else 0
+        return sizes[n]
+
+    smallest = size(0)
     if smallest > context * (1 + TOLERANCE):
         raise KvscopeError(f"this workload needs at least {smallest} tokens; asked for --context {context}")
     lo, hi = 0, 1
-    while count_tokens(tokenizer, make(hi)[0], chat) < context:
+    while size(hi) < context:
         lo, hi = hi, hi * 2
         if limit is not None and hi >= limit:
             hi = limit
@@ -385,11 +380,11 @@ def _fit(make, tokenizer, chat: bool, context: int, limit: int | None):
             raise KvscopeError(f"cannot build a prompt of {context} tokens")
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if count_tokens(tokenizer, make(mid)[0], chat) < context:
+        if size(mid) < context:
             lo = mid
         else:
             hi = mid
-    best = min((lo, hi), key=lambda n: abs(count_tokens(tokenizer, make(n)[0], chat) - context))
+    best = min((lo, hi), key=lambda n: abs(size(n) - context))
     return make(best)
 
 
@@ -424,6 +419,7 @@ def prompts(
     follow = _continuation_tokens(workload, continuation_tokens)
     recipe = {**workload.recipe, "continuation_tokens": follow}
     context = int(context or recipe["context"])
+    recipe["context"] = context  # the builders see the length asked for (RULER's sizes depend on it)
     samples = int(samples or recipe.get("samples", 1))
     chat = recipe.get("chat", False) if chat is None else chat
     if context < 64:
@@ -437,10 +433,12 @@ def prompts(
         if available_tokens is not None and available_tokens < context:
             more = f" before the {follow} that continue it" if follow else ""
             raise KvscopeError(f"workload {name} has only {available_tokens} tokens of text{more}; asked for {context}")
-        text, expected, meta = _fit(make, tokenizer, chat, context, available_tokens)
+        text, expected, meta = _fit(make, tokenizer, chat=chat, context=context, limit=available_tokens)
         split = meta.pop(QUESTION_AT, None)
         continuation = meta.pop(CONTINUATION, None)
-        n = count_tokens(tokenizer, text, chat)
+        answer_prefix = meta.pop(ANSWER_PREFIX, None)
+        answers = meta.pop(ANSWERS, None)
+        n = count_tokens(tokenizer, text, chat, answer_prefix)
         if abs(n - context) > TOLERANCE * context:
             raise KvscopeError(f"workload {name}: could not reach {context} tokens (got {n})")
         out.append(
@@ -451,6 +449,8 @@ def prompts(
                 meta={"workload": name, "seed": seed, "context": context, "tokens": n, **meta},
                 split=split,
                 continuation=continuation,
+                answer_prefix=answer_prefix,
+                answers=answers,
             )
         )
     return out
