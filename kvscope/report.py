@@ -88,7 +88,9 @@ def comparison(result: xr.Dataset) -> list[dict]:
     ([FMM](concepts.md#fmm)); ``evicted_mass`` and ``q_mass`` (the
     [tier-resolved future mass](concepts.md#tier-resolved-mass)); ``attn_l1`` and
     ``output_rel_l2`` ([output error](concepts.md#output-error), None without q/k/v);
-    ``churn`` and ``lir``. A number that is NaN is None.
+    ``churn`` and ``lir``; with forced replay its ``forced_*`` figures and, where the trace's
+    samples carry answers, ``accuracy`` with ``accuracy_ci95`` ([task accuracy from the gold
+    answer](concepts.md#task-accuracy)). A number that is NaN is None.
 
     Args:
         result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
@@ -96,6 +98,7 @@ def comparison(result: xr.Dataset) -> list[dict]:
     rows = []
     has_err = "attn_l1_mean" in result
     forced = "forced_kl_mean" in result
+    answers = "accuracy" in result
     for policy, allocation, budget in runs(result):
         r = result.sel(policy=policy, allocation=allocation, budget=budget)
         tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
@@ -118,6 +121,7 @@ def comparison(result: xr.Dataset) -> list[dict]:
                 "churn": _num(r["churn_mean"]),
                 "lir": _num(r["lir"]),
                 **(_forced_row(r) if forced else {}),
+                **(_accuracy_row(r) if answers else {}),
             }
         )
     return rows
@@ -133,6 +137,15 @@ def _forced_row(r) -> dict:
         "forced_agreement": _num(r["forced_agreement"]),
         "forced_rounds": int(r["forced_rounds"].max()),
         "forced_converged": bool(r["forced_converged"].all()),
+    }
+
+
+def _accuracy_row(r) -> dict:
+    """A run's task accuracy: the share of samples with answers whose greedy output under the run's
+    cache starts with the gold answer, with its bootstrap CI (docs/concepts.md#task-accuracy)."""
+    return {
+        "accuracy": _num(r["accuracy"]),
+        "accuracy_ci95": [_num(r["accuracy_ci_low"]), _num(r["accuracy_ci_high"])],
     }
 
 
@@ -176,9 +189,11 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
     allocations = [str(a) for a in result["allocation"].values]
     split = allocations != ["uniform"]  # show the allocation column
     forced = "forced_kl_mean" in result
+    answers = "accuracy" in result
     table = Table(
         "policy", *(["allocation"] if split else []), "β", "bytes used", f"FMM@{h} [95% CI]", "FMM fp", "Q mass",
         "attn L1", "out err", "churn", "LIR", *(["KL (forced) [95% CI]", "ppl", "top-1"] if forced else []),
+        *(["accuracy [95% CI]"] if answers else []),
         title=title,
     )  # fmt: skip
     rows = comparison(result)
@@ -189,8 +204,9 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
             fmt(row["fmm"]) + _ci(row["fmm_ci95"], fmt), fmt(row["fmm_fp"]), fmt(row["q_mass"]),
             fmt(row["attn_l1"]), fmt(row["output_rel_l2"]), fmt(row["churn"]), fmt(row["lir"]),
             *(_forced_cells(row, fmt) if forced else []),
+            *([fmt(row["accuracy"]) + _ci(row["accuracy_ci95"], fmt)] if answers else []),
         )  # fmt: skip
-    print_table(table, 150 if forced else 120)
+    print_table(table, (170 if answers else 150) if forced else 120)
     print(
         "bytes used: peak share of the full cache at the final length; (floor): the policy cannot fit β and "
         "reports what it used. FMM: future mass on evicted positions; FMM fp: not at full precision. "
@@ -223,6 +239,12 @@ def forced_note(result: xr.Dataset, rows: list[dict]) -> str:
         f"in nats per step, perplexity (full KV: {np.exp(np.nanmean(np.log(full))):.2f}), top-1 agreement with full KV; "
         f"{settings.get('chunk', '?')} steps per forward."
     )
+    if "accuracy" in result:
+        n = int(np.isfinite(result["answer_exact"].values).any(tuple(range(3))).sum())
+        text += (
+            f" accuracy: share of the {n} samples with answers whose greedy output under the cache starts with the "
+            "gold answer (exact match of its tokens, from the forced answer)."
+        )
     stuck = sorted({row["policy"] for row in rows if not row["forced_converged"]})
     if stuck:
         text += (

@@ -57,7 +57,8 @@ class Variable:
     dtypes: tuple[str, ...]  # numpy dtype strings; "U": any unicode string
     rule: str  # a key of VALUE_RULES (data variables) or COORDINATE_RULES
     optional: str = ""  # the group of optional variables it belongs to, present all or none:
-    # "errors" (attn_l1, output_rel_l2 and their means: q/k/v recorded), "forced" (replay --forced)
+    # "errors" (attn_l1, output_rel_l2 and their means: q/k/v recorded), "forced" (replay --forced),
+    # "answers" (replay --forced of a trace whose samples carry answers: trace --dataset)
 
 
 SAMPLE = RUN + ("sample",)
@@ -109,6 +110,10 @@ VARIABLES = {
                                  ("forced_agreement", "share", ""))
         for part in (mean, "_ci_low", "_ci_high")
     },  # fmt: skip
+    "answer_exact": Variable(SAMPLE, F8, "share", optional="answers"),
+    "answer_nll": Variable(SAMPLE, F8, "bytes", optional="answers"),
+    "answer_rank": Variable(SAMPLE, F8, "bytes", optional="answers"),
+    **{f"accuracy{part}": Variable(RUN, F8, "share", optional="answers") for part in ("", "_ci_low", "_ci_high")},
 }
 
 COORDINATES = {

@@ -29,6 +29,16 @@ def rule_of(ds: xr.Dataset, layer: int):
     return model.rule(layer).of_kv_heads(first, count, model.n_kv_heads)
 
 
+def answered(ds: xr.Dataset) -> np.ndarray:
+    """``[sample]`` bool: the samples whose prompt carries accepted answers (``Prompt.answers`` in the
+    trace's ``prompts`` attribute: ``trace --dataset``). Such a trace forced the gold answer's tokens
+    as the sample's decode steps after any question (``kvscope.model.prompts.answer_ids``), so its
+    scored forced steps are exactly the answer's."""
+    prompts = ds.attrs.get("prompts") or []
+    n = ds.sizes["sample"]
+    return np.array([s < len(prompts) and bool(prompts[s].get("answers")) for s in range(n)], dtype=bool)
+
+
 class SampleReader:
     """Rows, queries, prompt attention and K/V of sample ``s`` of a trace whose stored rows
     come ``group`` per KV head."""

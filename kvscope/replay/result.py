@@ -25,6 +25,7 @@ from ..analysis.common import selection_codes
 from ..analysis.lir import LIR, LirStream
 from ..storage.schema import CHUNK_OVERHEAD, METADATA_BYTES, chunked_bytes, on_disk
 from .check import COORDINATES, VARIABLES
+from .reader import answered
 from .store import RUN, TIER_DIMS, TierStore, tier_chunks, write_variables, written_in_place
 
 TIERS = ("FP", "Q", "EVICTED")
@@ -260,6 +261,9 @@ def _forced_variables(setup, f) -> dict:
         forced_agreement                     Σ top1 / Σ scored steps
         forced_rounds, forced_converged      [*run, sample]   forwards of the slowest chunk; fixed point reached
         forced_perplexity_full               [sample]   the continuation's perplexity under full KV
+
+    and where samples carry answers (``kvscope.replay.reader.answered``: their scored steps are the
+    gold answer's tokens a_0 … a_{m−1}; docs/concepts.md#task-accuracy) ``_answer_variables``.
     """
     dims_sample = RUN + ("sample",)
     data = {
@@ -280,7 +284,44 @@ def _forced_variables(setup, f) -> dict:
         key = "forced_kl_mean" if name == "forced_kl" else name
         data[key] = (RUN, est[..., 0])
         data[f"{name}_ci_low"], data[f"{name}_ci_high"] = (RUN, est[..., 1]), (RUN, est[..., 2])
+    has_answers = answered(setup.ds)
+    if has_answers.any():
+        data |= _answer_variables(setup, f, has_answers)
     return data
+
+
+def _answer_variables(setup, f, has_answers: np.ndarray) -> dict:
+    """Task accuracy from the gold answer (docs/concepts.md#task-accuracy): over a sample's scored
+    steps ``i = 0 … m−1`` (its answer's tokens; ``has_answers [sample]``)::
+
+        answer_exact       [*run, sample]   Π_i hit_i: 1 iff greedy decoding under the run's cache
+                                            emits the gold answer as its first m tokens, else 0
+        answer_nll         [*run, sample]   Σ_i nll_i = −log p(a_0 … a_{m−1})
+        answer_rank        [*run, sample]   rank_0: tokens with a larger log-probability than a_0
+        accuracy           [*run]           Σ answer_exact / #samples with answers (CI: bootstrap
+                                            over those samples: ratio of Σ exact to Σ 1)
+
+    NaN for samples without answers or without forced steps.
+    """
+    scored = np.isfinite(f.nll)  # [*run, sample, step]
+    valid = has_answers & scored.any(-1)  # [*run, sample]
+    first = scored.argmax(-1)[..., None]
+    with np.errstate(invalid="ignore"):
+        exact = np.where(valid, (np.where(scored, f.hit, 1) == 1).all(-1), np.nan)
+        nll = np.where(valid, np.where(scored, f.nll, 0).sum(-1), np.nan)
+        rank = np.where(valid, np.take_along_axis(f.rank, first, -1)[..., 0], np.nan)
+    est = np.full(exact.shape[:3] + (3,), np.nan)
+    for run in np.ndindex(*exact.shape[:3]):
+        est[run] = setup.fmm.interval(np.nan_to_num(exact[run]), np.isfinite(exact[run]).astype(np.float64))
+    dims_sample = RUN + ("sample",)
+    return {
+        "answer_exact": (dims_sample, exact.astype(np.float64)),
+        "answer_nll": (dims_sample, nll.astype(np.float64)),
+        "answer_rank": (dims_sample, rank.astype(np.float64)),
+        "accuracy": (RUN, est[..., 0]),
+        "accuracy_ci_low": (RUN, est[..., 1]),
+        "accuracy_ci_high": (RUN, est[..., 2]),
+    }
 
 
 def _selection_variables(o: Outputs) -> dict:

@@ -14,8 +14,15 @@ map ``T_t`` holds after it appended position ``P − 1 + t``::
     kl_t   = KL(softmax z*_t ‖ softmax z_t)          nats (z*: the same forward under full KV)
     nll_t  = −log softmax(z_t)[y_t]
     top1_t = [argmax z_t = argmax z*_t]
+    hit_t  = [argmax z_t = y_t]                     (the first maximal index, as the greedy decode)
+    rank_t = #{v : log softmax(z_t)[v] > log softmax(z_t)[y_t]}
 
 Step 0 is the prefill's last row: every policy compresses after the prefill, so ``z_0 = z*_0``.
+Where the continuation is a task's gold answer ``a_0 … a_{m−1}`` (``trace --dataset``), greedy
+decoding under the cache emits it first iff every answer step is a hit (``answer_exact``:
+docs/concepts.md#task-accuracy, ``kvscope.replay.result``). The argmax is taken over the
+log-softmax in float32, the live decode's over the logits: the same index unless two logits round
+to an exact tie (``ForcedRun._score``).
 
 Closed loop. A policy that decides from what its cache served (``observes``: H2O, QEvict) or reads
 each decode forward's tensors (kvpress's DecodingPress) changes its tier maps with the rows the

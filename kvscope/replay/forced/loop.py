@@ -23,9 +23,9 @@ class ForcedRun:
     forced decode (``kvscope.replay.forced``), ``split`` the oracle allocation's where it is one.
     ``scored``: against the sample's full-KV reference (False: the reference's own run).
 
-    After ``run``: ``kl``, ``nll``, ``top1`` ``[S]``, ``rounds`` (most rounds of any chunk),
-    ``converged``; with ``keep_logits`` the log-probabilities ``[S, vocab]``, and ``feeds`` (each decode
-    forward's q/k/v) where the sample needs them."""
+    After ``run``: ``kl``, ``nll``, ``top1``, ``hit``, ``rank`` ``[S]`` (``ForcedRun._score``),
+    ``rounds`` (most rounds of any chunk), ``converged``; with ``keep_logits`` the log-probabilities
+    ``[S, vocab]``, and ``feeds`` (each decode forward's q/k/v) where the sample needs them."""
 
     def __init__(self, sample, policy, allocation, budget: float, split=None, *, scored: bool = True):
         from ...policies.allocation import Given, Uniform
@@ -49,6 +49,7 @@ class ForcedRun:
         self.futures = {policy.horizon: sample.reader.future(policy.horizon)} if policy.clairvoyant else {}
         S = sample.S
         self.kl, self.nll, self.top1 = np.zeros(S), np.zeros(S), np.ones(S, dtype=bool)
+        self.hit, self.rank = np.zeros(S, dtype=bool), np.zeros(S, dtype=np.int64)
         self.rounds, self.converged = 1, True
         self.log_probs = None
         self.feeds = None
@@ -143,7 +144,7 @@ class ForcedRun:
             self.log_probs[0] = logits0.numpy()
         if sample.feeds_needed and keep_logits:
             self.feeds = [None] * sample.S
-        self.nll[0] = float(-logits0[int(sample.continuation[0])])
+        self._score(range(0, 1), logits0[None], None, keep_logits=False)
         for c0 in range(1, sample.S, sample.chunk):
             steps = range(c0, min(sample.S, c0 + sample.chunk))
             cache = self._chunk(steps, cache, reference, keep_logits)
@@ -247,13 +248,26 @@ class ForcedRun:
         return ChunkSeen(log_probs, attention.rows, attention.step_feeds())
 
     def _score(self, steps: range, log_probs, reference, keep_logits: bool) -> None:
-        """``nll_t = −log p(y_t)``, and against the full-KV reference ``p*`` (where scored)
-        ``kl_t = Σ p* (log p* − log p)`` and ``top1_t = [argmax p* = argmax p]``, of the chunk's steps."""
+        """Of the chunk's steps (``log_probs [step, vocab]``, ``log p = log_softmax z`` in float32):
+
+            nll_t  = −log p(y_t)
+            hit_t  = [argmax p = y_t]                 the greedy decode would emit y_t here
+            rank_t = #{v : log p(v) > log p(y_t)}     0 where y_t is a most likely token
+
+        and against the full-KV reference ``p*`` (where scored) ``kl_t = Σ p* (log p* − log p)`` and
+        ``top1_t = [argmax p* = argmax p]``. ``argmax`` is ``torch.argmax``, the first maximal index,
+        as the live greedy decode breaks ties (``kvscope.live.run.decode``); it takes it over the
+        logits, this over their log-softmax — the same index unless two logits differ by less than
+        the log-softmax's float32 rounding and become an exact tie (then this takes the lower index).
+        Step 0 (the prefill's last row) is scored by ``run`` with no reference (its KL is 0)."""
         import torch
 
         at = slice(steps.start, steps.stop)
         y = self.sample.continuation[at]
-        self.nll[at] = (-log_probs.gather(-1, y[:, None])[:, 0]).numpy()
+        chosen = log_probs.gather(-1, y[:, None])  # [step, 1]
+        self.nll[at] = (-chosen[:, 0]).numpy()
+        self.hit[at] = (log_probs.argmax(-1) == y).numpy()
+        self.rank[at] = (log_probs > chosen).sum(-1).numpy()
         if reference is not None:
             ref = torch.from_numpy(reference.log_probs[at])
             self.kl[at] = (ref.exp() * (ref - log_probs)).sum(-1).numpy()

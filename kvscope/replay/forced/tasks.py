@@ -26,8 +26,10 @@ def check_forced(chunk: int, max_rounds: int) -> tuple[int, int]:
 
 @dataclass
 class ForcedOutputs:
-    """Every run's forced decode: ``kl``, ``nll``, ``top1`` ``[*run, sample, step]`` (NaN past a
-    sample's steps, and on the steps a question-agnostic trace does not score), ``rounds`` and
+    """Every run's forced decode: ``kl``, ``nll``, ``top1``, ``hit`` (1.0 where the greedy choice is
+    the forced token) and ``rank`` (of the forced token: how many tokens are likelier)
+    ``[*run, sample, step]`` (``ForcedRun._score``; NaN past a sample's steps, and on the steps a
+    question-agnostic trace does not score), ``rounds`` and
     ``converged`` ``[*run, sample]``, ``perplexity_full [sample]`` (the continuation under full KV),
     per policy how its loop ran (``loops``: closed, one round, or open for the clairvoyant), and
     ``served``: per policy what the continuation saw, where not the masked cache."""
@@ -35,6 +37,8 @@ class ForcedOutputs:
     kl: np.ndarray
     nll: np.ndarray
     top1: np.ndarray
+    hit: np.ndarray
+    rank: np.ndarray
     rounds: np.ndarray
     converged: np.ndarray
     perplexity_full: np.ndarray
@@ -48,6 +52,7 @@ class ForcedOutputs:
         per_step = lead + (setup.n_step_total,)
         return cls(
             kl=np.full(per_step, np.nan), nll=np.full(per_step, np.nan), top1=np.full(per_step, np.nan),
+            hit=np.full(per_step, np.nan), rank=np.full(per_step, np.nan),
             rounds=np.zeros(lead, dtype=np.int64), converged=np.ones(lead, dtype=bool),
             perplexity_full=np.full(setup.n_samples, np.nan), loops={}, settings=settings,
         )  # fmt: skip
@@ -55,9 +60,10 @@ class ForcedOutputs:
     def absorb(self, result: TaskResult) -> None:
         """A task's runs into place (their scored steps: the rest stay NaN)."""
         s = result.sample
-        for (pi, ai, bi), (kl, nll, top1, rounds, converged) in result.runs.items():
+        for (pi, ai, bi), (kl, nll, top1, hit, rank, rounds, converged) in result.runs.items():
             at, steps = (pi, ai, bi, s), slice(result.first, result.first + len(kl))
             self.kl[at][steps], self.nll[at][steps], self.top1[at][steps] = kl, nll, top1
+            self.hit[at][steps], self.rank[at][steps] = hit, rank
             self.rounds[at], self.converged[at] = rounds, converged
         self.perplexity_full[s] = result.perplexity_full
         self.loops.update(result.loops)
@@ -80,7 +86,7 @@ class TaskResult:
 
     sample: int
     first: int  # the first scored step (the runs' arrays start there)
-    runs: dict  # (pi, ai, bi) → (kl, nll, top1 [scored step], rounds, converged)
+    runs: dict  # (pi, ai, bi) → (kl, nll, top1, hit, rank [scored step], rounds, converged)
     perplexity_full: float
     loops: dict  # policy label → loop
     served: dict = field(default_factory=dict)  # policy label → what the continuation saw, where not the masked cache
@@ -110,7 +116,8 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chun
     done, served = {}, {}
     for key, run in runs.items():
         run.run()
-        done[key] = (run.kl[scored], run.nll[scored], run.top1[scored], run.rounds, run.converged)
+        done[key] = (run.kl[scored], run.nll[scored], run.top1[scored], run.hit[scored], run.rank[scored],
+                     run.rounds, run.converged)  # fmt: skip
         if run.pressed is not None:
             served[run.policy.label()] = "the press's own rewritten cache"
     return TaskResult(sample=s, first=sample.first_scored, runs=done, perplexity_full=sample.perplexity_full(),
