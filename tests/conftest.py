@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -115,6 +116,24 @@ def smollm2_dir() -> Path:
     return Path(resolve("smollm2-135m").load_path)
 
 
+def shared_store(tmp_path_factory, name: str, build) -> Path:
+    """The store ``name``, built once for the whole run by ``build(path)`` and shared by the test
+    workers (each worker's session fixtures would otherwise trace it again); read-only to tests."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if base.name.startswith("popen-gw") else base) / "shared-stores"
+    folder.mkdir(exist_ok=True)
+    out = folder / name
+    with FileLock(str(out) + ".lock"):
+        if not out.exists():
+            partial = folder / f".{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
     """A real SmolLM2 trace with q/k/v: one prose prompt of ~400 tokens, 64 steps (replay, allocation)."""
@@ -122,10 +141,10 @@ def qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
 
     import kvscope
 
-    out = tmp_path_factory.mktemp("replay") / "prose-qkv.zarr"
     text = topics.topics["assignment"][:1500]
-    kvscope.trace(text, out, max_new_tokens=64, stop_at_eos=False, block_steps=16, record_qkv=True)
-    return out
+    return shared_store(tmp_path_factory, "prose-qkv.zarr", lambda out: kvscope.trace(
+        text, out, max_new_tokens=64, stop_at_eos=False, block_steps=16, record_qkv=True
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -136,22 +155,20 @@ def prompts_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
 
     import kvscope
 
-    out = tmp_path_factory.mktemp("prompts") / "prompts-qkv.zarr"
     texts = [topics.topics[name][:700] for name in ("assignment", "if", "while")]
-    kvscope.trace(texts, out, max_new_tokens=40, stop_at_eos=False, block_steps=16, record_qkv=True)
-    return out
+    return shared_store(tmp_path_factory, "prompts-qkv.zarr", lambda out: kvscope.trace(
+        texts, out, max_new_tokens=40, stop_at_eos=False, block_steps=16, record_qkv=True
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def small_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
     """A real SmolLM2 trace with q/k/v from the command line: one 300-token prose prompt, 16
     steps (validate and tune's live checks decode it again)."""
-    out = tmp_path_factory.mktemp("small-qkv") / "full.zarr"
-    run_cli(
+    return shared_store(tmp_path_factory, "small-qkv.zarr", lambda out: run_cli(
         "trace", "--workload", "prose", "--context", "300", "--samples", "1", "--max-new-tokens", "16",
         "--record", "qkv", "--out", out, "--quiet", check=True,
-    )  # fmt: skip
-    return out
+    ))  # fmt: skip
 
 
 def build_tiny(kind: str, folder: Path, tokenizer_dir: Path) -> Path:

@@ -1,6 +1,8 @@
 """Issue 13, "trust every input": models, prompts, options, store paths and locks that a hostile
-but fair user hands kvscope end with one line and exit code 2 (real CLI runs), reach no network
-they were not meant to, and leave every store as it was."""
+but fair user hands kvscope end with one line and exit code 2, reach no network they were not
+meant to, and leave every store as it was. The CLI runs through its own ``main`` in this process,
+and as a real subprocess wherever the process matters (argv bytes, signals, the environment, a
+file's encoding) and once per kind of command."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import kvscope
 from kvscope.errors import KvscopeError
 from kvscope.live.validate import validate
 
-from .conftest import ROOT, one_line_error, run_cli, tree_digest
+from .conftest import ROOT, one_line_error, run_cli, run_main, tree_digest
 
 PROMPT = "Write one sentence about the sea."
 
@@ -101,7 +103,7 @@ def test_a_lock_that_is_a_link_is_never_followed(tmp_path, partial_store, tiny_m
     args = ["trace", "--model", tiny_models["llama"], "--prompt", PROMPT, "--max-new-tokens", "12", "--block-steps",
             "4", "--ignore-eos", "--out", partial_store, "--quiet"]  # fmt: skip
     for flag in ("--force", "--resume"):
-        one_line_error(run_cli(*args, flag), ".kvscope-lock is a symbolic link")
+        one_line_error(run_main(*args, flag), ".kvscope-lock is a symbolic link")
     assert outside.read_text() == "not kvscope's to truncate\n"
     assert lock.is_symlink() and tree_digest(partial_store) == before
 
@@ -110,7 +112,7 @@ def test_out_that_is_a_link_is_never_written_through(tmp_path, partial_store, ti
     link = tmp_path / "link.zarr"
     link.symlink_to(partial_store)
     before = tree_digest(partial_store)
-    proc = run_cli(*trace_args(tiny_models["llama"], link, "--prompt", PROMPT, "--force"))
+    proc = run_main(*trace_args(tiny_models["llama"], link, "--prompt", PROMPT, "--force"))
     one_line_error(proc, f"--out {link} is a symbolic link")
     with pytest.raises(KvscopeError, match="is a symbolic link"):
         kvscope.trace(PROMPT, link, model=str(tiny_models["llama"]), max_new_tokens=12, block_steps=4, resume=True)
@@ -122,7 +124,7 @@ def test_out_that_is_a_link_is_never_written_through(tmp_path, partial_store, ti
 
 def test_non_finite_temperature(tmp_path, tiny_models):
     out = tmp_path / "never.zarr"
-    proc = run_cli(*trace_args(tiny_models["llama"], out, "--prompt", PROMPT, "--temperature", "nan"))
+    proc = run_main(*trace_args(tiny_models["llama"], out, "--prompt", PROMPT, "--temperature", "nan"))
     one_line_error(proc, "--temperature must be a finite number (got nan)")
     assert not out.exists()
 
@@ -287,7 +289,7 @@ AUTO_MAP = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "mo
 def test_model_folder_configs(tmp_path, tiny_models, edit, needle):
     folder = _folder_with_config(tiny_models["llama"], tmp_path / "model", edit)
     out = tmp_path / "never.zarr"
-    proc = run_cli(*trace_args(folder, out, "--prompt", PROMPT))
+    proc = run_main(*trace_args(folder, out, "--prompt", PROMPT))
     one_line_error(proc, needle)
     if needle == "needs custom code":
         assert "pass --trust-remote-code" in proc.stderr
@@ -357,8 +359,8 @@ def test_a_model_dtype_the_store_records_is_checked(tmp_path, qkv_store):
     (crafted / "zarr.json").write_text(json.dumps(doc))
     before = tree_digest(crafted)
     needle = f"the model_dtype that {crafted} records must be one of auto, float32, bfloat16, float16 (got 'float7')"
-    one_line_error(run_cli("validate", crafted, "--policy", "h2o", "--budget", "0.5"), needle)
-    one_line_error(run_cli("tune", crafted, "--policy", "h2o", "--budget", "0.5", "--check", "prose"), needle)
+    one_line_error(run_main("validate", crafted, "--policy", "h2o", "--budget", "0.5"), needle)
+    one_line_error(run_main("tune", crafted, "--policy", "h2o", "--budget", "0.5", "--check", "prose"), needle)
     assert tree_digest(crafted) == before
 
 
@@ -372,7 +374,7 @@ def test_validate_never_fetches_the_model_a_store_names(tmp_path, qkv_store, hub
 
 def test_validate_model_override_is_checked_against_the_recorded_weights(tmp_path, qkv_store, tiny_models, hub):
     crafted = _with_model_name(qkv_store, tmp_path / "crafted.zarr", "org/exfiltrate")
-    other = run_cli("validate", crafted, "--policy", "h2o", "--budget", "0.5", "--model", tiny_models["qwen2"])
+    other = run_main("validate", crafted, "--policy", "h2o", "--budget", "0.5", "--model", tiny_models["qwen2"])
     one_line_error(other, "pass --model with the same weights")
     assert "was traced with" in other.stderr
     same = run_cli(
@@ -390,15 +392,15 @@ def test_live_out_never_overwrites_the_input_or_an_existing_store(tmp_path, qkv_
     shutil.copytree(qkv_store, existing)
     digests = {p: tree_digest(p) for p in (crafted, existing)}
     args = ("validate", crafted, "--policy", "h2o", "--budget", "0.5", "--live-out")
-    one_line_error(run_cli(*args, crafted, "--force"), "overlaps the input store")
+    one_line_error(run_main(*args, crafted, "--force"), "overlaps the input store")
     for live_out in (crafted / "inner.zarr", tmp_path, tmp_path / "alias.zarr"):  # inside it, around it, a link to it
         if live_out.name == "alias.zarr":
             live_out.symlink_to(crafted)
         with pytest.raises(KvscopeError, match="overlaps the input store"):
             validate(crafted, "h2o", 0.5, live_out=live_out, force=True)
-    one_line_error(run_cli(*args, existing), "exists; pass --force to overwrite it")
+    one_line_error(run_main(*args, existing), "exists; pass --force to overwrite it")
     assert {p: tree_digest(p) for p in digests} == digests
-    proc = run_cli(
+    proc = run_main(
         "validate", qkv_store, "--policy", "h2o", "--budget", "0.5", "--live-out", existing, "--force", "--json"
     )
     assert proc.returncode in (0, 1), proc.stderr

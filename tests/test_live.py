@@ -38,7 +38,7 @@ LIVE_PRESSES = [
     "press:PyramidKVPress",
     "press:DecodingPress:base=KnormPress:compression_interval=8",
 ]
-STEPS = 40
+STEPS = 24
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def prompt_ids(loaded):
     import pydoc_data.topics as topics
 
     _, _, tokenizer = loaded
-    return tokenizer(topics.topics["assignment"][:2400]).input_ids[:360]
+    return tokenizer(topics.topics["assignment"][:1600]).input_ids[:240]
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +175,8 @@ def test_decoding_press_live_compresses_while_decoding(loaded, prompt_ids):
     ``compression_interval`` steps: the bytes grow by 7 rows between compressions, stay within
     β, and the copy its hook compresses (the cache's mirror) is counted with the serving buffers."""
     _, model, _ = loaded
-    cache = PolicyCache(model, LIVE_PRESSES[4], 0.8, STEPS, check=True)
-    decode(model, prompt_ids[:60], cache, STEPS)
+    cache = PolicyCache(model, LIVE_PRESSES[4], 0.8, 40, check=True)
+    decode(model, prompt_ids[:60], cache, 40)
     assert cache.state.reached and cache.state.setting == {"target_size": 73}  # ⌊0.8 · 100⌋ − 8 + 1
     held = np.asarray(cache.bytes_actual) / cache.spec.fp_bytes / (cache.n_layers * cache.n_kv)  # tokens per unit
     assert held.max() <= 80 and held[-1] < 100 and len(set(np.diff(held)) - {0.0, 1.0}) > 0
@@ -222,8 +222,8 @@ def test_replay_makes_the_live_decisions(loaded, tmp_path, name):
     import pydoc_data.topics as topics
 
     out = tmp_path / "live.zarr"
-    prompt = [Prompt(topics.topics["assignment"][:1400])]
-    trace_loaded(model, tokenizer, source, prompt, out, settings, cache=LivePolicy(name, 0.3))
+    prompt = [Prompt(topics.topics["assignment"][:900])]
+    trace_loaded(model, tokenizer, source, prompt, out=out, settings=settings, cache=LivePolicy(name, 0.3))
     live = kvscope.open_trace(out)
     assert live.attrs["policy"]["label"] == parse(name).label() and live.attrs["policy"]["kv_itemsize"] == 4
     replayed = kvscope.replay(live, [name], [0.3], observe="exact", kv_itemsize=4)
