@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..errors import KvscopeError, parse_json
-from .prompts import Prompt, read_text_file
+from ..errors import KvscopeError
+from .prompts import Prompt, json_objects, read_text_file
 
 SUFFIXES = (".jsonl", ".parquet")
 COLUMNS = ("context", "question", "answer", "answer_prefix", "max_new_tokens", "task")
@@ -57,19 +57,8 @@ def load_dataset(path: str | Path) -> list[Prompt]:
 def _jsonl_rows(p: Path) -> list[tuple[str, dict]]:
     """``(where, object)`` of each non-blank line (``where``: "row R (line L)")."""
     text = read_text_file(p, "dataset file")
-    rows = []
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"row {len(rows)} (line {line_no})"
-        try:
-            obj = parse_json(line)
-        except ValueError:  # not JSON, or nested too deep
-            raise KvscopeError(f"dataset {p} {where}: not a JSON object") from None
-        if not isinstance(obj, dict):
-            raise KvscopeError(f"dataset {p} {where}: not a JSON object")
-        rows.append((where, obj))
-    return rows
+    objects = json_objects(text, lambda line, row: f"dataset {p} row {row} (line {line})")
+    return [(f"row {row} (line {line})", obj) for row, (line, obj) in enumerate(objects)]
 
 
 def _parquet_rows(p: Path) -> list[tuple[str, dict]]:

@@ -2,6 +2,7 @@
 
 as_prompts("text" | ["a", "b"] | [Prompt, …])   → [Prompt]
 load_continuation_file("next.txt")              → str        (trace --continuation FILE)
+json_objects(text, where)                       → [(line, object)]   JSON lines (prompts files, datasets)
 load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} or
                                                              {"context": …, "question": …} per line
                                                              (and a "continuation" on every line or none)
@@ -188,6 +189,24 @@ def load_continuation_file(path: str | Path) -> str:
     return text
 
 
+def json_objects(text: str, where) -> list[tuple[int, dict]]:
+    """``(line number, object)`` of each non-blank line of JSON-lines ``text`` (lines count from 1);
+    a line that is not a JSON object is refused as ``"{where(line, row)}: not a JSON object"``
+    (``row``: its index among the non-blank lines)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = parse_json(line)
+        except ValueError:  # not JSON, or nested too deep
+            obj = None
+        if not isinstance(obj, dict):
+            raise KvscopeError(f"{where(n, len(out))}: not a JSON object")
+        out.append((n, obj))
+    return out
+
+
 def load_prompts_file(path: str | Path) -> list[Prompt]:
     """JSONL with one object per line: ``{"prompt" | "text": str, "source"?: str}`` or
     ``{"context": str, "question": str, …}``, each with an optional ``"continuation": str``
@@ -195,15 +214,7 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
     p = Path(path)
     text = read_text_file(p, "prompts file")
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = parse_json(line)
-        except ValueError:  # not JSON, or nested too deep
-            raise KvscopeError(f"{p}:{n}: not a JSON object") from None
-        if not isinstance(obj, dict):
-            raise KvscopeError(f"{p}:{n}: not a JSON object")
+    for n, obj in json_objects(text, lambda line, _: f"{p}:{line}"):
         source = str(obj.get("source", f"{p.name}:{n}"))
         continuation = obj.get("continuation")
         if continuation is not None and not (isinstance(continuation, str) and continuation):
