@@ -218,7 +218,9 @@ def test_the_command_line(tmp_path, tiny_models, tokenizer):
     assert ds.attrs["continuation_tokens"] == [len(tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"])]
     info = run_main("info", out)
     assert f"forced steps per sample: given continuation {ds.attrs['continuation_tokens']}" in info.stdout
-    assert json.loads(run_main("info", out, "--json").stdout)["continuation_tokens"] == ds.attrs["continuation_tokens"]
+    doc = json.loads(run_main("info", out, "--json").stdout)
+    assert doc["continuation_tokens"] == ds.attrs["continuation_tokens"]
+    assert doc["continuation_kind"] == "given continuation"
 
     prose = tmp_path / "prose.zarr"
     ran = run_main(*base, "--workload", "prose", "--context", "96", "--samples", "1", "--continuation-tokens", "12",

@@ -187,6 +187,7 @@ def test_a_trace_forces_the_gold_answers_and_keeps_them(dataset, tmp_path, tiny_
         assert acc.generated(s).tolist() == forced == ds["token_id"].values[s, : len(forced)].tolist()
     info = run_main("info", out)
     assert "forced steps per sample: gold answer [5, 1, 2, 1]" in info.stdout
+    assert json.loads(run_main("info", out, "--json").stdout)["continuation_kind"] == "gold answer"
     check_continuations(ds, ForcedModel(model=None, model_spec=None, label="tiny", tokenizer=tokenizer))
 
     agnostic = tmp_path / "agnostic.zarr"

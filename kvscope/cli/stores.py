@@ -8,14 +8,6 @@ from ..report import print_table
 from .common import EXIT_BAD_INPUT, human_bytes
 
 
-def _forced_text(store) -> str:
-    """What a trace forced after any question: the prompts' gold answers, or given continuations."""
-    from ..storage.store import read_attrs
-
-    prompts = read_attrs(store).get("prompts") or []
-    return "gold answer" if any(isinstance(p, dict) and p.get("answers") for p in prompts) else "given continuation"
-
-
 def add_info(sub) -> None:
     p = sub.add_parser("info", help="describe a trace store")
     p.add_argument("store")
@@ -49,7 +41,7 @@ def cmd_info(args) -> int:
     print(f"steps committed {info['steps_committed']}")
     forced = [
         f"{what} {info[key]}"
-        for key, what in (("question_tokens", "question"), ("continuation_tokens", _forced_text(args.store)))
+        for key, what in (("question_tokens", "question"), ("continuation_tokens", info["continuation_kind"]))
         if info[key] is not None
     ]
     if forced:

@@ -1,6 +1,7 @@
 """Prompts: where they come from, how they become token ids, when generation stops.
 
 as_prompts("text" | ["a", "b"] | [Prompt, …])   → [Prompt]
+has_answers(doc)                                whether a stored prompt entry carries answers (forced)
 load_continuation_file("next.txt")              → str        (trace --continuation FILE)
 json_objects(text, where)                       → [(line, object)]   JSON lines (prompts files, datasets)
 load_prompts_file("prompts.jsonl")              → [Prompt]   one {"prompt" | "text": …} or
@@ -133,6 +134,12 @@ class Prompt:
     def question(self) -> str | None:
         """The question (None without one)."""
         return None if self.split is None else self.text[self.split :]
+
+
+def has_answers(doc) -> bool:
+    """Whether an entry of a store's ``prompts`` attribute (``Prompt.doc``) carries accepted
+    answers: its trace forced the gold answer's tokens as the sample's decode steps."""
+    return isinstance(doc, dict) and bool(doc.get("answers"))
 
 
 def _check_text(text, what: str) -> None:

@@ -34,9 +34,11 @@ def answered(ds: xr.Dataset) -> np.ndarray:
     trace's ``prompts`` attribute: ``trace --dataset``). Such a trace forced the gold answer's tokens
     as the sample's decode steps after any question (``kvscope.model.prompts.answer_ids``), so its
     scored forced steps are exactly the answer's."""
+    from ..model.prompts import has_answers
+
     prompts = ds.attrs.get("prompts") or []
     n = ds.sizes["sample"]
-    return np.array([s < len(prompts) and bool(prompts[s].get("answers")) for s in range(n)], dtype=bool)
+    return np.array([s < len(prompts) and has_answers(prompts[s]) for s in range(n)], dtype=bool)
 
 
 class SampleReader:

@@ -253,6 +253,17 @@ def _committed_only(ds, checked: CheckedStore):
     return ds
 
 
+def _continuation_kind(attrs: dict) -> str | None:
+    """What a trace forced after any question: ``"gold answer"`` (its prompts carry answers),
+    ``"given continuation"``, or None where it forced nothing."""
+    from ..model.prompts import has_answers
+
+    if attrs.get("continuation_tokens") is None:
+        return None
+    prompts = attrs.get("prompts")
+    return "gold answer" if isinstance(prompts, list) and any(map(has_answers, prompts)) else "given continuation"
+
+
 def store_info(path: str | os.PathLike) -> dict:
     """Summary for ``kvscope info``: model, dims, status, sizes and compression."""
     import zarr
@@ -297,7 +308,8 @@ def store_info(path: str | os.PathLike) -> dict:
         "steps_committed": attrs.get("steps_committed"),
         "samples_done": attrs.get("samples_done"),
         "question_tokens": attrs.get("question_tokens"),  # forced steps per sample (question-agnostic)
-        "continuation_tokens": attrs.get("continuation_tokens"),  # forced steps per sample (given continuation)
+        "continuation_tokens": attrs.get("continuation_tokens"),  # forced steps per sample (continuation, answer)
+        "continuation_kind": _continuation_kind(attrs),
         "stored_bytes": int(total_stored),
         "logical_bytes": int(total_logical),
         "compression_ratio": (total_logical / total_stored) if total_stored else None,

@@ -56,7 +56,7 @@ def check_continuations(ds, forced: ForcedModel) -> None:
     """A trace that forced given continuations or gold answers: each recorded text still
     tokenizes to the stored tokens with the loaded model's tokenizer (else the forced replay
     would score another text); a gold answer as ``kvscope.model.prompts.answer_ids`` does."""
-    from ...model.prompts import Prompt, answer_ids
+    from ...model.prompts import Prompt, answer_ids, has_answers
 
     acc = ds.kvscope
     if not acc.continued:
@@ -67,8 +67,8 @@ def check_continuations(ds, forced: ForcedModel) -> None:
         text = doc.get("continuation")
         start = int(acc.prompt_len[s] + acc.question_tokens[s])
         stored = [int(x) for x in ds["tokens"].values[s, start : start + int(n)]]
-        if doc.get("answers") is not None and text is None:
-            text = doc["answers"][0] if doc["answers"] else None
+        if text is None and has_answers(doc):
+            text = doc["answers"][0]
             ids = answer_ids(forced.tokenizer, Prompt.from_doc(doc))[: int(n)]
         else:
             ids = forced.tokenizer(text or "", add_special_tokens=False)["input_ids"][: int(n)]
