@@ -24,6 +24,7 @@ No kvscope import here: the module is usable before kvscope is.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 FAMILY: dict[str, str] = {
@@ -932,15 +933,46 @@ def build_tiny_model(model_type: str, folder: Path, tokenizer_dir: Path, **extra
     """Save a tiny random-weight ``model_type`` (config keys ``extra`` on top of its tiny config)
     and the tokenizer into ``folder`` (kept if it already holds a config.json) and return it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
     if (folder / "config.json").is_file():
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = saved_tokenizer(tokenizer_dir)
     config = tiny_config(model_type, tokenizer, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    copy_tokenizer(tokenizer_dir, folder)
     return folder
+
+
+def saved_tokenizer(tokenizer_dir: Path):
+    """The tokenizer of ``tokenizer_dir``, loaded once per process: parsing SmolLM2's 3.5 MB
+    tokenizer.json takes a quarter of a second, and every tiny model takes its tokenizer."""
+    return _saved(str(Path(tokenizer_dir).resolve()))[0]
+
+
+def copy_tokenizer(tokenizer_dir: Path, folder: Path) -> None:
+    """Into ``folder``: the files ``save_pretrained`` writes for the tokenizer of ``tokenizer_dir``
+    (saved once per process, then copied)."""
+    import shutil
+
+    for file in _saved(str(Path(tokenizer_dir).resolve()))[1].iterdir():
+        shutil.copyfile(file, Path(folder) / file.name)
+
+
+@functools.cache
+def _saved(tokenizer_dir: str):
+    """``(tokenizer, folder of its saved files)``, made once per process (removed at exit)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    saved = Path(tempfile.mkdtemp(prefix="tiny-tokenizer-"))
+    atexit.register(shutil.rmtree, saved, ignore_errors=True)
+    tokenizer.save_pretrained(saved)
+    return tokenizer, saved

@@ -121,7 +121,8 @@ def _compare(verdict: Verdict, folder: Path, store: Path, kv_store: Path) -> Non
     P, n = int(ds.prompt_len[0]), int(ds.n_steps[0])
     tokens = [int(t) for t in ds.tokens.values[0, : P + n]]
     layers = [int(x) for x in ds.layer.values]
-    eager, generated = _eager(folder, tokens, P, n, layers)
+    model = eager_model(folder)
+    eager, generated = _eager(model, tokens, P, n, layers)
     ref = np.stack([eager[layer] for layer in layers])  # [layer, head, T, T]
     stored = ds.attn.values[0]  # [step, layer, H, pos]
     if "attn_learned_sink" in ds and _sums_to_one(ref, P, n):
@@ -148,19 +149,25 @@ def _compare(verdict: Verdict, folder: Path, store: Path, kv_store: Path) -> Non
         report = verify(store, deep=True)
         if not report.ok:
             verdict.problems.append(f"verify --deep: {report.problems[0].line()}")
-    _check_bytes(verdict, folder, store, layers, P + n)
+    _check_bytes(verdict, model, store, layers, P + n)
 
 
-def _eager(folder: Path, tokens: list[int], P: int, n: int, layers: list[int]):
+def eager_model(folder: Path):
+    """The model saved in ``folder``, float32, under transformers' eager attention (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _eager(model, tokens: list[int], P: int, n: int, layers: list[int]):
     """``({model layer: [head, T, T]}, generated tokens)`` of transformers' own eager attention,
     decoding as ``generate`` does: the prompt's rows from its forward, then each decode step's row
     from a forward of its one token on the cache (keys the cache no longer holds — a sliding
     window's — placed at their positions, 0 elsewhere). ``layers``: the attention layers, in case
-    the model returns theirs only."""
+    the model returns theirs only. ``model``: :func:`eager_model`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     n_layers = model.config.get_text_config().num_hidden_layers
     T = P + n
     rows = {layer: None for layer in layers}
@@ -213,16 +220,14 @@ def _rows_delta(stored: np.ndarray, ref: np.ndarray, P: int, n: int) -> float:
     return worst
 
 
-def expected_full_bytes(folder: Path, layers: list[int], length: int, itemsize: int = 2) -> float:
+def expected_full_bytes(model, layers: list[int], length: int, itemsize: int = 2) -> float:
     """What the model caches at full precision for ``length`` tokens, read off transformers' own
     cache after a forward (not kvscope's spec): per attention layer, K and V of its cache layer per
     token — or, under MLA, the latent of ``kv_lora_rank + qk_rope_head_dim`` values the model would
     cache (transformers caches the decompressed heads) — × ``min(length, window)`` tokens on a
-    sliding-window cache layer."""
+    sliding-window cache layer. ``model``: :func:`eager_model`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     cfg = model.config.get_text_config()
     with torch.no_grad():
         cache = _cache_of(model(input_ids=torch.ones((1, 4), dtype=torch.long), use_cache=True))
@@ -238,11 +243,11 @@ def expected_full_bytes(folder: Path, layers: list[int], length: int, itemsize: 
     return float(total * itemsize)
 
 
-def _check_bytes(verdict: Verdict, folder: Path, store: Path, layers: list[int], length: int) -> None:
+def _check_bytes(verdict: Verdict, model, store: Path, layers: list[int], length: int) -> None:
     import kvscope
 
     result = kvscope.replay(store, ["full", "streaming"], [0.5], errors=False, processes=0, threads=1)
-    want = expected_full_bytes(folder, layers, length)
+    want = expected_full_bytes(model, layers, length)
     got = float(result["full_bytes"].values[0])
     if got != want:
         verdict.problems.append(f"replay's full-KV bytes {got:.0f} ≠ the geometry's {want:.0f}")

@@ -173,11 +173,13 @@ def small_qkv_trace(tmp_path_factory, smollm2_dir) -> Path:
 
 def build_tiny(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.architectures import copy_tokenizer, saved_tokenizer
 
     if (folder / "config.json").is_file():
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = saved_tokenizer(tokenizer_dir)
     spec = dict(TINY_CONFIGS[kind])
     model_type = spec.pop("model_type")
     spec.setdefault("max_position_embeddings", 512)
@@ -196,7 +198,7 @@ def build_tiny(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    copy_tokenizer(tokenizer_dir, folder)
     return folder
 
 
