@@ -20,7 +20,8 @@ from kvscope.errors import StoreError
 from .conftest import ROOT, run_main
 
 PROMPT = "In the beginning the Universe was created. This has made a lot of people very angry."
-LONG_STEPS = 300
+LONG_STEPS = 300  # SmolLM2 still decoding while a second writer is refused
+KILL_STEPS = 100  # the tiny model's crash tests: 25 blocks to kill within, each test decodes them twice
 BLOCK = 4
 
 
@@ -49,7 +50,7 @@ def test_round_trip_named_dims_and_rows_sum_to_one(tmp_path, tiny_models):
     assert attrs["model"]["config"]["n_kv_heads"] == 2
 
 
-def _trace_cmd(model: Path, out: Path, *extra) -> list[str]:
+def _trace_cmd(model: Path, out: Path, *extra, steps: int = KILL_STEPS) -> list[str]:
     return [
         sys.executable,
         str(ROOT / "cli.py"),
@@ -59,7 +60,7 @@ def _trace_cmd(model: Path, out: Path, *extra) -> list[str]:
         "--prompt",
         PROMPT,
         "--max-new-tokens",
-        str(LONG_STEPS),
+        str(steps),
         "--block-steps",
         str(BLOCK),
         "--out",
@@ -95,7 +96,7 @@ def reference_store(tmp_path_factory, tiny_models):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_loses_at_most_one_block_and_resume_matches(tmp_path, tiny_models, reference_store, seed):
     rng = random.Random(seed)
-    target = rng.randrange(1, LONG_STEPS // BLOCK - 2) * BLOCK  # kill right after this many steps committed
+    target = rng.randrange(1, KILL_STEPS // BLOCK - 2) * BLOCK  # kill right after this many steps committed
     out = tmp_path / "killed.zarr"
     proc = subprocess.Popen(
         _trace_cmd(tiny_models["llama"], out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -134,13 +135,15 @@ def test_sigkill_loses_at_most_one_block_and_resume_matches(tmp_path, tiny_model
 def test_second_writer_is_refused(tmp_path, smollm2_dir):
     out = tmp_path / "busy.zarr"
     # the real model decodes slowly enough to still be writing when the second writer starts
-    first = subprocess.Popen(_trace_cmd("smollm2-135m", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        _trace_cmd("smollm2-135m", out, steps=LONG_STEPS), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 300
         while _committed(out) < BLOCK and time.time() < deadline:
             time.sleep(0.01)
         for flag in ("--resume", "--force"):  # the second writer runs in this process: a lock is per open file
-            second = run_main(*_trace_cmd("smollm2-135m", out, flag)[2:])
+            second = run_main(*_trace_cmd("smollm2-135m", out, flag, steps=LONG_STEPS)[2:])
             assert second.returncode == 2
             assert second.stderr.strip().count("\n") == 0
             assert "being written by another kvscope process" in second.stderr
