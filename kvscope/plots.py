@@ -4,20 +4,25 @@ methods). Every function returns a matplotlib ``Figure`` in the project's style
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .figures import TIER_COLORS, mosaic, styled
+from .figures import TIER_COLORS, mosaic, no_data, styled
 from .figures import axes as figure_axes
+from .report import task_accuracy, task_names
 
 if TYPE_CHECKING:
     import xarray as xr
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_allocation", "plot_compare", "plot_tiers", "run_lines"]
+__all__ = ["plot_accuracy", "plot_allocation", "plot_compare", "plot_tiers", "run_lines"]
+
+TASK_COLUMNS = 3  # accuracy panels per row
+TASK_ROW_HEIGHT = 2.8  # inches per row of accuracy panels
 
 
 @styled
@@ -25,11 +30,15 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
     """Replay comparison: FMM and output error against the bytes each policy really used
     (hollow markers: the policy could not fit β and used more), and tier-mass stacks.
 
+    With answers (``replay --forced`` of a trace made with ``trace --dataset``), below them
+    ``plot_accuracy``'s panels: accuracy against β per policy, one panel per task.
+
     Args:
         result: A replay result.
         ax: Draw into these axes: the FMM panel, one for output errors and one for forced replay's
-            KL where the result has them, then the stacks (default: a new figure, the line panels
-            side by side above the stacks).
+            KL where the result has them, then the stacks, then one per task where the result has
+            answers (default: a new figure, the line panels side by side above the stacks, the
+            tasks' panels below, three to a row).
 
     Returns:
         The figure.
@@ -37,11 +46,13 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
     has_err = "output_rel_l2_mean" in result
     forced = "forced_kl_mean" in result
     top = ["fmm", *(["err"] if has_err else []), *(["kl"] if forced else [])]
+    tasks = task_names(result)
     if ax is None:
-        fig, panels = mosaic([top, ["tiers"] * len(top)], height=7.6)
-        axes = [panels[name] for name in (*top, "tiers")]
+        rows = _task_rows(tasks)
+        fig, panels = mosaic(spanning([top, ["tiers"], *rows]), height=7.6 + TASK_ROW_HEIGHT * len(rows))
+        axes = [panels[name] for name in (*top, "tiers", *(name for row in rows for name in row))]
     else:
-        fig, axes = figure_axes(ax, ncols=len(top) + 1)
+        fig, axes = figure_axes(ax, ncols=len(top) + 1 + len(tasks))
     budgets = result["budget"].values
     runs = run_lines(result)
 
@@ -90,7 +101,7 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
         )
     if ax is None:
         fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncol=min(len(runs), 4))
-    ax = axes[-1]
+    ax = axes[len(top)]  # the stacks
     tiers = np.stack([r["tier_mean"].values for _, r in runs])  # [run, budget, tier]
     width = 0.8 / len(budgets)
     for bi in range(len(budgets)):
@@ -111,7 +122,101 @@ def plot_compare(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure
     ax.set_ylabel("share of future attention mass")
     ax.set_title("Where the future mass sits (bars: β = " + ", ".join(f"{b:g}" for b in budgets) + ")")
     ax.legend()
+    if tasks:
+        accuracy_panels(result, axes[len(top) + 1 :])
     return fig
+
+
+@styled
+def plot_accuracy(result: xr.Dataset, ax: Sequence[Axes] | None = None) -> Figure:
+    """Task accuracy against β, one line per policy (under each allocation), one panel per task —
+    the picture of kvpress's leaderboard, from forced replay of the gold answers
+    (docs/concepts.md#task-accuracy): the band is the bootstrap CI over the task's samples, a
+    hollow marker a run that could not fit β, the dashed line full KV's accuracy.
+
+    Args:
+        result: A replay result with answers (``kvscope replay --forced`` of a trace made with
+            ``kvscope trace --dataset``).
+        ax: Draw into these axes, one per task (``kvscope.report.task_accuracy``'s order; default: a
+            new figure, three panels to a row).
+
+    Returns:
+        The figure (one panel saying why, for a result without answers).
+    """
+    tasks = task_names(result)
+    if ax is None:
+        rows = _task_rows(tasks) or [["none"]]
+        fig, panels = mosaic(spanning(rows), height=1.2 + TASK_ROW_HEIGHT * len(rows))
+        axes = [panels[name] for row in rows for name in row]
+    else:
+        axes = list(np.ravel(np.asarray(ax, dtype=object)))  # one Axes or a sequence of them
+        fig = axes[0].figure
+    if not tasks:
+        no_data(axes[0], "no answers: replay --forced a trace made with trace --dataset")
+        return fig
+    accuracy_panels(result, axes)
+    if ax is None:
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 4))
+    return fig
+
+
+def accuracy_panels(result: xr.Dataset, axes: Sequence[Axes]) -> None:
+    """Into ``axes`` (one per task of ``kvscope.report.task_accuracy``): accuracy [95% CI] against β
+    per run (``run_lines``; ``full`` is the dashed reference, as is ``answer_exact_full``).
+
+    Args:
+        result: A replay result with answers.
+        axes: One axes per task.
+    """
+    table = task_accuracy(result)  # [policy, allocation, budget, task]
+    budgets = table["budget"].values
+    for k, ax in enumerate(axes):
+        task = table.isel(task=k)
+        full = _full_accuracy(task)
+        for label, r in run_lines(result):
+            if str(r["policy_name"].values) == "full":
+                continue  # the reference line
+            run = task.sel(policy=r["policy"].values, allocation=r["allocation"].values)
+            y = run["accuracy"].values  # [budget]
+            line = ax.plot(budgets, y, marker="o", label=label)[0]
+            ax.fill_between(budgets, run["ci_low"].values, run["ci_high"].values, color=line.get_color(), alpha=0.15)
+            floors = ~r["budget_reached"].values  # [budget]
+            if floors.any():
+                ax.plot(budgets[floors], y[floors], "o", markerfacecolor="white", color=line.get_color())
+        reference = "" if np.isnan(full) else f", full KV {full:.2f}"
+        if reference:
+            ax.axhline(full, color="grey", linestyle="--", linewidth=1, label="full KV" if ax is axes[0] else None)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("budget β")
+        ax.set_ylabel("accuracy")
+        n = int(task["n"])
+        ax.set_title(f"{task['task'].item()}\n{n} sample{'s' if n != 1 else ''}{reference}")
+
+
+def _full_accuracy(task: xr.Dataset) -> float:
+    """Full KV's accuracy on one task: ``answer_exact_full``'s, else a ``full`` run's."""
+    if np.isfinite(task["accuracy_full"]):
+        return float(task["accuracy_full"])
+    full = [p for p, name in zip(task["policy"].values, task["policy_name"].values, strict=True) if name == "full"]
+    return float(task["accuracy"].sel(policy=full[0]).values.flat[0]) if full else float("nan")
+
+
+def _task_rows(tasks: list[str]) -> list[list[str]]:
+    """Panel names of the tasks, ``TASK_COLUMNS`` to a row."""
+    names = [f"task {i}" for i in range(len(tasks))]
+    return [names[i : i + TASK_COLUMNS] for i in range(0, len(names), TASK_COLUMNS)]
+
+
+def spanning(rows: list[list[str]]) -> list[list[str]]:
+    """Rows of panel names of different lengths as one ``mosaic`` layout: every name repeated so that
+    the panels of a row share its width equally (``lcm`` of the rows' lengths columns).
+
+    Args:
+        rows: Rows of panel names.
+    """
+    n = math.lcm(*(len(row) for row in rows))
+    return [[name for name in row for _ in range(n // len(row))] for row in rows]
 
 
 def run_lines(result: xr.Dataset) -> list[tuple[str, xr.Dataset]]:

@@ -4,6 +4,8 @@ comparison(result)            the policy × allocation × budget rows of a repla
 comparison_doc(result)        the same with the replay's settings (JSON)
 print_comparison(result, t)   as a rich table
 print_rows(rows, title)       (quantity, value) rows of an analysis as a rich table
+task_accuracy(result)         accuracy per task of a result with answers, with its CI and full KV's
+answer_table(result, β)       per sample and policy: answered, lost or gained against full KV
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ TIERS = ("FP", "Q", "EVICTED")
 
 __all__ = [
     "allocation_lines",
+    "answer_table",
     "comparison",
     "comparison_doc",
     "layer_shares",
@@ -31,6 +34,9 @@ __all__ = [
     "print_rows",
     "print_table",
     "runs",
+    "sample_tasks",
+    "task_accuracy",
+    "task_names",
     "unit_shares",
 ]
 
@@ -221,6 +227,132 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
 def _ci(pair, fmt) -> str:
     lo, hi = pair
     return f" [{fmt(lo)}, {fmt(hi)}]" if lo is not None and hi is not None else ""
+
+
+NO_TASK = "no task"  # the panel of samples without a task, beside others'
+ALL = "all"  # the one panel when no sample has a task
+
+
+def sample_tasks(result: xr.Dataset) -> np.ndarray:
+    """``[sample]`` each sample's task: the result's ``task`` coordinate (``replay --forced`` of a trace
+    with answers), ``NO_TASK`` where a sample has none, and ``ALL`` for every sample when none has one
+    (or the result predates the coordinate).
+
+    Args:
+        result: A replay result.
+    """
+    given = (
+        np.asarray(result["task"].values, dtype=str) if "task" in result.coords else np.full(result.sizes["sample"], "")
+    )
+    if not (given != "").any():
+        return np.full(given.shape, ALL)
+    return np.where(given == "", NO_TASK, given)
+
+
+def task_accuracy(result: xr.Dataset) -> xr.Dataset:
+    """Task accuracy of a result with answers, per task (docs/concepts.md#task-accuracy)::
+
+        accuracy [policy, allocation, budget, task]   Σ answer_exact / n over the task's graded samples
+        ci_low, ci_high                               bootstrap over those samples (resampled whole; the
+                                                      result's own ``accuracy_ci_*`` where one task holds all)
+        n [task]                                      graded samples (``answer_exact`` not NaN)
+        accuracy_full [task]                          the same of ``answer_exact_full`` (NaN where absent)
+
+    Tasks in the order of their first graded sample (``sample_tasks``).
+
+    Args:
+        result: A replay result with ``answer_exact`` (``kvscope replay --forced`` of a trace with answers).
+    """
+    import xarray as xr
+
+    from .analysis.common import bootstrap_ratio
+
+    exact = result["answer_exact"].transpose("policy", "allocation", "budget", "sample").values  # [*run, sample]
+    graded = np.isfinite(exact).any((0, 1, 2))  # [sample]
+    of = sample_tasks(result)
+    names = task_names(result)
+    shape = exact.shape[:3] + (len(names),)
+    acc, low, high = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+    full, n = np.full(len(names), np.nan), np.zeros(len(names), dtype=np.int64)
+    reference = result["answer_exact_full"].values if "answer_exact_full" in result else None  # [sample]
+    for k, name in enumerate(names):
+        mine = graded & (of == name)
+        n[k] = mine.sum()
+        if reference is not None:
+            full[k] = np.nanmean(reference[mine])
+        if (mine | ~graded).all():  # one task: the result's own numbers
+            acc[..., k], low[..., k], high[..., k] = (
+                result[v].transpose("policy", "allocation", "budget").values
+                for v in ("accuracy", "accuracy_ci_low", "accuracy_ci_high")
+            )
+            continue
+        for run in np.ndindex(*shape[:3]):
+            values = np.nan_to_num(exact[run][mine])
+            acc[run + (k,)], low[run + (k,)], high[run + (k,)] = bootstrap_ratio(
+                values, np.ones_like(values), resample=result.attrs.get("resample", "samples")
+            )
+    run_dims = ("policy", "allocation", "budget", "task")
+    return xr.Dataset(
+        {
+            "accuracy": (run_dims, acc),
+            "ci_low": (run_dims, low),
+            "ci_high": (run_dims, high),
+            "n": (("task",), n),
+            "accuracy_full": (("task",), full),
+        },
+        coords={d: result[d].values for d in ("policy", "allocation", "budget")}
+        | {"policy_name": ("policy", result["policy_name"].values), "task": names},
+    )
+
+
+def task_names(result: xr.Dataset) -> list[str]:
+    """The tasks of a result's graded samples (``answer_exact`` not NaN), in the order of their first
+    sample (``sample_tasks``); none without answers.
+
+    Args:
+        result: A replay result.
+    """
+    if "answer_exact" not in result:
+        return []
+    graded = result["answer_exact"].notnull().any(("policy", "allocation", "budget")).values  # [sample]
+    return list(dict.fromkeys(str(t) for t in sample_tasks(result)[graded]))
+
+
+def answer_table(result: xr.Dataset, budget: float, allocation: str = "uniform") -> dict[str, list]:
+    """Per graded sample (rows) and policy (columns) at one β: the policy's ``answer_exact`` against
+    full KV's (``answer_exact_full``)::
+
+        cell = "lost"    full KV answered, the policy did not (1 → 0)
+               "gained"  the policy answered, full KV did not (0 → 1)
+               "1", "0"  both answered, neither did
+
+    Columns ``sample``, ``task``, ``full KV`` ("1", "0"; "?" where the result predates it) and one per policy.
+
+    Args:
+        result: A replay result with ``answer_exact``.
+        budget: The β.
+        allocation: The allocation.
+    """
+    exact = result["answer_exact"].sel(budget=budget, allocation=allocation).transpose("policy", "sample").values
+    graded = np.flatnonzero(np.isfinite(exact).any(0))  # [graded sample]
+    has_full = "answer_exact_full" in result
+    full = result["answer_exact_full"].values if has_full else np.full(result.sizes["sample"], np.nan)
+    table: dict[str, list] = {
+        "sample": [int(result["sample"].values[s]) for s in graded],
+        "task": [str(t) for t in sample_tasks(result)[graded]],
+        "full KV": ["?" if np.isnan(full[s]) else str(int(full[s])) for s in graded],
+    }
+    for p, policy in enumerate(result["policy"].values):
+        table[str(policy)] = [_answer_cell(exact[p, s], full[s]) for s in graded]
+    return table
+
+
+def _answer_cell(policy: float, full: float) -> str:
+    if np.isnan(policy):
+        return "n/a"
+    if not np.isnan(full) and policy != full:
+        return "lost" if full == 1 else "gained"
+    return str(int(policy))
 
 
 def _forced_cells(row: dict, fmt) -> list[str]:

@@ -53,8 +53,8 @@ def test_a_clean_result_verifies_and_every_chunk_exists(result):
     proc = run_cli("verify", result, "--json", check=True)
     doc = json.loads(proc.stdout)
     assert doc["ok"] and doc["kind"] == "replay result" and doc["problems"] == []
-    forced = {n for n, v in VARIABLES.items() if v.optional in ("forced", "answers")}  # replay --forced only
-    names = set(VARIABLES) - forced | set(COORDINATES)
+    forced = {n for n, v in VARIABLES.items() if v.optional in ("forced", "answers", "tasks")}  # replay --forced only
+    names = set(VARIABLES) - forced | {n for n, v in COORDINATES.items() if not v.optional}
     assert {p.name for p in result.iterdir() if p.is_dir()} == names  # the optional output errors too
     chunks = [p for p in result.rglob("*") if p.is_file() and p.name != "zarr.json"]
     assert doc["chunks"] == len(chunks)

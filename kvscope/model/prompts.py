@@ -142,6 +142,15 @@ def has_answers(doc) -> bool:
     return isinstance(doc, dict) and bool(doc.get("answers"))
 
 
+def task_of(doc) -> str:
+    """The task of an entry of a store's ``prompts`` attribute: its ``meta``'s ``task`` (a
+    ``trace --dataset`` row's), else its workload; ``""`` for neither."""
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict):
+        return ""
+    return str(meta.get("task") or meta.get("workload") or "")
+
+
 def _check_text(text, what: str) -> None:
     """``text`` is a ``str`` that encodes as UTF-8 (``what`` names it in the refusal)."""
     if not isinstance(text, str):

@@ -58,7 +58,8 @@ class Variable:
     rule: str  # a key of VALUE_RULES (data variables) or COORDINATE_RULES
     optional: str = ""  # the group of optional variables it belongs to, present all or none:
     # "errors" (attn_l1, output_rel_l2 and their means: q/k/v recorded), "forced" (replay --forced),
-    # "answers" (replay --forced of a trace whose samples carry answers: trace --dataset)
+    # "answers" (replay --forced of a trace whose samples carry answers: trace --dataset), "tasks"
+    # (beside "answers" in results written since 2026-12-07: each sample's task, full KV's answer_exact)
 
 
 SAMPLE = RUN + ("sample",)
@@ -114,6 +115,7 @@ VARIABLES = {
     "answer_nll": Variable(SAMPLE, F8, "bytes", optional="answers"),
     "answer_rank": Variable(SAMPLE, F8, "bytes", optional="answers"),
     **{f"accuracy{part}": Variable(RUN, F8, "share", optional="answers") for part in ("", "_ci_low", "_ci_high")},
+    "answer_exact_full": Variable(("sample",), F8, "share", optional="tasks"),
 }
 
 COORDINATES = {
@@ -132,8 +134,9 @@ COORDINATES = {
     "step": Variable(("step",), INT, "range"),
     "horizon": Variable(("horizon",), INT, "horizons"),
     "tier": Variable(("tier",), TEXT, "tiers"),
+    "task": Variable(("sample",), TEXT, "text", optional="tasks"),  # "" for a sample without a task
 }
-NON_INDEX = ("policy_name", "policy_kind", "event_step")
+NON_INDEX = ("policy_name", "policy_kind", "event_step", "task")
 ARRAY_ATTRIBUTES = frozenset({"coordinates", "_FillValue"})  # what xarray writes beside an array
 MAX_TEXT_BYTES = 4096  # a label's fixed-length string type, at most
 
@@ -256,10 +259,10 @@ def check_arrays(path, metas: dict) -> dict[str, int]:
     if unknown:
         raise StoreError(f"{path}: arrays {', '.join(unknown)} are not part of a replay result")
     groups: dict[str, set[str]] = {}
-    for n, v in VARIABLES.items():
+    for n, v in (VARIABLES | COORDINATES).items():
         if v.optional:
             groups.setdefault(v.optional, set()).add(n)
-    required = set(VARIABLES) - set().union(*groups.values()) | set(COORDINATES)
+    required = (set(VARIABLES) | set(COORDINATES)) - set().union(*groups.values())
     for members in groups.values():
         required |= members if members & set(metas) else set()
     missing = sorted(required - set(metas))
@@ -357,6 +360,8 @@ def check_result(path) -> CheckedResult:
         _check_dtype(path, name, group[name])
     coords = {}
     for name, spec in COORDINATES.items():
+        if spec.optional and name not in metas:
+            continue
         values = read_array(path, group[name], name)
         problem, ok = COORDINATE_RULES[spec.rule]
         if not ok(values, sizes):
@@ -435,7 +440,7 @@ def verify_result(path):
         report.add("store", "-", str(exc))
         return report
     check_consolidated(report, Path(path))
-    report.chunks += sum(checked.group[name].nchunks for name in COORDINATES)  # read and checked on open
+    report.chunks += sum(checked.group[name].nchunks for name in checked.coords)  # read and checked on open
     for name in checked.variables:
         array = checked.group[name]
         grid = (range(math.ceil(n / c)) for n, c in zip(array.shape, array.chunks, strict=True))

@@ -249,7 +249,19 @@ def build(setup, o: Outputs, tiers=None, forced=None) -> xr.Dataset:
             data["output_rel_l2_mean"] = (RUN, _per_run(o.out, np.nanmean))
     if forced is not None:
         data |= _forced_variables(setup, forced)
-    return xr.Dataset(data, coords=_coords(setup, o))
+    coords = _coords(setup, o)
+    if "answer_exact_full" in data:
+        coords["task"] = ("sample", tasks(setup.ds))
+    return xr.Dataset(data, coords=coords)
+
+
+def tasks(ds: xr.Dataset) -> list[str]:
+    """``[sample]`` each sample's task (``kvscope.model.prompts.task_of`` of its entry in the trace's
+    ``prompts``; ``""`` for none): the result's ``task`` coordinate, written with the answers."""
+    from ..model.prompts import task_of
+
+    prompts = ds.attrs.get("prompts") or []
+    return [task_of(prompts[s]) if s < len(prompts) else "" for s in range(ds.sizes["sample"])]
 
 
 def _forced_variables(setup, f) -> dict:
@@ -263,7 +275,11 @@ def _forced_variables(setup, f) -> dict:
         forced_perplexity_full               [sample]   the continuation's perplexity under full KV
 
     and where samples carry answers (``kvscope.replay.reader.answered``: their scored steps are the
-    gold answer's tokens a_0 … a_{m−1}; docs/concepts.md#task-accuracy) ``_answer_variables``.
+    gold answer's tokens a_0 … a_{m−1}; docs/concepts.md#task-accuracy) ``_answer_variables`` and::
+
+        answer_exact_full                    [sample]   answer_exact under full KV (the reference)
+
+    with each sample's ``task`` as a coordinate on ``sample`` (``build``).
     """
     dims_sample = RUN + ("sample",)
     data = {
@@ -287,6 +303,8 @@ def _forced_variables(setup, f) -> dict:
     has_answers = answered(setup.ds)
     if has_answers.any():
         data |= _answer_variables(setup, f, has_answers)
+        graded = has_answers & np.isfinite(f.nll).any(axis=(0, 1, 2, 4))  # [sample]
+        data["answer_exact_full"] = (("sample",), np.where(graded, f.exact_full, np.nan))
     return data
 
 

@@ -105,6 +105,12 @@ class SampleForcing:
         steps = np.arange(self.first_scored, self.S)
         return math.exp(float(-self.reference.log_probs[steps, self.continuation.numpy()[steps]].mean()))
 
+    def exact_full(self) -> float:
+        """``Π_t [argmax_v log p*_t(v) = y_t]`` over the scored steps under full KV: 1.0 iff greedy
+        decoding with the full cache emits the continuation (with answers: the gold answer) first."""
+        steps = np.arange(self.first_scored, self.S)
+        return float((self.reference.log_probs[steps].argmax(-1) == self.continuation.numpy()[steps]).all())
+
     @functools.cached_property
     def _prompt_forward(self) -> tuple:
         """``(Prefill, PrefillCapture | None)``: the prompt's forward; with ``prompt_presses`` the same

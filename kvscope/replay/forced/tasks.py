@@ -31,6 +31,7 @@ class ForcedOutputs:
     ``[*run, sample, step]`` (``ForcedRun._score``; NaN past a sample's steps, and on the steps a
     question-agnostic trace does not score), ``rounds`` and
     ``converged`` ``[*run, sample]``, ``perplexity_full [sample]`` (the continuation under full KV),
+    ``exact_full [sample]`` (1.0 where full KV's greedy choice is the forced token at every scored step),
     per policy how its loop ran (``loops``: closed, one round, or open for the clairvoyant), and
     ``served``: per policy what the continuation saw, where not the masked cache."""
 
@@ -44,6 +45,7 @@ class ForcedOutputs:
     perplexity_full: np.ndarray
     loops: dict
     settings: dict
+    exact_full: np.ndarray | None = None  # [sample]
     served: dict = field(default_factory=dict)
 
     @classmethod
@@ -55,6 +57,7 @@ class ForcedOutputs:
             hit=np.full(per_step, np.nan), rank=np.full(per_step, np.nan),
             rounds=np.zeros(lead, dtype=np.int64), converged=np.ones(lead, dtype=bool),
             perplexity_full=np.full(setup.n_samples, np.nan), loops={}, settings=settings,
+            exact_full=np.full(setup.n_samples, np.nan),
         )  # fmt: skip
 
     def absorb(self, result: TaskResult) -> None:
@@ -65,7 +68,7 @@ class ForcedOutputs:
             self.kl[at][steps], self.nll[at][steps], self.top1[at][steps] = kl, nll, top1
             self.hit[at][steps], self.rank[at][steps] = hit, rank
             self.rounds[at], self.converged[at] = rounds, converged
-        self.perplexity_full[s] = result.perplexity_full
+        self.perplexity_full[s], self.exact_full[s] = result.perplexity_full, result.exact_full
         self.loops.update(result.loops)
         self.served.update(result.served)
 
@@ -90,6 +93,7 @@ class TaskResult:
     perplexity_full: float
     loops: dict  # policy label → loop
     served: dict = field(default_factory=dict)  # policy label → what the continuation saw, where not the masked cache
+    exact_full: float = float("nan")  # full KV's greedy choices are the scored tokens (1.0) or not (0.0)
 
 
 def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
@@ -121,7 +125,7 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chun
         if run.pressed is not None:
             served[run.policy.label()] = "the press's own rewritten cache"
     return TaskResult(sample=s, first=sample.first_scored, runs=done, perplexity_full=sample.perplexity_full(),
-                      loops=loops, served=served)  # fmt: skip
+                      loops=loops, served=served, exact_full=sample.exact_full())  # fmt: skip
 
 
 def forced_tasks(setup, client) -> list[ForcedTask]:
