@@ -162,3 +162,46 @@ def test_the_answer_table_marks_what_each_policy_lost_and_gained_against_full_kv
     assert high["snapkv"] == ["1", "1", "gained", "1", "0", "1"]
     older = answer_table(result.drop_vars("answer_exact_full"), 0.5)  # no reference: the answers alone
     assert older["full KV"] == ["?"] * 6 and older["h2o"] == ["1", "1", "0", "1", "1", "1"]
+
+
+def explorer_inputs(result: xr.Dataset) -> tuple[xr.Dataset, xr.Dataset]:
+    """A 7-sample synthetic trace (6 steps, 30-token prompts, one layer and KV head) and ``result``
+    with tiers of that shape (every position FP at one event), as ``kvscope view`` takes them."""
+    from kvscope.storage.synthetic import dataset_from_rows
+
+    rows = np.full((7, 6, 1, 1, 36), np.nan, dtype=np.float32)  # [sample, step, layer, kv_head, pos]
+    for t in range(6):
+        rows[:, t, :, :, : 30 + t] = 1 / (30 + t)
+    ds = dataset_from_rows(rows, prompt_len=30)
+    lead = (3, 1, 2, 7, 1, 1, 1)  # [policy, allocation, budget, sample, event, layer, kv_head]
+    tiers = np.full(lead + (36,), 2, dtype=np.int8)
+    result = result.assign(
+        tiers=(("policy", "allocation", "budget", "sample", "event", "layer", "kv_head", "pos"), tiers),
+        tier_mass=(("policy", "allocation", "budget", "sample", "event", "layer", "kv_head", "tier"),
+                   np.zeros(lead + (3,))),
+    ).assign_coords(event_step=("event", [0]), layer=[0], kv_head=[0], pos=np.arange(36))  # fmt: skip
+    result.attrs["model"] = str(ds.attrs.get("model", {}).get("name", ""))
+    return ds, result
+
+
+def test_the_explorer_shows_the_samples_each_policy_loses_at_the_chosen_beta(tmp_path):
+    from kvscope.explorer.app import Explorer, load
+    from kvscope.explorer.static import write_html
+
+    ds, result = explorer_inputs(result_with_answers())
+    app = Explorer(load(ds, result, tokens="ids"))
+    table = app.answers_table
+    assert [c.field for c in table.columns] == ["sample", "task", "full KV", "full", "h2o", "snapkv"]
+    assert app.answers.data["h2o"] == ["1", "lost", "0", "1", "0", "lost"]  # β = 0.2, the first
+    app.widgets["budget"].value = "0.5"
+    app.redraw()
+    assert app.answers.data["h2o"] == ["1", "1", "0", "1", "gained", "1"]
+    assert app.answers.data["snapkv"] == ["1", "1", "gained", "1", "0", "1"]
+    assert "β = 0.5" in app.answers_note.text
+    page = tmp_path / "page.html"
+    write_html(ds, result, page, tokens="ids")
+    html = page.read_text()
+    assert "answers-table" in html and '"gained"' in html and "page.answers" in html
+    without = result.drop_vars(["answer_exact", "answer_exact_full", "accuracy", "accuracy_ci_low",
+                                "accuracy_ci_high", "task"])  # fmt: skip
+    assert Explorer(load(ds, without, tokens="ids")).answers_table is None  # a result without answers: as before

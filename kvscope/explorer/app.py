@@ -19,7 +19,7 @@ from bokeh.models import ColumnDataSource, Div, Select
 
 from ..errors import KvscopeError
 from .data import Rect, TierView, TraceView, matching
-from .figures import HEAT_SIZE, TIER_NAMES, Heatmap, SideViews, shared_ranges
+from .figures import HEAT_SIZE, TIER_NAMES, Heatmap, SideViews, answers_table, shared_ranges
 from .labels import decoder, key_labels, query_labels
 from .overlays import HistoryOracle, LogQuantFP, Overlay, Replayed
 from .summary import summaries
@@ -89,7 +89,26 @@ class Explorer:
         self.views.layers.selected.on_change("indices", self._on_tap)
         self.views.show_steps([int(x) for x in self.tiers.event_step] if self.tiers is not None else [])
         self.views.forced_fig.visible = self.tiers is not None and self.tiers.forced
+        self.answers = ColumnDataSource({}, name="answers")  # samples × policies at the chosen β (with answers)
+        self.answers_note = Div(text="", name="answers-note")
+        self.answers_table = self._answers_table()
         self.fit_sample()
+
+    def _answers_table(self):
+        """The samples a policy loses or gains against full KV (a result with answers), else None."""
+        if self.tiers is None or not self.tiers.answers:
+            return None
+        columns = self.tiers.answer_columns(self.tiers.budgets[0], self.tiers.allocations[0])
+        self.answers.data = columns
+        return answers_table(list(columns), self.answers)
+
+    def show_answers(self) -> None:
+        """The answers table at the chosen β and allocation."""
+        if self.answers_table is None:
+            return
+        budget, allocation = float(self.widgets["budget"].value), self.widgets["allocation"].value
+        self.answers.data = self.tiers.answer_columns(budget, allocation)
+        self.answers_note.text = answers_note(budget, allocation)
 
     def _widgets(self, shape: dict) -> dict[str, Select]:
         def select(key: str, title: str, options: list, value: str | None = None) -> Select:
@@ -125,6 +144,7 @@ class Explorer:
             self.status,
             row(side.per_layer, side.tier_fig, side.forced_fig),
             row(side.fmm_h, side.peak_fig, side.top_fig),
+            *([self.answers_note, self.answers_table] if self.answers_table is not None else []),
             name="kvscope-view",
         )
 
@@ -159,6 +179,7 @@ class Explorer:
                 self.other.show(values, rect, b)
             self._titles(layer, head, rect)
             self._tier_mass(sample, layer, head)
+            self.show_answers()
             self.message.text = ""
         except KvscopeError as exc:
             self.message.text = str(exc)
@@ -262,6 +283,15 @@ def mass_columns(tier_mass: xr.DataArray, event_step: np.ndarray) -> dict[str, l
     out = {"step": [int(s) for s in np.asarray(event_step)[done]]}
     out.update({name: [float(x) for x in values[i, done]] for i, name in enumerate(TIER_NAMES)})
     return out
+
+
+def answers_note(budget: float, allocation: str) -> str:
+    """What the answers table shows."""
+    under = "" if allocation == "uniform" else f" under {allocation}"
+    return (
+        f"<b>answers at β = {budget:g}{under}</b>: 1 the greedy output under the cache starts with the gold "
+        "answer, 0 it does not; <b>lost</b>: full KV answered and the policy did not; <b>gained</b>: the reverse"
+    )
 
 
 def resolution_text(rect: Rect, trace: TraceView) -> str:

@@ -226,6 +226,18 @@ class TierView:
         scored = np.flatnonzero(np.isfinite(kl))
         return {"step": [int(t) for t in scored], "kl": [float(x) for x in kl[scored]]}
 
+    @property
+    def answers(self) -> bool:
+        """The result holds task accuracy (forced replay of a trace with answers)."""
+        return "answer_exact" in self.result
+
+    def answer_columns(self, budget: float, allocation: str = "uniform") -> dict[str, list]:
+        """``{sample, task, full KV, <policy>…}``: each graded sample's answer under each policy at
+        ``budget``, ``lost`` / ``gained`` where it differs from full KV's (``kvscope.report.answer_table``)."""
+        from ..report import answer_table
+
+        return answer_table(self.result, budget, allocation if "allocation" in self.result.dims else "uniform")
+
     def tier_mass(self, run: dict, sample: int, layer: int, head: int) -> xr.DataArray:
         """``[event, tier]`` share of the future mass each tier received (NaN = censored)."""
         return self.result["tier_mass"].sel(run).isel(sample=sample, layer=layer, kv_head=head)

@@ -13,12 +13,15 @@ from bokeh.models import (
     ColorBar,
     ColumnDataSource,
     CustomJSHover,
+    DataTable,
     FixedTicker,
     HoverTool,
+    HTMLTemplateFormatter,
     Legend,
     LinearColorMapper,
     LogColorMapper,
     Range1d,
+    TableColumn,
     TapTool,
 )
 from bokeh.palettes import Inferno256
@@ -141,6 +144,27 @@ class Heatmap:
     def show(self, values: np.ndarray, rect: Rect, tiers: np.ndarray | None = None) -> None:
         self.source.data = image_columns(values, rect)
         self.tiers.data = image_columns(tiers, rect) if tiers is not None else empty_image(np.uint8)
+
+
+# a cell of the answers table: lost (full KV answered, the policy did not) red, gained green
+ANSWER_CELL = """<span style="font-size: {size}; color: <%= value == 'lost' ? '#c44e52' : value == 'gained' ? '#2ca02c'
+: 'inherit' %>; font-weight: <%= value == 'lost' || value == 'gained' ? 'bold' : 'normal' %>"><%= value %></span>"""
+
+
+def answers_table(columns: list[str], source: ColumnDataSource) -> DataTable:
+    """The samples × policies table of a result with answers at the chosen β
+    (``TierView.answer_columns``): 1 / 0 the policy's ``answer_exact``, ``lost`` / ``gained`` where
+    it differs from full KV's."""
+    cell = HTMLTemplateFormatter(template=ANSWER_CELL.format(size=BOKEH_PX))
+    return DataTable(
+        source=source,
+        columns=[TableColumn(field=c, title=c, formatter=cell) for c in columns],
+        name="answers-table",
+        width=min(1440, 110 * len(columns)),
+        height=260,
+        index_position=None,
+        sortable=True,
+    )
 
 
 def shared_ranges(n_steps: int, n_pos: int) -> tuple[Range1d, Range1d]:

@@ -20,7 +20,7 @@ import numpy as np
 import xarray as xr
 from bokeh.models import ColumnDataSource, CustomJS
 
-from .app import Explorer, load, mass_columns, resolution_text, title_of
+from .app import Explorer, answers_note, load, mass_columns, resolution_text, title_of
 from .data import Rect
 from .labels import key_labels, query_labels
 from .overlays import Overlay, Replayed
@@ -111,6 +111,7 @@ def _arrays(app: Explorer, rect: Rect, overlays: dict[str, Overlay]) -> dict:
                     for h in range(tm.sizes["kv_head"]):
                         masses[f"{key}|{s}|{layer}|{h}"] = mass_columns(tm.isel(kv_head=h), app.tiers.event_step)
     return {
+        "answers": _answers(app),
         "heats": ColumnDataSource({"image": heats}, name="page-heats"),
         "overlays": ColumnDataSource({"image": overlay_images or [np.zeros((1, 1), np.uint8)]}, name="page-overlays"),
         "index": index,
@@ -118,6 +119,18 @@ def _arrays(app: Explorer, rect: Rect, overlays: dict[str, Overlay]) -> dict:
         "forced": forced,
         "labels": labels,
         "queries": queries,
+    }
+
+
+def _answers(app: Explorer) -> dict:
+    """``{"β|allocation": {data, note}}``: the answers table of each β and allocation (a result with answers)."""
+    if app.answers_table is None:
+        return {}
+    tiers = app.tiers
+    return {
+        f"{b:g}|{a}": {"data": tiers.answer_columns(b, a), "note": answers_note(b, a)}
+        for b in tiers.budgets
+        for a in tiers.allocations
     }
 
 
@@ -154,6 +167,8 @@ const m = a === null ? undefined : page.masses[`${a[0]}|${s}|${l}|${a[2]}`];
 mass.data = m === undefined ? {step: [], FP: [], Q: [], EVICTED: []} : m;
 const f = a === null ? undefined : page.forced[`${a[0]}|${s}`];
 forced.data = f === undefined ? {step: [], kl: []} : f;
+const t = w.budget === undefined ? undefined : page.answers[`${w.budget.value}|${w.allocation.value}`];
+if (t !== undefined) { answers.data = t.data; answers_note.text = t.note; }
 """
 
 TAP = """
@@ -184,7 +199,9 @@ def _link(app: Explorer, arrays: dict, rect: Rect) -> None:
             "dims": dims,
             "heats": arrays["heats"],
             "overlays": arrays["overlays"],
-            "page": {k: arrays[k] for k in ("index", "masses", "forced", "labels", "queries")},
+            "page": {k: arrays[k] for k in ("index", "masses", "forced", "labels", "queries", "answers")},
+            "answers": app.answers,
+            "answers_note": app.answers_note,
             "main": app.main.source,
             "tiers_a": app.main.tiers,
             "other": app.other.source,
