@@ -254,9 +254,9 @@ def task_accuracy(result: xr.Dataset) -> xr.Dataset:
 
         accuracy [policy, allocation, budget, task]   Σ answer_exact / n over the task's graded samples
         ci_low, ci_high                               bootstrap over those samples (resampled whole; the
-                                                      result's own ``accuracy_ci_*`` where one task holds all)
-        n [task]                                      graded samples (``answer_exact`` not NaN)
-        accuracy_full [task]                          the same of ``answer_exact_full`` (NaN where absent)
+                                                      result's own accuracy_ci_* where one task holds all)
+        n [task]                                      graded samples (answer_exact not NaN)
+        accuracy_full [task]                          the same of answer_exact_full (NaN where absent)
 
     Tasks in the order of their first graded sample (``sample_tasks``).
 

@@ -72,7 +72,10 @@ def add_replay(sub) -> None:
     )  # fmt: skip
     p.add_argument("--device", default=None, help="where --forced runs the model (default: the trace's device)")
     p.add_argument("--out", default=None, metavar="RESULT.zarr", help="write the result Dataset")
-    p.add_argument("--plot", default=None, metavar="FILE", help="write the comparison figure")
+    p.add_argument(
+        "--plot", default=None, metavar="FILE",
+        help="write the comparison figure (with answers: accuracy against β per policy, one panel per task)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
@@ -161,7 +164,10 @@ def _show_comparison(result, args, title: str) -> int:
 def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="policy × allocation × budget table and figures of a replay result")
     p.add_argument("result", help="a RESULT.zarr written by kvscope replay --out")
-    p.add_argument("--plot", default=None, metavar="FILE", help="FMM vs budget, output error vs budget, tier mass")
+    p.add_argument(
+        "--plot", default=None, metavar="FILE",
+        help="FMM vs budget, output error vs budget, tier mass; with answers, accuracy vs β per policy for each task",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
 
