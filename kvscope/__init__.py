@@ -145,7 +145,8 @@ def view(ds: xr.Dataset, result: xr.Dataset | None = None, *, tokens: str = "mod
     Args:
         ds: A trace ([`open_trace`][kvscope.open_trace]).
         result: A replay result of that trace ([`open_result`][kvscope.open_result]): its
-            policies' tiers are overlaid.
+            policies' tiers are overlaid; with answers (``replay --forced`` of a ``trace --dataset``
+            store), a table shows the samples each policy loses or gains against full KV.
         tokens: How a token is labelled: ``model``, its text by the model's tokenizer (found
             locally), or ``ids``, ``#id``.
         title: The explorer's title (default: the store and its model).
