@@ -400,3 +400,26 @@ def test_static_page_in_chromium(browser, small_qkv_trace, replayed, tmp_path):
     assert proc.stdout.startswith(f"wrote {out}")
     page = Page(browser, out.as_uri())
     _check_explorer(page, small_qkv_trace, tmp_path, served=False)
+
+
+def test_the_answers_table_follows_the_chosen_beta_in_chromium(browser, tmp_path):
+    """The samples × policies table of a result with answers (tests/test_task_accuracy.py) redraws
+    when β changes: Bokeh redraws a table only when its rows change, unless told."""
+    from kvscope.explorer.static import write_html
+
+    from .test_task_accuracy import explorer_inputs, result_with_answers
+
+    ds, result = explorer_inputs(result_with_answers())
+    out = tmp_path / "answers.html"
+    write_html(ds, result, out, tokens="ids")
+    page = Page(browser, out.as_uri())
+
+    def row(sample: int) -> list[str]:  # sample, task, full KV, full, h2o, snapkv
+        return page.page.locator(".slick-cell").all_inner_texts()[6 * sample : 6 * sample + 6]
+
+    page.wait_for(lambda: row(1) == ["1", "a", "1", "1", "lost", "lost"])  # β = 0.2
+    page.choose("budget", "0.5")
+    page.wait_for(lambda: row(1) == ["1", "a", "1", "1", "1", "1"])
+    assert row(4) == ["4", "b", "0", "0", "gained", "0"] and row(2)[5] == "gained"
+    # Bokeh's "could not set initial ranges": this synthetic trace's side views give it, answers or not
+    assert [p for p in page.problems if "could not set initial ranges" not in p] == []

@@ -12,6 +12,7 @@ from bokeh.models import (
     BoxAnnotation,
     ColorBar,
     ColumnDataSource,
+    CustomJS,
     CustomJSHover,
     DataTable,
     FixedTicker,
@@ -156,7 +157,7 @@ def answers_table(columns: list[str], source: ColumnDataSource) -> DataTable:
     (``TierView.answer_columns``): 1 / 0 the policy's ``answer_exact``, ``lost`` / ``gained`` where
     it differs from full KV's."""
     cell = HTMLTemplateFormatter(template=ANSWER_CELL.format(size=BOKEH_PX))
-    return DataTable(
+    table = DataTable(
         source=source,
         columns=[TableColumn(field=c, title=c, formatter=cell) for c in columns],
         name="answers-table",
@@ -164,7 +165,11 @@ def answers_table(columns: list[str], source: ColumnDataSource) -> DataTable:
         height=260,
         index_position=None,
         sortable=True,
+        reorderable=False,  # reordering columns needs jquery-ui, which Bokeh does not ship
     )
+    # new data of as many rows leaves the table's view unchanged, so Bokeh would not redraw it
+    source.js_on_change("data", CustomJS(args={"table": table}, code="table.change.emit();"))
+    return table
 
 
 def shared_ranges(n_steps: int, n_pos: int) -> tuple[Range1d, Range1d]:
