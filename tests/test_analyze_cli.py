@@ -16,13 +16,9 @@ ANALYSES = ["fmm", "lir", "churn", "peaks", "concentration", "drift"]
 
 
 @pytest.fixture(scope="module")
-def prose_trace(tmp_path_factory, smollm2_dir):
-    import pydoc_data.topics as topics
-
-    out = tmp_path_factory.mktemp("prose") / "prose.zarr"
-    texts = [topics.topics["assignment"][:1200], topics.topics["for"][:900]]  # two prompts: CIs over prompts
-    kvscope.trace(texts, out, max_new_tokens=48, stop_at_eos=False, block_steps=16)
-    return out
+def prose_trace(prompts_qkv_trace):
+    """The session's SmolLM2 trace of three prose prompts (CIs over prompts), 40 steps."""
+    return prompts_qkv_trace
 
 
 @pytest.mark.slow
