@@ -7,9 +7,8 @@ import os
 import shutil
 
 import pytest
-from filelock import FileLock
 
-from tests.markdown_examples import Page, build_given_store, collector, needs_given_store, page_environment
+from tests.markdown_examples import Page, collector, given_store, needs_given_store, page_environment
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,10 +35,9 @@ def _docs_page(request, tmp_path_factory, _docs_given_folder):
     import numpy as np
 
     path = request.path
-    page = Page(path, tmp_path_factory.mktemp("page-" + path.stem), page_environment())
+    page = Page(path, tmp_path_factory.mktemp("page-" + path.stem), page_environment(), given=_docs_given_folder)
     if needs_given_store(path.read_text()):
-        with FileLock(str(_docs_given_folder) + ".lock"):
-            store = build_given_store(_docs_given_folder, page.env)
+        store = given_store(_docs_given_folder, page.env)
         shutil.copytree(store, page.folder / store.name)
     printing = np.get_printoptions()
     yield page

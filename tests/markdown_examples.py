@@ -27,7 +27,9 @@ A block that cannot run headless says so visibly, in a comment ``# not run in th
 on a line of its own it covers the whole block; after a command or statement, that one.
 
 A page that reads ``prose.zarr`` without tracing it gets the store the README's quick start
-traces (its ``kvscope trace … --out prose.zarr`` command, run once per test run)."""
+traces (its ``kvscope trace … --out prose.zarr`` command, run once per test run); the quick
+start's own block gets that run too: the store, and what the command printed, checked as its
+``#>`` lines say."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import ast
 import contextlib
 import doctest
 import io
+import json
 import os
 import re
 import shutil
@@ -149,11 +152,13 @@ def _block_skip(source: str) -> str | None:
 
 @dataclass
 class Page:
-    """One page's working folder and the environment its commands see."""
+    """One page's working folder and the environment its commands see; ``given``: where
+    ``prose.zarr`` is traced once for the whole run (None: traced where a page traces it)."""
 
     path: Path
     folder: Path
     env: dict = field(default_factory=dict)
+    given: Path | None = None
 
     @property
     def name(self) -> str:
@@ -184,16 +189,37 @@ def quick_start_trace() -> str:
 
 
 def build_given_store(folder: Path, env: dict) -> Path:
-    """``prose.zarr`` as the README's quick start traces it, in ``folder`` (once: kept there)."""
-    store, done = folder / GIVEN_STORE, folder / "traced"
+    """``prose.zarr`` as the README's quick start traces it, in ``folder`` (once: kept there,
+    with what the command printed in ``folder``/traced.json)."""
+    store, done = folder / GIVEN_STORE, folder / "traced.json"
     if not done.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(store, ignore_errors=True)
-        command = quick_start_trace() + " --quiet"
+        command = quick_start_trace()
         proc = subprocess.run(["bash", "-c", command], check=False, cwd=folder, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{proc.stderr}"
-        done.touch()
+        done.write_text(json.dumps({"stdout": proc.stdout, "stderr": proc.stderr}))
     return store
+
+
+def given_store(folder: Path, env: dict) -> Path:
+    """:func:`build_given_store` under a lock: the test workers share one trace."""
+    from filelock import FileLock
+
+    with FileLock(str(folder) + ".lock"):
+        return build_given_store(folder, env)
+
+
+def _given_trace(page: Page, command: Command) -> subprocess.CompletedProcess | None:
+    """The quick start's trace command, run once for the whole run: the store copied into the
+    page's folder, and what the command printed (None: ``command`` is another one)."""
+    if page.given is None or command.text.split("  #")[0].strip() != quick_start_trace():
+        return None
+    store = given_store(page.given, page.env)
+    shutil.rmtree(page.folder / GIVEN_STORE, ignore_errors=True)
+    shutil.copytree(store, page.folder / GIVEN_STORE)
+    printed = json.loads((page.given / "traced.json").read_text())
+    return subprocess.CompletedProcess(command.text, 0, printed["stdout"], printed["stderr"])
 
 
 # -- evaluators -----------------------------------------------------------------------------
@@ -256,7 +282,7 @@ def evaluate_shell(example: Example) -> None:
         where = f"{page.name}:{command.line}: {command.text.strip()}"
         if _skip_reason(command.text):
             continue
-        proc = _bash(page, command.text)
+        proc = _given_trace(page, command) or _bash(page, command.text)
         _check_exit(where, proc, 0)
         _check_output(where, command.shown, proc.stdout, source, proc.stderr)
 
