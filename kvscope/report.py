@@ -96,7 +96,8 @@ def comparison(result: xr.Dataset) -> list[dict]:
     ``output_rel_l2`` ([output error](concepts.md#output-error), None without q/k/v);
     ``churn`` and ``lir``; with forced replay its ``forced_*`` figures and, where the trace's
     samples carry answers, ``accuracy`` with ``accuracy_ci95`` ([task accuracy from the gold
-    answer](concepts.md#task-accuracy)). A number that is NaN is None.
+    answer](concepts.md#task-accuracy)) and, where contexts hold several questions,
+    ``accuracy_by_question`` (per question index: ``question_accuracy``). A number that is NaN is None.
 
     Args:
         result: A replay result ([`replay`][kvscope.replay.replay], [`open_result`][kvscope.open_result]).
@@ -105,6 +106,7 @@ def comparison(result: xr.Dataset) -> list[dict]:
     has_err = "attn_l1_mean" in result
     forced = "forced_kl_mean" in result
     answers = "accuracy" in result
+    by_question = question_accuracy(result) if answers and several_questions(result) else None
     for policy, allocation, budget in runs(result):
         r = result.sel(policy=policy, allocation=allocation, budget=budget)
         tier = dict(zip(TIERS, (float(x) for x in r["tier_mean"].values)))
@@ -130,7 +132,15 @@ def comparison(result: xr.Dataset) -> list[dict]:
                 **(_accuracy_row(r) if answers else {}),
             }
         )
+        if by_question is not None:
+            at = by_question["accuracy"].sel(policy=policy, allocation=allocation, budget=budget)
+            rows[-1]["accuracy_by_question"] = [_num(x) for x in at]
     return rows
+
+
+def several_questions(result: xr.Dataset) -> bool:
+    """Some context of the result holds more than one question (its ``question`` coordinate)."""
+    return "question" in result.coords and bool((result["question"].values > 0).any())
 
 
 def _forced_row(r) -> dict:
@@ -220,7 +230,7 @@ def print_comparison(result: xr.Dataset, title: str) -> None:
     )
     if forced:
         print(forced_note(result, rows))
-    for line in press_settings(result) + allocation_lines(rows):
+    for line in question_lines(rows) + press_settings(result) + allocation_lines(rows):
         print(line)
 
 
@@ -250,18 +260,42 @@ def sample_tasks(result: xr.Dataset) -> np.ndarray:
 
 
 def task_accuracy(result: xr.Dataset) -> xr.Dataset:
-    """Task accuracy of a result with answers, per task (docs/concepts.md#task-accuracy)::
-
-        accuracy [policy, allocation, budget, task]   Σ answer_exact / n over the task's graded samples
-        ci_low, ci_high                               bootstrap over those samples (resampled whole; the
-                                                      result's own accuracy_ci_* where one task holds all)
-        n [task]                                      graded samples (answer_exact not NaN)
-        accuracy_full [task]                          the same of answer_exact_full (NaN where absent)
-
-    Tasks in the order of their first graded sample (``sample_tasks``).
+    """Task accuracy of a result with answers, per task (docs/concepts.md#task-accuracy): ``accuracy_by``
+    over ``sample_tasks``, tasks in the order of their first graded sample (``task_names``).
 
     Args:
         result: A replay result with ``answer_exact`` (``kvscope replay --forced`` of a trace with answers).
+    """
+    return accuracy_by(result, sample_tasks(result), task_names(result), dim="task")
+
+
+def question_accuracy(result: xr.Dataset) -> xr.Dataset:
+    """Task accuracy of a result with answers per question index (its ``question`` coordinate: a
+    context's first question 0, its second 1, …; docs/replay.md#several-questions-per-context):
+    ``accuracy_by`` over it, indices in increasing order (one, 0, for a result without the coordinate).
+
+    Args:
+        result: A replay result with ``answer_exact``.
+    """
+    of = result["question"].values if "question" in result.coords else np.zeros(result.sizes["sample"], np.int64)
+    graded = result["answer_exact"].notnull().any(("policy", "allocation", "budget")).values  # [sample]
+    return accuracy_by(result, of, sorted({int(q) for q in of[graded]}), dim="question")
+
+
+def accuracy_by(result: xr.Dataset, of: np.ndarray, names: list, dim: str) -> xr.Dataset:
+    """Task accuracy per group of samples, ``of [sample]`` each sample's group, ``names`` the groups::
+
+        accuracy [policy, allocation, budget, dim]   Σ answer_exact / n over the group's graded samples
+        ci_low, ci_high                              bootstrap over those samples (resampled whole; the
+                                                     result's own accuracy_ci_* where one group holds all)
+        n [dim]                                      graded samples (answer_exact not NaN)
+        accuracy_full [dim]                          the same of answer_exact_full (NaN where absent)
+
+    Args:
+        result: A replay result with ``answer_exact``.
+        of: ``[sample]`` each sample's group.
+        names: The groups, in the order of the ``dim`` coordinate.
+        dim: The groups' dimension.
     """
     import xarray as xr
 
@@ -269,8 +303,6 @@ def task_accuracy(result: xr.Dataset) -> xr.Dataset:
 
     exact = result["answer_exact"].transpose("policy", "allocation", "budget", "sample").values  # [*run, sample]
     graded = np.isfinite(exact).any((0, 1, 2))  # [sample]
-    of = sample_tasks(result)
-    names = task_names(result)
     shape = exact.shape[:3] + (len(names),)
     acc, low, high = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
     full, n = np.full(len(names), np.nan), np.zeros(len(names), dtype=np.int64)
@@ -280,7 +312,7 @@ def task_accuracy(result: xr.Dataset) -> xr.Dataset:
         n[k] = mine.sum()
         if reference is not None:
             full[k] = np.nanmean(reference[mine])
-        if (mine | ~graded).all():  # one task: the result's own numbers
+        if (mine | ~graded).all():  # one group: the result's own numbers
             acc[..., k], low[..., k], high[..., k] = (
                 result[v].transpose("policy", "allocation", "budget").values
                 for v in ("accuracy", "accuracy_ci_low", "accuracy_ci_high")
@@ -291,17 +323,17 @@ def task_accuracy(result: xr.Dataset) -> xr.Dataset:
             acc[run + (k,)], low[run + (k,)], high[run + (k,)] = bootstrap_ratio(
                 values, np.ones_like(values), resample=result.attrs.get("resample", "samples")
             )
-    run_dims = ("policy", "allocation", "budget", "task")
+    run_dims = ("policy", "allocation", "budget", dim)
     return xr.Dataset(
         {
             "accuracy": (run_dims, acc),
             "ci_low": (run_dims, low),
             "ci_high": (run_dims, high),
-            "n": (("task",), n),
-            "accuracy_full": (("task",), full),
+            "n": ((dim,), n),
+            "accuracy_full": ((dim,), full),
         },
         coords={d: result[d].values for d in ("policy", "allocation", "budget")}
-        | {"policy_name": ("policy", result["policy_name"].values), "task": names},
+        | {"policy_name": ("policy", result["policy_name"].values), dim: names},
     )
 
 
@@ -384,6 +416,21 @@ def forced_note(result: xr.Dataset, rows: list[dict]) -> str:
             f"not the live decode's): {', '.join(stuck)}."
         )
     return text
+
+
+def question_lines(rows: list[dict]) -> list[str]:
+    """Accuracy per question index of each run, where contexts hold several questions."""
+    if not rows or "accuracy_by_question" not in rows[0]:
+        return []
+
+    def cell(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    lines = ["accuracy by question (each context's 1st, 2nd, … question):"]
+    for row in rows:
+        run = f"{row['policy']}" + ("" if row["allocation"] == "uniform" else f" under {row['allocation']}")
+        lines.append(f"  {run} at β = {row['budget']:g}: " + " · ".join(map(cell, row["accuracy_by_question"])))
+    return lines
 
 
 def allocation_lines(rows: list[dict]) -> list[str]:

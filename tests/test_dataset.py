@@ -75,10 +75,10 @@ def test_jsonl_and_parquet_give_the_same_prompts(dataset, tmp_path):
     assert [p.answers for p in prompts] == [["4471"], ["quiet", "calm"], ["blue whale"], ["trains"]]
     assert [p.answer_prefix for p in prompts] == [r["answer_prefix"] for r in ROWS]
     assert [p.meta for p in prompts] == [
-        {"row": 0, "context_id": 0, "task": "niah_single_1", "max_new_tokens": 8},
-        {"row": 1, "context_id": 0, "task": "qa_1", "max_new_tokens": None},
-        {"row": 2, "context_id": 1, "task": "qa_2", "max_new_tokens": 6},
-        {"row": 3, "context_id": 1, "task": None, "max_new_tokens": None},
+        {"row": 0, "context_id": 0, "task": "niah_single_1", "max_new_tokens": 8, "question": 0},
+        {"row": 1, "context_id": 0, "task": "qa_1", "max_new_tokens": None, "question": 1},
+        {"row": 2, "context_id": 1, "task": "qa_2", "max_new_tokens": 6, "question": 0},
+        {"row": 3, "context_id": 1, "task": None, "max_new_tokens": None, "question": 1},
     ]
     assert all(p.continuation is None and p.expected is None for p in prompts)
     assert [Prompt.from_doc(p.doc()) for p in prompts] == prompts  # what a store's attribute gives back
@@ -162,13 +162,15 @@ def test_the_answer_prefix_follows_the_generation_prompt_as_in_kvpress(dataset, 
 def test_a_trace_forces_the_gold_answers_and_keeps_them(dataset, tmp_path, tiny_models, tokenizer):
     """The 4-row dataset through the command line (chat template): each sample's decode steps are
     exactly its gold answer's tokens, after the prompt with its answer prefix, and the store keeps
-    every row's prefix, answers and meta; with --question-agnostic the question (ending in the
-    prefix) comes first."""
+    every row's prefix, answers and meta (--question-aware: the question in the prefill); under the
+    question-agnostic protocol (the default of --dataset) the question (ending in the prefix) comes first."""
     from kvscope.replay.forced.model import ForcedModel, check_continuations
 
     model = str(tiny_models["llama"])
     out = tmp_path / "qa.zarr"
-    ran = run_main("trace", "--dataset", dataset, "--model", model, "--chat", "--out", out, "--quiet")
+    ran = run_main(
+        "trace", "--dataset", dataset, "--model", model, "--chat", "--question-aware", "--out", out, "--quiet"
+    )
     assert ran.returncode == 0, ran.stderr
     assert "sample 0 (gold answer): ' 4471'" in ran.stdout and "sample 2 (gold answer): ' blue whale'" in ran.stdout
     ds = kvscope.open_trace(out)
@@ -191,7 +193,7 @@ def test_a_trace_forces_the_gold_answers_and_keeps_them(dataset, tmp_path, tiny_
     check_continuations(ds, ForcedModel(model=None, model_spec=None, label="tiny", tokenizer=tokenizer))
 
     agnostic = tmp_path / "agnostic.zarr"
-    kvscope.trace(prompts, agnostic, model=model, max_new_tokens=None, question_agnostic=True)
+    assert run_main("trace", "--dataset", dataset, "--model", model, "--out", agnostic, "--quiet").returncode == 0
     ds = kvscope.open_trace(agnostic)
     pairs = encode_split(tokenizer, prompts, chat=False)
     assert ds.attrs["question_tokens"] == [len(q) for _, q in pairs]
@@ -228,7 +230,7 @@ def test_run_gives_answer_exact_and_the_tasks_score(tmp_path, tiny_models):
     path = write_jsonl(tmp_path / "mine.jsonl", rows)
 
     ran = run_main("run", "--dataset", path, "--model", folder, "--policy", "full", "--budget", "1",
-                   "--max-new-tokens", "4", "--json", "--quiet")  # fmt: skip
+                   "--max-new-tokens", "4", "--question-aware", "--json", "--quiet")  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     samples = json.loads(ran.stdout)["samples"]
     assert [s["new_tokens"] for s in samples] == [3, 8]  # a row's max_new_tokens comes first
@@ -243,7 +245,8 @@ def test_run_gives_answer_exact_and_the_tasks_score(tmp_path, tiny_models):
     assert [s["answer_exact"] for s in samples] == [1, 0]
     assert samples[0]["score"] == 1.0 and samples[0]["agreement"] == 1.0
 
-    table = run_main("run", "--dataset", path, "--model", folder, "--policy", "full", "--budget", "1", "--quiet")
+    table = run_main("run", "--dataset", path, "--model", folder, "--policy", "full", "--budget", "1",
+                     "--question-aware", "--quiet")  # fmt: skip
     assert table.returncode == 0, table.stderr
     assert "exact (full)" in table.stdout and "1 (1)" in table.stdout and "0 (0)" in table.stdout
 

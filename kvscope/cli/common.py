@@ -95,6 +95,28 @@ def add_prompt_sources(p, required: bool = True) -> None:
     p.add_argument("--samples", type=int, default=None, help="--workload: number of prompts (recipe's default)")
 
 
+def add_protocol(p, agnostic: str) -> None:
+    """``--question-agnostic | --question-aware`` of ``trace`` and ``run`` (``agnostic``: the first's
+    help): where a policy first compresses, resolved by ``question_agnostic``."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--question-agnostic", action="store_true", help=agnostic + " (the default of --dataset)")
+    group.add_argument(
+        "--question-aware", dest="question_agnostic", action="store_false",
+        help="prefill each prompt's context and question together: a press sees the question (the default, but "
+        "with --dataset)",
+    )  # fmt: skip
+    p.set_defaults(question_agnostic=None)
+
+
+def question_agnostic(args) -> bool:
+    """The protocol of ``add_protocol``'s flags, set on ``args``: as given, else question-agnostic for
+    ``--dataset`` (kvpress's evaluation protocol: the context is compressed before any question) and
+    question-aware for every other source."""
+    if args.question_agnostic is None:
+        args.question_agnostic = getattr(args, "dataset", None) is not None
+    return args.question_agnostic
+
+
 def read_prompts(args):
     """The prompts of ``--prompt``, ``--prompts FILE``, ``--workload NAME`` (and the workload) or
     ``--dataset FILE`` (``kvscope.model.dataset``: prompts with answers, whose gold answers a

@@ -9,7 +9,16 @@ from ..live.inputs import KV_DTYPES
 from ..model.loading import DEFAULT_MODEL, MODEL_DTYPES, check_model_dtype
 from ..report import print_table
 from ..tracing.settings import KERNELS
-from .common import add_allocation, add_prompt_sources, human_bytes, policy_names, progress_bar, read_prompts
+from .common import (
+    add_allocation,
+    add_prompt_sources,
+    add_protocol,
+    human_bytes,
+    policy_names,
+    progress_bar,
+    question_agnostic,
+    read_prompts,
+)
 
 
 def add_run(sub) -> None:
@@ -35,10 +44,7 @@ def add_run(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument(
-        "--question-agnostic", action="store_true",
-        help="compress the context before the question is fed (split prompts: niah, vt, JSONL)",
-    )  # fmt: skip
+    add_protocol(p, "compress the context before the question is fed (split prompts: niah, vt, JSONL)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
@@ -68,6 +74,7 @@ def cmd_run(args) -> int:
     if args.workload is None and args.max_new_tokens is None:
         args.max_new_tokens = defaults.MAX_NEW_TOKENS
     prompts, workload = read_prompts(args)
+    question_agnostic(args)
     bar, task = progress_bar("run", args.quiet, "forwards (full KV, policy, policy teacher-forced per prompt)")
     with bar:
         results = run(

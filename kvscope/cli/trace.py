@@ -12,10 +12,12 @@ from ..tracing.settings import HEAD_MODES, KERNELS
 from .common import (
     DaskContext,
     add_prompt_sources,
+    add_protocol,
     allocation_names,
     human_bytes,
     policy_names,
     progress_bar,
+    question_agnostic,
     read_prompts,
 )
 
@@ -64,10 +66,9 @@ def add_trace(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even after EOS")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument(
-        "--question-agnostic", action="store_true",
-        help="prefill the context only, then decode the question into the cache (split prompts: niah, vt, JSONL)",
-    )  # fmt: skip
+    add_protocol(
+        p, "prefill the context only, then decode the question into the cache (split prompts: niah, vt, JSONL)"
+    )
     p.add_argument(
         "--policy", default=None,
         help="decode under this live policy cache (e.g. qevict, press:SnapKVPress): " + policy_names(live=True),
@@ -133,6 +134,7 @@ def cmd_trace(args) -> int:
     cache = _trace_cache(args)
     _check_record(args)
     prompts, workload = read_prompts(args)  # a workload's recipe sets --max-new-tokens and --chat
+    question_agnostic(args)
     settings = _trace_settings(args)
     settings.check()  # before torch and transformers load: a refused option costs no import
     if args.dask is not None:
@@ -214,13 +216,8 @@ def _finalize(args) -> int:
     """``trace --finalize STORE``: mark a store whose samples are all done complete."""
     from ..tracing.runner import finalize
 
-    given = [
-        f
-        for f in (
-            "prompt", "prompts", "workload", "dataset", "out", "shard", "dask", "continuation", "continuation_tokens"
-        )  # fmt: skip
-        if getattr(args, f) is not None
-    ]
+    inputs = ("prompt", "prompts", "workload", "dataset", "out", "shard", "dask", "continuation", "continuation_tokens")
+    given = [f for f in inputs if getattr(args, f) is not None]
     given += [f for f in ("resume", "force") if getattr(args, f)]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)

@@ -15,8 +15,10 @@ metric compares the same steps):
 Forward ``t`` of the forced decode sees the same tokens as forward ``t`` of the full
 decode, so ``kl`` isolates what the cache changed. ``question_agnostic``: the prompt's context
 is prefilled alone (the policy compresses it there), the question's tokens are then fed one
-forward each, and the ``S`` steps above are those after the question. Bytes are the policy cache's own (free
-decode): the peak of ``bytes_actual`` and of the byte model (docs/concepts.md#budget), against the budget.
+forward each, and the ``S`` steps above are those after the question; prompts whose contexts are the
+same tokens (a context's questions) share one budget, ``β · FP_bytes(P + max_q (Q_q + S_q))``
+(``context_forwards``). Bytes are the policy cache's own (free decode): the peak of ``bytes_actual`` and
+of the byte model (docs/concepts.md#budget), against the budget.
 
 A prompt with answers (``Prompt.answers``: ``run --dataset``, a workload's) is graded on the
 free decode's text and on full KV's: ``score`` / ``score_full``, its task's metric
@@ -37,7 +39,7 @@ import numpy as np
 from .. import defaults
 from ..errors import KvscopeError
 from ..model.loading import DEFAULT_MODEL, check_model_dtype, load, resolve
-from ..model.prompts import as_prompts, check_context, encode_answers, encode_prompts, eos_ids
+from ..model.prompts import as_prompts, check_context, encode_answers, encode_prompts, eos_ids, task_of
 from ..model.spec import ModelSpec, cache_keyword, last_logits_only, returned_cache
 from ..policies import check_budget
 from ..policies.allocation import check_allocatable
@@ -163,14 +165,17 @@ def run_loaded(
     answers: list[str] | None = None,
     answer: list[int] | None = None,
     task: str | None = None,
+    sized_for: int | None = None,
 ) -> RunResult:
     """Run the three decodes of the module docstring with a loaded, prepared model
     (``on_step()`` after every forward of each); ``prompt_ids`` is the context alone when
     ``question`` holds the question's tokens (question-agnostic). ``full``: the full-KV decode
     of this prompt already made (``full_decode``), shared by every policy run on it.
     ``answers`` (with ``task``): the accepted answers, graded by the task's metric instead of
-    ``scorer``; ``answer``: the gold answer's token ids (``answer_exact``)."""
-    n_forwards = len(question) + max_new_tokens
+    ``scorer``; ``answer``: the gold answer's token ids (``answer_exact``). ``sized_for``: the
+    forwards after the prompt's the budget is sized for (default ``len(question) + max_new_tokens``;
+    ``run`` gives a context's questions their longest, ``context_forwards``)."""
+    n_forwards = sized_for or len(question) + max_new_tokens
 
     def make():
         return PolicyCache(
@@ -228,11 +233,6 @@ def full_decode(model, prompt_ids: list[int], max_new_tokens: int, on_step=None,
 
     cache = DynamicCache(config=model.config)
     return decode(model, prompt_ids, cache, max_new_tokens, on_step=on_step, question=question)
-
-
-def _task(prompt) -> str | None:
-    """The task whose metric grades a prompt's answers: a dataset row's ``task``, else its workload."""
-    return prompt.meta.get("task") or prompt.meta.get("workload")
 
 
 def _layer_shares(spec) -> list[float]:
@@ -306,12 +306,25 @@ def run(
         if progress is not None:
             progress(done[0], total)
 
-    for prompt, ids, question, s, answer in zip(prompts, encoded, questions, steps, answers):
+    forwards = [len(q) + s for q, s in zip(questions, steps)]
+    sized = context_forwards(encoded, forwards) if question_agnostic else forwards
+    for n, (prompt, ids, question, s, answer) in enumerate(zip(prompts, encoded, questions, steps, answers)):
         results.append(
             run_loaded(
                 loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=s, kv_dtype=dtype,
                 n_sink=n_sink, w=w, scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
-                allocation=allocation, answers=prompt.answers, answer=answer, task=_task(prompt),
+                allocation=allocation, answers=prompt.answers, answer=answer, task=task_of(prompt.doc()) or None,
+                sized_for=sized[n],
             )
         )  # fmt: skip
     return results
+
+
+def context_forwards(encoded: list[list[int]], forwards: list[int]) -> list[int]:
+    """``[prompt]`` the forwards each prompt's budget is sized for: its own ``forwards``, the most of
+    any prompt with the same prefill (a context with several questions, question-agnostic: each
+    question is answered over the same compressed context, as ``ds.kvscope.final_len`` sizes it offline)."""
+    longest: dict[tuple[int, ...], int] = {}
+    for ids, n in zip(encoded, forwards):
+        longest[tuple(ids)] = max(longest.get(tuple(ids), 0), n)
+    return [longest[tuple(ids)] for ids in encoded]

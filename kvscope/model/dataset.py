@@ -17,8 +17,11 @@ Other columns are ignored. Each row is one sample, in file order: its prompt is
 ``source`` is ``FILE:ROW`` (ROW counts data rows from 0: a JSONL file's blank lines are
 skipped) and ``meta`` holds ``row``, ``context_id`` (the index of the row's context among the
 file's distinct contexts, in order of first appearance: rows sharing one get the same id),
-``task`` and ``max_new_tokens`` (None where the row has none). Rows that share a context are
-traced and run apart today, each with its own prefill.
+``question`` (the row's index among the rows of its context, in file order), ``task`` and
+``max_new_tokens`` (None where the row has none). Rows sharing a context are one context with
+several questions: under the question-agnostic protocol, the default of ``--dataset``, the context
+is prefilled and compressed without any question, and each question is answered over it
+(docs/replay.md#several-questions-per-context).
 
 A row that cannot be read is refused in one line naming the file and the row (and, for
 JSONL, the line).
@@ -49,6 +52,10 @@ def load_dataset(path: str | Path) -> list[Prompt]:
     prompts, contexts = [], {}
     for row, (where, obj) in enumerate(rows):
         prompts.append(_prompt(p, row, where=where, obj=obj, contexts=contexts))
+    asked: dict[int, int] = {}
+    for prompt in prompts:
+        context_id = prompt.meta["context_id"]
+        prompt.meta["question"] = asked[context_id] = asked.get(context_id, -1) + 1
     if not prompts:
         raise KvscopeError(f"dataset {p} holds no rows")
     return prompts

@@ -59,7 +59,8 @@ class Variable:
     optional: str = ""  # the group of optional variables it belongs to, present all or none:
     # "errors" (attn_l1, output_rel_l2 and their means: q/k/v recorded), "forced" (replay --forced),
     # "answers" (replay --forced of a trace whose samples carry answers: trace --dataset), "tasks"
-    # (beside "answers" in results written since 2026-12-07: each sample's task, full KV's answer_exact)
+    # (beside "answers" in results written since 2026-12-07: each sample's task, context and question
+    # index, full KV's answer_exact)
 
 
 SAMPLE = RUN + ("sample",)
@@ -135,8 +136,10 @@ COORDINATES = {
     "horizon": Variable(("horizon",), INT, "horizons"),
     "tier": Variable(("tier",), TEXT, "tiers"),
     "task": Variable(("sample",), TEXT, "text", optional="tasks"),  # "" for a sample without a task
+    "context": Variable(("sample",), INT, "indices", optional="tasks"),  # samples sharing a context share it
+    "question": Variable(("sample",), INT, "indices", optional="tasks"),  # its index among its context's questions
 }
-NON_INDEX = ("policy_name", "policy_kind", "event_step", "task")
+NON_INDEX = ("policy_name", "policy_kind", "event_step", "task", "context", "question")
 ARRAY_ATTRIBUTES = frozenset({"coordinates", "_FillValue"})  # what xarray writes beside an array
 MAX_TEXT_BYTES = 4096  # a label's fixed-length string type, at most
 
@@ -306,6 +309,7 @@ COORDINATE_RULES = {
     "text": ("must be strings", lambda x, n: True),
     "budgets": ("budgets must be distinct and in (0, 1]", lambda x, n: len(set(x)) == x.size and bool(((x > 0) & (x <= 1)).all())),
     "ids": ("must be increasing integers ≥ 0", lambda x, n: _increasing(x, 0)),
+    "indices": ("must be integers ≥ 0", lambda x, n: bool((x >= 0).all())),
     "range": ("must be 0, 1, …, n − 1", lambda x, n: np.array_equal(x, np.arange(x.size))),
     "pairs": ("must be 1, 2, …, n", lambda x, n: np.array_equal(x, np.arange(1, x.size + 1))),
     "steps": ("event steps must be increasing steps of the trace", lambda x, n: _increasing(x, 0) and (x.size == 0 or x[-1] < n["step"])),

@@ -318,7 +318,7 @@ class ReplaySetup:
         """
         acc = self.ds.kvscope
         prompt_len = int(acc.prompt_len[s])
-        model, final = acc.model, prompt_len + int(acc.n_steps[s])
+        model, final = acc.model, int(acc.final_len[s])
         return CacheSpec(
             self.n_layers, self.n_kv, self.head_dim, prompt_len, final_len=final, budget=budget, n_sink=self.n_sink,
             w=self.w, fp_itemsize=self.kv_itemsize, first_layer=int(self.layers[0]), model_layers=model.n_layers,

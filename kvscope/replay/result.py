@@ -252,6 +252,8 @@ def build(setup, o: Outputs, tiers=None, forced=None) -> xr.Dataset:
     coords = _coords(setup, o)
     if "answer_exact_full" in data:
         coords["task"] = ("sample", tasks(setup.ds))
+        coords["context"] = ("sample", setup.ds.kvscope.contexts)
+        coords["question"] = ("sample", question_indices(setup.ds))
     return xr.Dataset(data, coords=coords)
 
 
@@ -262,6 +264,15 @@ def tasks(ds: xr.Dataset) -> list[str]:
 
     prompts = ds.attrs.get("prompts") or []
     return [task_of(prompts[s]) if s < len(prompts) else "" for s in range(ds.sizes["sample"])]
+
+
+def question_indices(ds: xr.Dataset) -> np.ndarray:
+    """``[sample]`` each sample's index among its context's questions: a ``trace --dataset`` row's
+    ``meta.question`` (its place among the rows sharing its context), 0 for a prompt without one."""
+    prompts = ds.attrs.get("prompts") or []
+    meta = [(p.get("meta") or {}) if isinstance(p, dict) else {} for p in prompts]
+    return np.asarray([int(meta[s].get("question") or 0) if s < len(meta) else 0 for s in range(ds.sizes["sample"])],
+                      dtype=np.int64)  # fmt: skip
 
 
 def _forced_variables(setup, f) -> dict:
@@ -279,7 +290,8 @@ def _forced_variables(setup, f) -> dict:
 
         answer_exact_full                    [sample]   answer_exact under full KV (the reference)
 
-    with each sample's ``task`` as a coordinate on ``sample`` (``build``).
+    with each sample's ``task``, ``context`` (``ds.kvscope.contexts``) and ``question`` (its index among
+    its context's questions) as coordinates on ``sample`` (``build``).
     """
     dims_sample = RUN + ("sample",)
     data = {

@@ -158,6 +158,29 @@ class TraceAccessor:
         """``[sample]`` forced question steps before the generated ones (0 without the protocol)."""
         return np.asarray(self.attrs.get("question_tokens", [0] * self._ds.sizes["sample"]), dtype=np.int64)
 
+    @functools.cached_property
+    def contexts(self) -> np.ndarray:
+        """``[sample]`` the index of each sample's context, in order of first appearance: in a
+        question-agnostic trace the samples whose prefills hold the same tokens share one (a
+        context with several questions); otherwise every sample is its own."""
+        if not self.question_agnostic:
+            return np.arange(self._ds.sizes["sample"])
+        tokens = np.asarray(self._ds["tokens"].values)  # [sample, token]
+        seen: dict[bytes, int] = {}
+        return np.asarray(
+            [seen.setdefault(tokens[s, :P].tobytes(), len(seen)) for s, P in enumerate(self.prompt_len)], dtype=np.int64
+        )
+
+    @functools.cached_property
+    def final_len(self) -> np.ndarray:
+        """``[sample]`` the final length a sample's budget is a share of: ``P + S``, the longest of
+        its context's samples where they share one (each question is answered over the same
+        compressed context, docs/replay.md#several-questions-per-context)."""
+        ends = self.prompt_len + self.n_steps  # [sample]
+        longest = np.zeros(int(self.contexts.max(initial=-1)) + 1, dtype=np.int64)
+        np.maximum.at(longest, self.contexts, ends)
+        return longest[self.contexts]
+
     @property
     def continued(self) -> bool:
         """The decode steps forced a given continuation (``trace --continuation``) after any

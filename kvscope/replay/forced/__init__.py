@@ -50,18 +50,21 @@ The package, one module per responsibility, each importing only modules listed b
     kernel      the attention of a chunk under its tier maps (``ChunkAttention``)
     routing     how a policy's state is started and driven (a press's prefill capture or stand-ins)
     loop        one run's closed loop, chunk by chunk in rounds (``ForcedRun``)
-    sample      a sample's prefill and full-KV reference (``SampleForcing``)
-    tasks       a replay's forced decodes as tasks, here or on a cluster (``forced_replay``)
+    prefill     a context's prefill, shared by the samples of its questions (``ContextPrefill``)
+    sample      a sample's full-KV reference over its context's prefill (``SampleForcing``)
+    tasks       a replay's forced decodes as tasks, one per context, here or on a cluster (``forced_replay``)
 """
 
 from __future__ import annotations
 
 from .loop import ForcedRun
 from .model import ForcedModel, load_model
-from .sample import Prefill, Reference, SampleForcing
+from .prefill import ContextPrefill, Prefill
+from .sample import Reference, SampleForcing
 from .tasks import ForcedOutputs, check_forced, forced_replay
 
 __all__ = [
+    "ContextPrefill",
     "ForcedModel",
     "ForcedOutputs",
     "ForcedRun",

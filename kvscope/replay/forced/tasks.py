@@ -1,6 +1,6 @@
-"""A replay's forced decodes as tasks: one per sample with steps (its runs share the prefill and the
-reference), in this process or on a dask cluster (each worker loads the trace's model once), and
-their figures gathered into ``ForcedOutputs``."""
+"""A replay's forced decodes as tasks: one per context (its samples share the prefill, each sample's
+runs its full-KV reference), in this process or on a dask cluster (each worker loads the trace's
+model once), and their figures gathered into ``ForcedOutputs``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ...errors import KvscopeError
 from .loop import ForcedRun
 from .model import ForcedModel, load_model
 from .routing import decoding_press, loop_of, prompt_press, reads_prompt
-from .sample import SampleForcing
+from .sample import SampleForcing, context_prefill
 
 
 def check_forced(chunk: int, max_rounds: int) -> tuple[int, int]:
@@ -75,10 +75,11 @@ class ForcedOutputs:
 
 @dataclass(frozen=True)
 class ForcedTask:
-    """One sample's forced decodes under some policies (every allocation and budget of each):
-    one prefill and one full-KV reference shared by its runs."""
+    """The forced decodes of one context's samples (its questions: ``ds.kvscope.contexts``) under
+    some policies (every allocation and budget of each): one prefill shared by all, one full-KV
+    reference per sample."""
 
-    sample: int
+    samples: tuple[int, ...]
     policies: tuple[int, ...]
 
 
@@ -96,22 +97,32 @@ class TaskResult:
     exact_full: float = float("nan")  # full KV's greedy choices are the scored tokens (1.0) or not (0.0)
 
 
-def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chunk: int, max_rounds: int) -> TaskResult:
-    """The forced decodes of ``task`` (``kvscope.replay.forced``): ``chunk`` steps per forward, at most
-    ``max_rounds`` per chunk; ``splits``: the oracle allocation's, by sample."""
-    s = task.sample
+def run_task(
+    setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chunk: int, max_rounds: int
+) -> list[TaskResult]:
+    """The forced decodes of ``task`` (``kvscope.replay.forced``), one result per sample: ``chunk``
+    steps per forward, at most ``max_rounds`` per chunk; ``splits``: the oracle allocation's, by sample."""
     policies = [setup.policies[pi] for pi in task.policies]
-    allocations = [a.for_sample(s) if a is not None else None for a in setup.allocations]
-    sample = SampleForcing(
-        setup, s, forced, chunk=chunk, max_rounds=max_rounds,
-        prompt_attention=any(reads_prompt(policy, a) for policy in policies for a in allocations),
-        decoding_presses=any(decoding_press(policy) for policy in policies),
-        prompt_presses=any(prompt_press(policy) for policy in policies),
-    )  # fmt: skip
-    sample_splits = splits.get(s, {})
+    allocations = [a.for_sample(s) if a is not None else None for a in setup.allocations for s in task.samples]
+    needs = {
+        "prompt_attention": any(reads_prompt(policy, a) for policy in policies for a in allocations),
+        "decoding_presses": any(decoding_press(policy) for policy in policies),
+        "prompt_presses": any(prompt_press(policy) for policy in policies),
+    }
+    context = context_prefill(setup, task.samples[0], forced, **needs)
+    results = []
+    for s in task.samples:
+        sample = SampleForcing(setup, s, forced, chunk=chunk, max_rounds=max_rounds, context=context, **needs)
+        results.append(_sample_runs(sample, task.policies, splits=splits.get(s, {})))
+    return results
+
+
+def _sample_runs(sample: SampleForcing, policies: tuple[int, ...], splits: dict) -> TaskResult:
+    """Every run of ``policies`` (each allocation and budget) on ``sample``; ``splits``: its oracle splits."""
+    setup, s = sample.setup, sample.s
     runs = {
-        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget, split=sample_splits.get((pi, ai, bi)))
-        for pi in task.policies
+        (pi, ai, bi): ForcedRun(sample, setup.policies[pi], allocation, budget, split=splits.get((pi, ai, bi)))
+        for pi in policies
         for ai, allocation in enumerate(setup.allocations)
         for bi, budget in enumerate(setup.budgets)
     }
@@ -129,12 +140,16 @@ def run_task(setup, forced: ForcedModel, task: ForcedTask, *, splits: dict, chun
 
 
 def forced_tasks(setup, client) -> list[ForcedTask]:
-    """One task per sample with steps (its runs share the prefill and the reference); on a cluster one
-    per (sample, policy), so that the workers share the grid."""
-    samples = [int(s) for s in np.flatnonzero(setup.ds.kvscope.n_steps > 0)]
+    """One task per context of the samples with steps (its samples share the prefill, each sample's
+    runs its reference); on a cluster one per (context, policy), so that the workers share the grid."""
+    acc = setup.ds.kvscope
+    by_context: dict[int, list[int]] = {}
+    for s in np.flatnonzero(acc.n_steps > 0):
+        by_context.setdefault(int(acc.contexts[s]), []).append(int(s))
+    groups = [tuple(samples) for samples in by_context.values()]
     if client is None:
-        return [ForcedTask(s, tuple(range(len(setup.policies)))) for s in samples]
-    return [ForcedTask(s, (pi,)) for s in samples for pi in range(len(setup.policies))]
+        return [ForcedTask(samples, tuple(range(len(setup.policies)))) for samples in groups]
+    return [ForcedTask(samples, (pi,)) for samples in groups for pi in range(len(setup.policies))]
 
 
 def forced_replay(setup, forced: ForcedModel, splits: dict, chunk: int, max_rounds: int, client=None,
@@ -151,8 +166,9 @@ def forced_replay(setup, forced: ForcedModel, splits: dict, chunk: int, max_roun
         results = (run_task(setup, forced, task, **forcing) for task in tasks)
     else:
         results = _on_cluster(client, setup, tasks, device=str(forced.device), forcing=forcing)
-    for done, result in enumerate(results, 1):
-        out.absorb(result)
+    for done, task_results in enumerate(results, 1):
+        for result in task_results:
+            out.absorb(result)
         if progress is not None:
             progress(done, len(tasks))
     return out
@@ -180,6 +196,6 @@ def _worker_model(path: str, device: str) -> tuple:
     return ds, load_model(ds, device)
 
 
-def _remote_task(setup, path: str, task: ForcedTask, *, device: str, **forcing) -> TaskResult:
+def _remote_task(setup, path: str, task: ForcedTask, *, device: str, **forcing) -> list[TaskResult]:
     ds, forced = _worker_model(path, device)
     return run_task(replace(setup, ds=ds), forced, task, **forcing)
