@@ -26,10 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import dask.array as dsa
 import numpy as np
 import xarray as xr
-from scipy.optimize import minimize_scalar
 
 from .. import defaults
 from ..errors import KvscopeError
@@ -64,6 +62,8 @@ def fit_stats(data_term: float, N_D: np.ndarray, kind: str = "power") -> tuple[f
     def neg_log_lik(theta: float) -> float:
         log_z = np.log(np.maximum(np.cumsum(np.exp(-theta * x)), 1e-300))  # log Z(D), D = 1..last−1
         return theta * data_term + np.dot(n_rows, log_z)
+
+    from scipy.optimize import minimize_scalar  # here: `kvscope verify` and `info` import the package without it
 
     bounds = (-3.0, 8.0) if kind == "power" else (0.0, 5.0)
     with np.errstate(over="ignore"):
@@ -217,6 +217,8 @@ class Peaks(Bootstrapped, Metric):
             ds: The trace.
             compute: Return numpy (False: a dask array, for one read shared with other metrics).
         """
+        import dask.array as dsa  # here: `kvscope verify` and `info` import the package without dask
+
         self.check_scope(ds)
         ds.kvscope.require_steps()
         if self.sinks(ds) >= ds.sizes["pos"] - 1:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import dask
-import dask.array as dsa
 import numpy as np
 import xarray as xr
 
@@ -78,6 +76,9 @@ def rows_from_qk(ds: xr.Dataset, heads: str = "kv") -> xr.DataArray:
         ds: A trace recorded with ``--record qkv``.
         heads: ``kv`` (kv-group mean rows) or ``all`` (every query head).
     """
+    import dask  # here, not at the top: `kvscope verify` and `info` read the package without dask
+    import dask.array as dsa
+
     if "q" not in ds or "k" not in ds:
         raise KvscopeError("this trace has no recorded q/k (trace with --record qkv)")
     model = ds.kvscope.model
