@@ -1,16 +1,18 @@
 """Task accuracy offline (docs/concepts.md#task-accuracy): forced replay of a ``trace --dataset``
 store gives, per policy and sample, ``answer_exact`` — whether greedy decoding under the policy's
 cache emits the gold answer as its first tokens — and it is ``kvscope run``'s live ``answer_exact``
-on the same prompts; ``answer_nll`` is the answer's forced NLL, which the live teacher-forced decode
-gives too; ``accuracy`` with its CI reaches ``compare``.
+on the same prompts; ``answer_nll`` is the answer's forced NLL, which the live greedy decode
+gives too where it emits the answer; ``accuracy`` with its CI reaches ``compare``.
 
-Ground truth: ``kvscope run --dataset`` on SmolLM2 (float32 model and cache, as the trace), a
-RULER-like needle task of 2 contexts × 2 questions (~200 tokens each)."""
+Ground truth, on a RULER-like needle task of 2 contexts × 2 questions (~200 tokens each): on a tiny
+GQA model ``kvscope run --dataset`` itself (the CLI encodes the rows as ``trace`` does); on SmolLM2
+(float32 model and cache, as the trace) the decode ``kvscope run`` grades — ``kvscope.live.run.decode``
+under a ``PolicyCache``, its free decode — of the trace's own prompt tokens, the model loaded once
+for every policy (the CLI would load it and prefill every prompt three times per policy)."""
 
 from __future__ import annotations
 
 import json
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,11 +25,17 @@ import kvscope
 from .conftest import run_main
 
 KEYS = [("lighthouse", "4471"), ("orchard", "8203")]
-POLICIES = ["h2o", "qevict", "press:SnapKVPress", "kivi"]  # closed loops, a prompt-time press, a quantizer
+POLICIES = [
+    "h2o", "qevict",  # closed loops: they decide from what their cache served
+    "kivi", "logquant",  # quantizers
+    "press:SnapKVPress",  # a prompt-time press on q, k, v
+    "press:KVzipPress",  # a press that runs the model (its context reconstruction)
+    "press:KeyRerotationPress:press=KnormPress",  # a press that rewrites the keys it keeps
+    "press:DecodingPress:base=KnormPress:compression_interval=2",  # a press that acts while decoding
+]  # both models, every sample  # fmt: skip
 BUDGET = 0.3
 ANSWER_TOKENS = 5  # " " and four digits: SmolLM2 writes numbers digit by digit
-TINY_POLICIES = ["streaming", "h2o", "qevict", "press:SnapKVPress", "logquant",
-                 "press:DecodingPress:base=KnormPress:compression_interval=2"]  # and a decoding press  # fmt: skip
+TINY_POLICIES = ["streaming", *POLICIES]
 TINY_STEPS = 4
 
 
@@ -66,21 +74,71 @@ def traced(base, rows, policies, budget, *model) -> SimpleNamespace:
                            policies=policies, budget=budget)  # fmt: skip
 
 
-def offline_against_live(case, steps: int) -> tuple[set, dict]:
-    """Per policy of ``case``: the result's ``answer_exact`` against ``kvscope run --dataset``'s on the same
-    prompts, ``answer_nll`` against the sum of the forced steps' NLL, ``accuracy`` against their mean.
-    Returns the outcomes seen and each policy's live samples (``run --json``)."""
-    result, seen, lives = case.result, set(), {}
-    for policy, label in zip(case.policies, [str(p) for p in result["policy"].values]):
+def run_live(case, steps: int):
+    """``policy → [sample]`` ``kvscope run --dataset``'s samples (``run --json``) on ``case``."""
+
+    def live(policy: str) -> list[dict]:
         ran = run_main("run", "--dataset", case.dataset, *case.model, "--policy", policy, "--budget", case.budget,
                        "--max-new-tokens", steps, "--json", "--quiet")  # fmt: skip
         assert ran.returncode == 0, ran.stderr
-        live = json.loads(ran.stdout)["samples"]
+        return json.loads(ran.stdout)["samples"]
+
+    return live
+
+
+def greedy_live(case):
+    """``policy → [sample] {answer_exact, answer_nll}`` from the live greedy decode ``kvscope run``
+    grades (``run_loaded``'s free decode: ``decode`` under a ``PolicyCache``; ``"full"``: its
+    ``full_decode``) of each traced sample's prompt (its prefill, then any question's tokens), the
+    model loaded once; ``a`` the gold answer the trace forced, ``y`` the greedy tokens::
+
+        answer_exact = [y_0 … y_{m−1} = a_0 … a_{m−1}]
+        answer_nll   = Σ_{t<m} −log softmax(z_t)[a_t]        the forced NLL where answer_exact = 1
+    """
+    from kvscope.live import PolicyCache, prepare
+    from kvscope.live.run import decode, full_decode
+    from kvscope.model.loading import load, resolve
+
+    ds = kvscope.open_trace(case.trace)
+    acc = ds.kvscope
+    model, _ = load(resolve(ds.attrs["model"]["name"]))
+    prepare(model)
+    samples = []  # (prefill ids, question ids, answer ids, forwards)
+    for s, (P, Q, n) in enumerate(zip(acc.prompt_len, acc.question_tokens, acc.n_steps)):
+        tokens = [int(t) for t in ds["tokens"].values[s, : P + n]]
+        samples.append((tokens[:P], tokens[P : P + Q], tokens[P + Q :], int(n)))
+
+    def graded(decoded, answer: list[int]) -> dict:
+        log_probs = torch.log_softmax(decoded.logits[: len(answer)], -1)  # [m, vocab]
+        return {"answer_exact": int(decoded.tokens[: len(answer)] == answer),
+                "answer_nll": float(-log_probs[torch.arange(len(answer)), answer].double().sum())}  # fmt: skip
+
+    def live(policy: str) -> list[dict]:
+        out = []
+        for ids, question, answer, n in samples:
+            steps = n - len(question)
+            if policy == "full":
+                decoded = full_decode(model, ids, steps, question=question)
+            else:
+                decoded = decode(model, ids, PolicyCache(model, policy, case.budget, n), steps, question=question)
+            out.append(graded(decoded, answer))
+        return out
+
+    return live
+
+
+def offline_against_live(case, live) -> tuple[set, dict]:
+    """Per policy of ``case``: the result's ``answer_exact`` against the live one (``live(policy)``: per
+    sample ``answer_exact``), ``answer_nll`` against the sum of the forced steps' NLL, ``accuracy``
+    against their mean. Returns the outcomes seen and each policy's live samples."""
+    result, seen, lives = case.result, set(), {}
+    for policy, label in zip(case.policies, [str(p) for p in result["policy"].values]):
+        samples = live(policy)
         run = result.sel(policy=label, budget=case.budget, allocation="uniform")
         offline = run["answer_exact"].values
-        assert offline.tolist() == [float(s["answer_exact"]) for s in live], label
+        assert (label, offline.tolist()) == (label, [float(s["answer_exact"]) for s in samples])
+        lives[label] = samples
         seen |= set(offline.tolist())
-        lives[label] = live
         np.testing.assert_allclose(run["answer_nll"].values, np.nansum(run["forced_nll"].values, -1), rtol=1e-12)
         assert (run["answer_rank"].values[offline == 1] == 0).all()  # an exact answer's first token is a top one
         assert float(run["accuracy"]) == pytest.approx(offline.mean())
@@ -104,15 +162,16 @@ def test_the_trace_forces_each_gold_answer(needles):
 
 @pytest.mark.slow
 def test_offline_answer_exact_is_the_live_greedy_answer_for_every_policy_and_sample(needles):
-    """And the answer's NLL is the live teacher-forced decode's: full KV's greedy tokens are the gold
-    answer's here (every question answered right), so ``run``'s perplexity is over the answer's
-    tokens, ``answer_nll = m · log perplexity``."""
-    seen, lives = offline_against_live(needles, ANSWER_TOKENS)
+    """Full KV answers every question right; where a policy's greedy decode emits the answer, its
+    logits are the forced decode's, and the answer's NLL is the live one."""
+    live = greedy_live(needles)
+    assert [s["answer_exact"] for s in live("full")] == [1, 1, 1, 1]
+    seen, lives = offline_against_live(needles, live)
     assert seen == {0.0, 1.0}  # some policies lose the needles at β = 0.3, some keep them
-    for label, live in lives.items():
-        assert [s["answer_exact_full"] for s in live] == [1, 1, 1, 1]
+    for label, samples in lives.items():
         offline = needles.result["answer_nll"].sel(policy=label, budget=BUDGET, allocation="uniform").values
-        np.testing.assert_allclose(offline, [ANSWER_TOKENS * math.log(s["perplexity"]) for s in live], rtol=1e-4)
+        exact = [s["answer_exact"] == 1 for s in samples]
+        np.testing.assert_allclose(offline[exact], [s["answer_nll"] for s in samples if s["answer_exact"]], rtol=1e-4)
 
 
 def test_offline_answer_exact_is_live_on_a_tiny_gqa_model(tmp_path, tiny_models):
@@ -139,7 +198,7 @@ def test_offline_answer_exact_is_live_on_a_tiny_gqa_model(tmp_path, tiny_models)
         again = answer_ids(tokenizer, Prompt.split_at(row["context"], row["question"], "row", answers=[row["answer"]]))
         greedy.append(int(again == ids[-TINY_STEPS:]))
     case = traced(tmp_path, rows, TINY_POLICIES, 0.9, "--model", folder)
-    seen, lives = offline_against_live(case, TINY_STEPS)
+    seen, lives = offline_against_live(case, run_live(case, TINY_STEPS))
     assert seen == {0.0, 1.0}
     assert [[s["answer_exact_full"] for s in live] for live in lives.values()] == [greedy] * len(TINY_POLICIES)
 
@@ -175,7 +234,7 @@ def test_hit_and_rank_count_strictly_larger_log_probabilities_and_break_ties_as_
     S = len(y)
     run.kl, run.nll, run.top1 = np.zeros(S), np.zeros(S), np.ones(S, dtype=bool)
     run.hit, run.rank = np.zeros(S, dtype=bool), np.zeros(S, dtype=np.int64)
-    run._score(range(0, S), log_probs, None, keep_logits=False)
+    run._score(range(S), log_probs, None, keep_logits=False)
     assert run.hit.tolist() == [True, False, False, True]  # y = 3 ties with the argmax but is not it
     assert run.rank.tolist() == [0, 0, 3, 0]
     np.testing.assert_allclose(run.nll, -log_probs[torch.arange(S), y].numpy())
@@ -186,8 +245,8 @@ def test_answer_variables_grade_only_samples_with_answers():
     answer step a hit, NaN without an answer or steps; accuracy the mean over the graded ones."""
     from kvscope.analysis.common import bootstrap_ratio
     from kvscope.replay.forced import ForcedOutputs
-    from kvscope.replay.result import _answer_variables
     from kvscope.replay.reader import answered
+    from kvscope.replay.result import _answer_variables
 
     prompts = [{"text": "a", "answers": ["x"]}, {"text": "b", "answers": ["y"]}, {"text": "c", "answers": ["z"]},
                {"text": "d"}]  # fmt: skip
