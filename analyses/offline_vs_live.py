@@ -76,12 +76,19 @@ HORIZON = 16
 N_BOOT = 1000
 
 
+def steps(args, name: str) -> int:
+    """New tokens decoded for workload ``name``: ``--steps`` where given, else its own :data:`STEPS`."""
+    return STEPS[name] if args.steps is None else args.steps
+
+
 class Done:
     """Finished parts of the grid under ``--results``/offline_vs_live/parts, one JSON file each,
     keyed by everything that decides them: an interrupted study resumes where it stopped."""
 
     def __init__(self, args, phase: str):
-        stamp = [args.model, args.context, args.prompts, args.seed, args.device, args.policies, args.budgets, STEPS, HORIZON]
+        stamp = [args.model, args.context, args.prompts, args.seed, args.device, args.policies, args.budgets]
+        # --steps: other parts (the default's digest as before it existed)
+        stamp += [STEPS, HORIZON] + ([] if args.steps is None else [args.steps])
         digest = __import__("hashlib").sha256(json.dumps(stamp).encode()).hexdigest()[:12]
         self.folder = Path(args.results) / "offline_vs_live" / "parts" / f"{phase}-{digest}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -153,7 +160,7 @@ def live_grid(args, prompts: dict) -> tuple[list[dict], float]:
     for name, (items, chat) in prompts.items():
         for s, (ids, prompt) in enumerate(zip(encode(tokenizer, items, chat), items)):
             tasks.append({
-                "workload": name, "sample": s, "ids": ids, "expected": prompt.expected, "steps": STEPS[name],
+                "workload": name, "sample": s, "ids": ids, "expected": prompt.expected, "steps": steps(args, name),
                 "policies": args.policies, "budgets": args.budgets,
             })  # fmt: skip
     done = Done(args, "live")
@@ -189,7 +196,7 @@ def offline_workload(args, name: str, items, chat: bool, folder: Path) -> dict:
     store = folder / f"{name}.zarr"  # under --results: two studies never share a trace
     t0 = time.perf_counter()
     kvscope.trace(
-        items, store, model=args.model, max_new_tokens=STEPS[name], chat=chat, record_qkv=True,
+        items, store, model=args.model, max_new_tokens=steps(args, name), chat=chat, record_qkv=True,
         stop_at_eos=False, device=args.device, force=True,
     )  # fmt: skip
     t1 = time.perf_counter()
@@ -451,6 +458,9 @@ def main() -> None:
     add_arguments(ap)  # --context, --workloads, --model, --seed, --results as every study takes them
     ap.set_defaults(workloads="niah,passkey,vt_chains")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--steps", type=int, help="new tokens decoded per prompt (default: per workload, " + str(STEPS) + ")"
+    )
     ap.add_argument("--workers", type=int, default=2, help="processes (live) and threads (replay)")
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "offline_vs_live.png"))
     ap.add_argument("--report", help="a summary.json of an earlier run: its analysis again, without decoding")
@@ -469,8 +479,9 @@ def main() -> None:
     prompts = {}
     for name in names:
         recipe = workloads.get(name).recipe
+        new = steps(args, name)
         items = workloads.prompts_for_model(
-            name, args.model, context=args.context, seed=args.seed, samples=args.prompts, max_new_tokens=STEPS[name]
+            name, args.model, context=args.context, seed=args.seed, samples=args.prompts, max_new_tokens=new
         )
         prompts[name] = (items, bool(recipe.get("chat", False)))
     offline, offline_s, parts = offline_grid(args, prompts, folder / "traces")
@@ -494,7 +505,7 @@ def main() -> None:
             "replay_s": sum(p["replay"] for p in parts.values()),
             "forced_s": sum(p["forced"] for p in parts.values()),
         },
-        "workloads": {name: {"steps": STEPS[name]} for name in names},
+        "workloads": {name: {"steps": steps(args, name)} for name in names},
         "records": records,
     }
     report(doc, folder, Path(args.doc), Path(args.figure))

@@ -53,7 +53,7 @@ def test_merge_gives_losses():
 def test_the_study_end_to_end(tmp_path):
     args = [
         "--workloads", "passkey", "--context", "128", "--prompts", "2", "--budgets", "0.5",
-        "--policies", "streaming,press:KnormPress", "--workers", "1", "--results", str(tmp_path),
+        "--policies", "streaming,press:KnormPress", "--workers", "1", "--steps", "20", "--results", str(tmp_path),
         "--doc", str(tmp_path / "page.md"), "--figure", str(tmp_path / "figure.png"),
     ]  # fmt: skip
     proc = subprocess.run(
