@@ -96,7 +96,7 @@ def greedy_live(case):
         answer_nll   = Σ_{t<m} −log softmax(z_t)[a_t]        the forced NLL where answer_exact = 1
     """
     from kvscope.live import PolicyCache, prepare
-    from kvscope.live.run import decode, full_decode
+    from kvscope.live.run import context_forwards, decode, full_decode
     from kvscope.model.loading import load, resolve
 
     ds = kvscope.open_trace(case.trace)
@@ -107,6 +107,8 @@ def greedy_live(case):
     for s, (P, Q, n) in enumerate(zip(acc.prompt_len, acc.question_tokens, acc.n_steps)):
         tokens = [int(t) for t in ds["tokens"].values[s, : P + n]]
         samples.append((tokens[:P], tokens[P : P + Q], tokens[P + Q :], int(n)))
+    # a context's questions share one budget, sized by kvscope run's rule for its longest
+    sized = context_forwards([ids for ids, *_ in samples], [n for *_, n in samples])
 
     def graded(decoded, answer: list[int]) -> dict:
         log_probs = torch.log_softmax(decoded.logits[: len(answer)], -1)  # [m, vocab]
@@ -115,12 +117,13 @@ def greedy_live(case):
 
     def live(policy: str) -> list[dict]:
         out = []
-        for ids, question, answer, n in samples:
+        for (ids, question, answer, n), forwards in zip(samples, sized):
             steps = n - len(question)
             if policy == "full":
                 decoded = full_decode(model, ids, steps, question=question)
             else:
-                decoded = decode(model, ids, PolicyCache(model, policy, case.budget, n), steps, question=question)
+                cache = PolicyCache(model, policy, case.budget, forwards)
+                decoded = decode(model, ids, cache, steps, question=question)
             out.append(graded(decoded, answer))
         return out
 
@@ -155,7 +158,9 @@ def needles(tmp_path_factory, smollm2_dir):
 @pytest.mark.slow
 def test_the_trace_forces_each_gold_answer(needles):
     ds = kvscope.open_trace(needles.trace)
-    assert ds.kvscope.n_steps.tolist() == [ANSWER_TOKENS] * 4
+    acc = ds.kvscope  # --dataset's protocol: each sample's question, then its gold answer, forced
+    assert acc.question_agnostic and ds.attrs["continuation_tokens"] == [ANSWER_TOKENS] * 4
+    assert (acc.n_steps - acc.question_tokens).tolist() == [ANSWER_TOKENS] * 4
     assert [p["answers"] for p in ds.attrs["prompts"]] == [[n] for _ in range(2) for _, n in KEYS]
     assert np.isfinite(needles.result["answer_exact"].values).all()
 
@@ -179,7 +184,7 @@ def test_offline_answer_exact_is_live_on_a_tiny_gqa_model(tmp_path, tiny_models)
     other answer it would miss under every cache): β = 0.9 keeps some and loses others."""
     from kvscope.model.dataset import load_dataset
     from kvscope.model.loading import load, resolve
-    from kvscope.model.prompts import Prompt, answer_ids, encode
+    from kvscope.model.prompts import Prompt, answer_ids, encode_split
 
     folder = str(tiny_models["llama"])
     rows = [{k: v for k, v in row.items() if k != "answer_prefix"} for row in needle_rows()]
@@ -188,7 +193,8 @@ def test_offline_answer_exact_is_live_on_a_tiny_gqa_model(tmp_path, tiny_models)
     model, tokenizer = load(resolve(folder))
     greedy = []
     for row, prompt in zip(rows, load_dataset(placeholder)):
-        ids = encode(tokenizer, [prompt], False)[0]
+        context, question = encode_split(tokenizer, [prompt], False)[0]  # --dataset's protocol: question-agnostic
+        ids = context + question
         with torch.no_grad():
             for _ in range(TINY_STEPS):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
