@@ -58,19 +58,20 @@ def needle_rows() -> list[dict]:
     return rows
 
 
-def traced(base, rows, policies, budget, *model) -> SimpleNamespace:
-    """``rows`` as a dataset, traced (float32, q/k/v) and replayed with ``--forced`` under ``policies``."""
+def traced(base, rows, policies, budget, *options) -> SimpleNamespace:
+    """``rows`` as a dataset, traced (float32, q/k/v; ``options``: trace's and run's own, the model and
+    the protocol) and replayed with ``--forced`` under ``policies``."""
     dataset = base / "needles.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     trace = base / "needles.zarr"
-    ran = run_main("trace", "--dataset", dataset, *model, "--out", trace, "--record", "qkv", "--dtype", "float32",
+    ran = run_main("trace", "--dataset", dataset, *options, "--out", trace, "--record", "qkv", "--dtype", "float32",
                    "--quiet")  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     out = base / "result.zarr"
     ran = run_main("replay", trace, "--forced", "--policies", ",".join(policies), "--budgets", budget, "--out", out,
                    "--quiet")  # fmt: skip
     assert ran.returncode == 0, ran.stderr
-    return SimpleNamespace(dataset=dataset, trace=trace, result=kvscope.open_result(out), out=out, model=model,
+    return SimpleNamespace(dataset=dataset, trace=trace, result=kvscope.open_result(out), out=out, options=options,
                            policies=policies, budget=budget)  # fmt: skip
 
 
@@ -78,7 +79,7 @@ def run_live(case, steps: int):
     """``policy → [sample]`` ``kvscope run --dataset``'s samples (``run --json``) on ``case``."""
 
     def live(policy: str) -> list[dict]:
-        ran = run_main("run", "--dataset", case.dataset, *case.model, "--policy", policy, "--budget", case.budget,
+        ran = run_main("run", "--dataset", case.dataset, *case.options, "--policy", policy, "--budget", case.budget,
                        "--max-new-tokens", steps, "--json", "--quiet")  # fmt: skip
         assert ran.returncode == 0, ran.stderr
         return json.loads(ran.stdout)["samples"]
@@ -151,16 +152,17 @@ def offline_against_live(case, live) -> tuple[set, dict]:
 
 @pytest.fixture(scope="module")
 def needles(tmp_path_factory, smollm2_dir):
-    """The needle task on SmolLM2 replayed under ``POLICIES`` at β = 0.3."""
-    return traced(tmp_path_factory.mktemp("answers"), needle_rows(), POLICIES, BUDGET)
+    """The needle task on SmolLM2 replayed under ``POLICIES`` at β = 0.3, question-aware (each row's
+    question in its prefill: the answer's 5 steps alone are decoded; the question-agnostic protocol,
+    --dataset's default, is checked on the tiny model and in tests/test_several_questions.py)."""
+    return traced(tmp_path_factory.mktemp("answers"), needle_rows(), POLICIES, BUDGET, "--question-aware")
 
 
 @pytest.mark.slow
 def test_the_trace_forces_each_gold_answer(needles):
     ds = kvscope.open_trace(needles.trace)
-    acc = ds.kvscope  # --dataset's protocol: each sample's question, then its gold answer, forced
-    assert acc.question_agnostic and ds.attrs["continuation_tokens"] == [ANSWER_TOKENS] * 4
-    assert (acc.n_steps - acc.question_tokens).tolist() == [ANSWER_TOKENS] * 4
+    assert not ds.kvscope.question_agnostic and ds.attrs["continuation_tokens"] == [ANSWER_TOKENS] * 4
+    assert ds.kvscope.n_steps.tolist() == [ANSWER_TOKENS] * 4
     assert [p["answers"] for p in ds.attrs["prompts"]] == [[n] for _ in range(2) for _, n in KEYS]
     assert np.isfinite(needles.result["answer_exact"].values).all()
 
