@@ -145,10 +145,20 @@ def has_answers(doc) -> bool:
 def task_of(doc) -> str:
     """The task of an entry of a store's ``prompts`` attribute: its ``meta``'s ``task`` (a
     ``trace --dataset`` row's), else its workload; ``""`` for neither."""
-    meta = doc.get("meta") if isinstance(doc, dict) else None
-    if not isinstance(meta, dict):
-        return ""
+    meta = _meta(doc)
     return str(meta.get("task") or meta.get("workload") or "")
+
+
+def question_of(doc) -> int:
+    """The index of an entry of a store's ``prompts`` attribute among its context's questions: its
+    ``meta``'s ``question`` (a ``trace --dataset`` row's), 0 for a prompt without one."""
+    return int(_meta(doc).get("question") or 0)
+
+
+def _meta(doc) -> dict:
+    """The ``meta`` of an entry of a store's ``prompts`` attribute ({} where it has none)."""
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _check_text(text, what: str) -> None:

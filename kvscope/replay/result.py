@@ -262,17 +262,21 @@ def tasks(ds: xr.Dataset) -> list[str]:
     ``prompts``; ``""`` for none): the result's ``task`` coordinate, written with the answers."""
     from ..model.prompts import task_of
 
-    prompts = ds.attrs.get("prompts") or []
-    return [task_of(prompts[s]) if s < len(prompts) else "" for s in range(ds.sizes["sample"])]
+    return _of_prompts(ds, task_of, missing="")
 
 
 def question_indices(ds: xr.Dataset) -> np.ndarray:
-    """``[sample]`` each sample's index among its context's questions: a ``trace --dataset`` row's
-    ``meta.question`` (its place among the rows sharing its context), 0 for a prompt without one."""
+    """``[sample]`` each sample's index among its context's questions (``kvscope.model.prompts.question_of``
+    of its entry in the trace's ``prompts``; 0 for none): the result's ``question`` coordinate."""
+    from ..model.prompts import question_of
+
+    return np.asarray(_of_prompts(ds, question_of, missing=0), dtype=np.int64)
+
+
+def _of_prompts(ds: xr.Dataset, read, missing) -> list:
+    """``[sample]`` ``read(entry)`` of each sample's entry in the trace's ``prompts`` (``missing`` past them)."""
     prompts = ds.attrs.get("prompts") or []
-    meta = [(p.get("meta") or {}) if isinstance(p, dict) else {} for p in prompts]
-    return np.asarray([int(meta[s].get("question") or 0) if s < len(meta) else 0 for s in range(ds.sizes["sample"])],
-                      dtype=np.int64)  # fmt: skip
+    return [read(prompts[s]) if s < len(prompts) else missing for s in range(ds.sizes["sample"])]
 
 
 def _forced_variables(setup, f) -> dict:

@@ -137,7 +137,7 @@ class ForcedRun:
         self._begin()
         cache = copy.deepcopy(sample.prefill.cache) if self.pressed is None else self._pressed_cache()
         if self.state.ledger is not None and self.pressed is None:
-            self.quantized = ServedQuantized(sample.final_len, len(self.log.layers), self.state.ledger.dequantized)
+            self.quantized = ServedQuantized(sample.n_positions, len(self.log.layers), self.state.ledger.dequantized)
         logits0 = torch.log_softmax(sample.prefill.logits, -1)
         if keep_logits:
             self.log_probs = np.empty((sample.S, logits0.shape[-1]), dtype=np.float32)

@@ -32,8 +32,8 @@ class SampleForcing:
     prompt's attention (``prompt_attention``: a policy or allocation), each forward's q/k/v
     (``decoding_presses``: a kvpress press that acts while decoding — the prefill keeps the
     prompt's, the reference each step's), what each layer's press hook is handed on the prompt
-    (``prompt_presses``: a prompt-time press). ``context``: the prefill of another sample with the
-    same prompt tokens, made with the same needs (``context_prefill``), else one of its own."""
+    (``prompt_presses``: a prompt-time press): these make its own prefill, unless ``context`` is given —
+    the prefill of a sample with the same prompt tokens, which carries its own (``context_prefill``)."""
 
     def __init__(self, setup, s: int, forced, chunk: int, max_rounds: int, prompt_attention: bool = True,
                  decoding_presses: bool = True, prompt_presses: bool = False,
@@ -57,7 +57,9 @@ class SampleForcing:
             raise ValueError(f"sample {s} was given the prefill of another prompt")
 
     @property
-    def final_len(self) -> int:
+    def n_positions(self) -> int:
+        """``P + S``: the positions of the sample's own arrays (its budget's final length is its
+        context's, ``cache_spec``)."""
         return self.P + self.S
 
     def cache_spec(self, budget: float):

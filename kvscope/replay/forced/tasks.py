@@ -112,7 +112,7 @@ def run_task(
     context = context_prefill(setup, task.samples[0], forced, **needs)
     results = []
     for s in task.samples:
-        sample = SampleForcing(setup, s, forced, chunk=chunk, max_rounds=max_rounds, context=context, **needs)
+        sample = SampleForcing(setup, s, forced, chunk=chunk, max_rounds=max_rounds, context=context)
         results.append(_sample_runs(sample, task.policies, splits=splits.get(s, {})))
     return results
 
