@@ -28,14 +28,26 @@ def _docs_given_folder(tmp_path_factory):
     return (base.parent if base.name.startswith("popen-gw") else base) / "docs-given"
 
 
+@pytest.fixture(scope="session")
+def _docs_environment():
+    """The pages' environment, their ``kvscope`` commands served by this worker's fork server
+    (tests/forkserver.py; ``KVSCOPE_TEST_FORKSERVER=0``: each a fresh console script)."""
+    from tests import forkserver
+
+    env = page_environment()
+    if forkserver.enabled():
+        env["PATH"] = f"{forkserver.client().parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
 @pytest.fixture(scope="module")
-def _docs_page(request, tmp_path_factory, _docs_given_folder):
+def _docs_page(request, tmp_path_factory, _docs_given_folder, _docs_environment):
     """One page's working folder (its blocks run there, in order), with ``prose.zarr`` copied in
     when the page reads it without tracing it; numpy's print options as they were afterwards."""
     import numpy as np
 
     path = request.path
-    page = Page(path, tmp_path_factory.mktemp("page-" + path.stem), page_environment(), given=_docs_given_folder)
+    page = Page(path, tmp_path_factory.mktemp("page-" + path.stem), dict(_docs_environment), given=_docs_given_folder)
     if needs_given_store(path.read_text()):
         store = given_store(_docs_given_folder, page.env)
         shutil.copytree(store, page.folder / store.name)

@@ -38,10 +38,17 @@ TINY_CONFIGS = {
 
 
 def run_cli(*args, timeout=600, check=False, env=None):
-    """Run ``python cli.py ARGS`` from the checkout; returns CompletedProcess (text)."""
+    """Run ``kvscope ARGS`` in a process of its own from the checkout; returns CompletedProcess
+    (text). The process is forked from this worker's fork server (tests/forkserver.py), or, with
+    ``env`` (variables a library may read at import) or ``KVSCOPE_TEST_FORKSERVER=0``, a fresh
+    ``python cli.py ARGS``."""
+    from tests import forkserver
+
     full_env = {**os.environ, **(env or {})}
+    served = env is None and forkserver.enabled()
+    command = [str(forkserver.client())] if served else [sys.executable, str(ROOT / "cli.py")]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "cli.py"), *map(str, args)],
+        [*command, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -51,6 +58,14 @@ def run_cli(*args, timeout=600, check=False, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"kvscope {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def script_python() -> str:
+    """What runs ``python SCRIPT ARGS`` (analyses/ scripts) in the tests: this worker's fork server
+    (tests/forkserver.py), or the interpreter itself with ``KVSCOPE_TEST_FORKSERVER=0``."""
+    from tests import forkserver
+
+    return str(forkserver.client("python")) if forkserver.enabled() else sys.executable
 
 
 @dataclass

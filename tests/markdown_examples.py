@@ -1,9 +1,11 @@
 """The documentation's code blocks are tests: sybil collects every fenced block of README.md and
 docs/**/*.md (the root conftest.py), and the evaluators here run them as a reader would.
 
-- ``sh`` / ``bash``: each command runs in ``bash`` — the real ``kvscope`` console script of the
-  installed package, in a subprocess — in one working folder per page, so a page's blocks run in
-  order (trace first, then the commands that read the store). A command must exit 0.
+- ``sh`` / ``bash``: each command runs in ``bash``, in one working folder per page, so a page's
+  blocks run in order (trace first, then the commands that read the store). A command must exit 0.
+  ``kvscope`` on the page's PATH runs the installed package's ``kvscope.cli.main`` in a process of
+  its own, forked from the worker's fork server, which has imported torch, transformers and the
+  rest once (tests/forkserver.py; ``KVSCOPE_TEST_FORKSERVER=0``: the console script itself).
 - ``python``: the statements run in one namespace per page, with that folder as working
   directory. A block whose first line is a file name comment (``# mypress.py``) is that file:
   it is written into the folder, not run.

@@ -4,7 +4,10 @@ site build itself (`make docs`: broken links, anchors and references fail) runs 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,3 +225,29 @@ def test_the_layout_names_every_module_of_kvscope_with_its_role():
     assert sorted(modules - named.keys()) == [], "modules the layout does not name"
     assert sorted(named.keys() - modules) == [], "the layout names modules that do not exist"
     assert [path for path, role in named.items() if len(role) < 10] == [], "modules without a role"
+
+
+def test_a_served_command_prints_and_exits_as_the_console_script(tmp_path):
+    """tests/forkserver.py: a command forked from the worker's fork server gives the console
+    script's stdout, stderr and exit status — a result, a refusal (exit 2), argparse's own exit, a
+    module found on PYTHONPATH, and output written after a pipe closes."""
+    from tests import forkserver
+
+    (tmp_path / "mypolicy.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": ".", "COLUMNS": "120", "NO_COLOR": "1"}
+    commands = [
+        "kvscope --version",
+        "kvscope info nowhere.zarr",
+        "kvscope frobnicate",
+        "kvscope replay nowhere.zarr --policies press:mypolicy.Missing --budgets 0.3",
+        "kvscope workloads | head -n 2",
+        "echo 'not json' | kvscope info -",
+    ]
+    programs = (str(Path(sys.executable).parent / "kvscope"), str(forkserver.client()))
+    for command in commands:
+        script, served = (
+            subprocess.run(["bash", "-c", command.replace("kvscope", program, 1)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=False)
+            for program in programs
+        )  # fmt: skip
+        assert (served.returncode, served.stdout, served.stderr) == (script.returncode, script.stdout, script.stderr)

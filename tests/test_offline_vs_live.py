@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, script_python
 
 sys.path.insert(0, str(ROOT / "analyses"))
 import offline_vs_live as study
@@ -57,7 +57,7 @@ def test_the_study_end_to_end(tmp_path):
         "--doc", str(tmp_path / "page.md"), "--figure", str(tmp_path / "figure.png"),
     ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "analyses" / "offline_vs_live.py"), *args],
+        [script_python(), str(ROOT / "analyses" / "offline_vs_live.py"), *args],
         capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -79,7 +79,7 @@ def test_the_study_end_to_end(tmp_path):
     assert parts == ["live/passkey-0.json", "live/passkey-1.json", "offline/passkey.json"]
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "offline_vs_live" / "parts").rglob("*.json")}
     again = subprocess.run(
-        [sys.executable, str(ROOT / "analyses" / "offline_vs_live.py"), *args],
+        [script_python(), str(ROOT / "analyses" / "offline_vs_live.py"), *args],
         capture_output=True, text=True, cwd=ROOT, timeout=900, check=False,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, script_python
 
 
 @pytest.mark.slow
@@ -18,7 +17,7 @@ def test_studies_write_figures_and_summaries(tmp_path):
 
     def start(script: str, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, str(ROOT / "analyses" / f"{script}.py"), *common, *extra],
+            [script_python(), str(ROOT / "analyses" / f"{script}.py"), *common, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
 
