@@ -86,6 +86,11 @@ HEADLINES = {  # benchmark → {figure key: what it is}; the extractor of the be
         "forced_over_live": "forced replay / kvscope run, the whole grid",
         "one_budget_over_live": "forced replay / kvscope run, one budget (four cells)",
     },
+    "accuracy_grid": {  # per context length: task accuracy offline against kvscope run
+        "offline_over_live": "trace + forced replay / kvscope run, the accuracy grid",
+        "replay_over_live": "forced replay alone / kvscope run",
+        "agreement": "samples × cells where offline answer_exact = live",
+    },
     "press_cost": {  # the model-needing presses' grid, offline against kvscope run
         "live_over_offline": "kvscope run of the grid / offline replay",
         "offline_seconds": "offline replay (s)",
@@ -269,6 +274,17 @@ def _forced_replay(f, keys: dict) -> dict:
             one = row.get("one_budget")
             if isinstance(one, dict):
                 _put(out, "one_budget_over_live", size, one.get("forced_over_live"))
+    return out
+
+
+@extractor("accuracy_grid")
+def _accuracy_grid(f, keys: dict) -> dict:
+    out: dict = {}
+    for row in f.get("sizes", []) if isinstance(f, dict) else []:
+        if isinstance(row, dict):
+            size = f"{row.get('context_tokens')} tokens, {row.get('samples')} samples × {row.get('cells')} cells"
+            for key in keys:
+                _put(out, key, size, row.get(key))
     return out
 
 

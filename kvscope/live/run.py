@@ -285,6 +285,35 @@ def run(
     prompts = as_prompts(prompts)
     source = resolve(model)
     loaded, tokenizer = load(source, device, model_dtype, trust_remote_code)
+    return run_prompts(
+        loaded, tokenizer, prompts, policy=policy, budget=budget, max_new_tokens=max_new_tokens, kv_dtype=dtype, attn=attn,
+        chat=chat, n_sink=n_sink, w=w, scorer=scorer, question_agnostic=question_agnostic, allocation=allocation,
+        progress=progress,
+    )  # fmt: skip
+
+
+def run_prompts(
+    loaded,
+    tokenizer,
+    prompts: list,
+    *,
+    policy,
+    budget: float,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
+    kv_dtype=None,
+    attn: str = "sdpa",
+    chat: bool = False,
+    n_sink: int = defaults.N_SINK,
+    w: int = defaults.W,
+    scorer=None,
+    question_agnostic: bool = False,
+    allocation=None,
+    progress=None,
+) -> list[RunResult]:
+    """``run``'s work with a loaded model (benchmarks run a grid of policies and budgets on one):
+    ``prompts`` as [`Prompt`][kvscope.model.prompts.Prompt]s, ``policy`` and
+    ``allocation`` as ``live_policy`` / ``live_allocation`` give them, ``kv_dtype`` as
+    ``parse_kv_dtype`` does."""
     encoded, questions = encode_prompts(tokenizer, prompts, chat, question_agnostic)
     steps = [int(p.meta.get("max_new_tokens") or max_new_tokens) for p in prompts]
     answers = encode_answers(tokenizer, prompts)
@@ -311,7 +340,7 @@ def run(
     for n, (prompt, ids, question, s, answer) in enumerate(zip(prompts, encoded, questions, steps, answers)):
         results.append(
             run_loaded(
-                loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=s, kv_dtype=dtype,
+                loaded, tokenizer, ids, policy, budget=budget, max_new_tokens=s, kv_dtype=kv_dtype,
                 n_sink=n_sink, w=w, scorer=scorer, expected=prompt.expected, on_step=on_step, question=question,
                 allocation=allocation, answers=prompt.answers, answer=answer, task=task_of(prompt.doc()) or None,
                 sized_for=sized[n],
