@@ -74,8 +74,8 @@ def offline(model, tokenizer, source, prompts, *, store: Path, policies, budgets
     result = kvscope.replay(store, policies, budgets, forced=True, errors=False)
     replay_s = time.perf_counter() - t0
     exact = {
-        (p, b): [int(x) for x in result["answer_exact"].sel(policy=p, budget=b).values.ravel()]
-        for p in policies
+        (p, b): [int(x) for x in result["answer_exact"].isel(policy=i).sel(budget=b).values.ravel()]
+        for i, p in enumerate(policies)  # the result's policy coordinate holds each policy's label, in this order
         for b in budgets
     }
     full = [int(x) for x in result["answer_exact_full"].values]
