@@ -52,8 +52,7 @@ from ..errors import KvscopeError
 from ..model.prompts import Prompt, encode
 from . import ruler
 from .metrics import string_match_all
-from .sources import ANSWER_PREFIX, ANSWERS, CONTINUATION, QUESTION_AT, prose_text
-from .sources import haystack_words as _haystack_words
+from .sources import ANSWER_PREFIX, ANSWERS, CONTINUATION, QUESTION_AT, haystack_words, prose_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -180,7 +179,7 @@ def build_niah(recipe, tokenizer, rng, index):
     hay_seed = rng.randrange(0, 1 << 30)
 
     def make(n: int):
-        hay = _haystack_words(random.Random(hay_seed), n)
+        hay = haystack_words(random.Random(hay_seed), n)
         ends = [i + 1 for i, word in enumerate(hay) if word.endswith(".")] or [len(hay)]
         for (k, v), depth in sorted(zip(needles, depths), key=lambda x: -x[1]):
             at = next((e for e in ends if e >= depth * len(hay)), len(hay))  # after a sentence
