@@ -33,7 +33,7 @@ class ForcedRun:
         self.sample, self.policy, self.scored = sample, policy, scored
         cache_spec = sample.cache_spec(budget)
         state = start_state(policy, cache_spec, model_spec=sample.model_spec, rope=sample.rope,
-                            capture=lambda: sample.capture)  # fmt: skip
+                            capture=lambda: sample.context.capture)  # fmt: skip
         allocation = allocation.for_sample(sample.s) if allocation is not None else Uniform()
         if allocation.clairvoyant:
             allocation = Given.of(split)
@@ -42,8 +42,8 @@ class ForcedRun:
         self.decoding = reads_decodes(state)  # a decoding press on stand-ins: fed each forward's q/k/v
         self.depends = policy.observes or self.decoding  # its maps change with what the decode computes
         self.pressed = None  # the cache a prompt-time press left, where it rewrote what it kept
-        if (reads_prompt(policy, allocation) and not sample.prompt_attention) or (
-            self.decoding and not sample.feeds_needed
+        if (reads_prompt(policy, allocation) and not sample.context.prompt_attention) or (
+            self.decoding and not sample.context.feeds_needed
         ):
             raise ValueError(f"sample {sample.s} was prefilled without what {policy.label()} reads")
         self.futures = {policy.horizon: sample.reader.future(policy.horizon)} if policy.clairvoyant else {}
@@ -70,7 +70,7 @@ class ForcedRun:
 
     def _begin(self) -> None:
         """Step 0: the policy takes the prompt (its attention, its q/k/v for a press)."""
-        pre, st = self.sample.prefill, self.state
+        pre, st = self.sample.context.prefill, self.state
         if st.ledger is not None:
             st.ledger.sink = self.log
         if self.decoding:  # a decoding press on the recording's stand-ins: the prompt's tensors first
@@ -135,16 +135,16 @@ class ForcedRun:
         sample = self.sample
         reference = sample.reference if self.scored else None
         self._begin()
-        cache = copy.deepcopy(sample.prefill.cache) if self.pressed is None else self._pressed_cache()
+        cache = copy.deepcopy(sample.context.prefill.cache) if self.pressed is None else self._pressed_cache()
         if self.state.ledger is not None and self.pressed is None:
             self.quantized = ServedQuantized(sample.n_positions, len(self.log.layers), self.state.ledger.dequantized)
-        logits0 = torch.log_softmax(sample.prefill.logits, -1)
+        logits0 = torch.log_softmax(sample.context.prefill.logits, -1)
         if keep_logits:
             self.log_probs = np.empty((sample.S, logits0.shape[-1]), dtype=np.float32)
             self.log_probs[0] = logits0.numpy()
-        if sample.feeds_needed and keep_logits:
+        if sample.context.feeds_needed and keep_logits:
             self.feeds = [None] * sample.S
-        self._score(range(0, 1), logits0[None], None, keep_logits=False)
+        self._score(range(1), logits0[None], None, keep_logits=False)
         for c0 in range(1, sample.S, sample.chunk):
             steps = range(c0, min(sample.S, c0 + sample.chunk))
             cache = self._chunk(steps, cache, reference, keep_logits)
@@ -157,7 +157,7 @@ class ForcedRun:
         it left them (masked rows too: their tiers hide them)."""
         from transformers.cache_utils import DynamicLayer
 
-        cache = copy.deepcopy(self.sample.prefill.cache)
+        cache = copy.deepcopy(self.sample.context.prefill.cache)
         model_spec = self.sample.model_spec
         for stored, pressed in enumerate(self.pressed.layers):
             layer = cache.layers[model_spec.model_layer(stored)]
@@ -236,7 +236,7 @@ class ForcedRun:
             quantized = functools.partial(self.quantized.window, steps=steps, log=self.log)
         attention = ChunkAttention(steps, maps, rows=rows, model_spec=sample.model_spec,
                                    slots=KeySlots(sample.P, self.pressed), quantized=quantized,
-                                   keep_feeds=sample.feeds_needed)  # fmt: skip
+                                   keep_feeds=sample.context.feeds_needed)  # fmt: skip
         ids = sample.continuation[steps.start - 1 : steps.stop - 1][None].to(sample.forced.device)
         where = {}
         if self.pressed is not None and self.pressed.first_position != sample.P:  # the press renumbered the rows

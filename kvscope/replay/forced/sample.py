@@ -14,7 +14,7 @@ from ...errors import KvscopeError
 from ...policies import parse
 from ..reader import SampleReader
 from .loop import ForcedRun
-from .prefill import ContextPrefill, Prefill
+from .prefill import ContextPrefill
 
 
 @dataclass
@@ -66,26 +66,6 @@ class SampleForcing:
         """The cache spec of a run (the replay's: full-precision entries counted at its ``kv_itemsize``,
         by default the model's own dtype under forced replay, as ``kvscope run`` counts them)."""
         return self.setup.spec(self.s, budget)
-
-    @property
-    def feeds_needed(self) -> bool:
-        """The prefill (and the reference) keep each forward's q/k/v: a press reads them while decoding."""
-        return self.context.feeds_needed
-
-    @property
-    def prompt_attention(self) -> bool:
-        """The prefill keeps the prompt's attention: a policy or allocation reads it."""
-        return self.context.prompt_attention
-
-    @property
-    def prefill(self) -> Prefill:
-        """The prompt's forward (``ContextPrefill.prefill``), shared by the samples of its context."""
-        return self.context.prefill
-
-    @property
-    def capture(self):
-        """What each layer's press hook is handed on the prompt (``ContextPrefill.capture``)."""
-        return self.context.capture
 
     @functools.cached_property
     def reference(self) -> Reference:
