@@ -175,6 +175,16 @@ def test_chunks_of_one_step_give_the_same_decode(tiny_trace):
     np.testing.assert_array_equal(out[16].state.tiers, out[1].state.tiers)
 
 
+def test_a_decoding_press_runs_step_by_step_at_any_chunk(tiny_trace):
+    """A press that acts while decoding reads each step's own q/k/v: it is driven one step per
+    forward, as live decoding drives it (one round, whatever ``chunk``), to the same decode."""
+    policy = "press:DecodingPress:base_press=KnormPress:compression_interval=4"
+    runs = [_forced(_sample(tiny_trace, chunk=chunk)[1], policy, 0.6) for chunk in (1, 16)]
+    assert [(run.rounds, run.converged) for run in runs] == [(1, True), (1, True)]
+    assert_kl_close(runs[1].kl, runs[0].kl)  # each against its own sample's reference (decoded in its chunks)
+    np.testing.assert_array_equal(runs[0].state.tiers, runs[1].state.tiers)
+
+
 def test_a_loop_that_runs_out_of_rounds_is_labelled(tiny_trace):
     """H2O at β 0.7 on the tiny model needs three forwards of a 16-step chunk: with fewer allowed the
     run says it did not converge; with enough it does."""

@@ -63,7 +63,8 @@ def add_replay(sub) -> None:
     )  # fmt: skip
     p.add_argument(
         "--forced-chunk", type=int, default=defaults.FORCED_CHUNK, metavar="N",
-        help=f"decode steps per forward of --forced (default {defaults.FORCED_CHUNK})",
+        help=f"decode steps per forward of --forced (default {defaults.FORCED_CHUNK}; a press that acts while decoding "
+        "runs step by step)",
     )  # fmt: skip
     p.add_argument(
         "--max-rounds", type=int, default=defaults.FORCED_MAX_ROUNDS, metavar="N",

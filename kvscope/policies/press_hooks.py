@@ -232,6 +232,7 @@ class PrefillCapture:
         self.device = next(model.parameters()).device
         self.calls: list = [None] * len(self.modules)  # [layer] (args, kwargs without the cache, output)
         self._scores: dict = {}  # a reconstructing press's score_val by its configuration
+        self._decided: dict = {}  # (press configuration, attentions, asset) → its PressedCache
 
         def prefill():
             cache = DynamicCache(config=model.config)
@@ -296,12 +297,17 @@ class PrefillCapture:
     def decide(self, press, attentions: bool = False, asset: str | None = None) -> PressedCache:
         """The cache ``press`` (a fresh one, set to its budget) leaves after this prefill;
         ``attentions``: it reads the layer's attention weights (so does any the traits table says
-        does); ``asset``: a local folder of its learned asset."""
-        post_init(press, self.model, asset)
-        hooks = PressHooks(self.model, press, self.model_spec, attentions or reads_attentions(press))
-        hooks.rows = [_arange(self.prompt_len).expand(k.shape[1], -1).to(k.device) for k in self.keys]
+        does); ``asset``: a local folder of its learned asset. A press configured as one before (the
+        same class, fields and budget) is handed that decision: the questions of a context share its
+        compression, as kvpress compresses a context once for all its questions."""
+        key = (configuration(press), bool(attentions), asset)
         with _MODULES:  # the model's modules and torch's generator are shared by the replay's threads
-            return self._decide(hooks)
+            if key not in self._decided:
+                post_init(press, self.model, asset)
+                hooks = PressHooks(self.model, press, self.model_spec, attentions or reads_attentions(press))
+                hooks.rows = [_arange(self.prompt_len).expand(k.shape[1], -1).to(k.device) for k in self.keys]
+                self._decided[key] = self._decide(hooks)
+            return self._decided[key]
 
     def _decide(self, hooks: PressHooks) -> PressedCache:
         import torch
@@ -324,6 +330,15 @@ class PrefillCapture:
         layers = [hooks.decided[layer] for layer in range(len(self.modules))]
         first = int(layers[0].positions.shape[1]) if rerotates(press) else self.prompt_len
         return PressedCache(layers, self.prompt_keys, self.prompt_len, first)
+
+
+def configuration(press) -> tuple:
+    """``(class, (field, repr(value)) …)`` of a press's ``__init__`` fields, nested presses by their
+    own repr: two presses with equal configurations decide alike on one prefill."""
+    import dataclasses as dc
+
+    fields = tuple((f.name, repr(getattr(press, f.name))) for f in dc.fields(press) if f.init)
+    return (f"{type(press).__module__}.{type(press).__qualname__}", fields)
 
 
 _ATTACHED = ("rotary_emb", adapter.MASKS)  # what a session sets on each attention module

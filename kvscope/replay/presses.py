@@ -93,17 +93,31 @@ def model_presses(setup) -> dict[int, str]:
 
 def capture(setup, s: int, sample_index: int):
     """Sample ``s``'s prefill on the trace's model (``PrefillCapture``), its keys checked
-    against the recorded ones; ``sample_index``: the sample's index in the whole trace (messages)."""
-    from ..policies.press_hooks import PrefillCapture
-
-    where = setup.press_model
-    model, tokenizer = where.load()
+    against the recorded ones; ``sample_index``: the sample's index in the whole trace (messages).
+    The samples of one context (its questions) share it in a process: their presses decide from one
+    prefill, and a reconstructing press (KVzip) scores the context once."""
     acc = setup.ds.kvscope
     p = int(acc.prompt_len[s])
-    ids = [int(t) for t in setup.ds["tokens"].values[s, :p]]
-    captured = PrefillCapture(model, ids, model_spec=acc.model, tokenizer=tokenizer)
-    check_keys(setup, s, sample_index=sample_index, keys=captured.prompt_keys, where=where)
+    ids = tuple(int(t) for t in setup.ds["tokens"].values[s, :p])
+    captured = _prefill_capture(setup.press_model, ids, acc.model)
+    check_keys(setup, s, sample_index=sample_index, keys=captured.prompt_keys, where=setup.press_model)
     return captured
+
+
+_CAPTURES: dict = {}  # (model, its spec, prompt ids) → PrefillCapture: the last two prompts of this process
+
+
+def _prefill_capture(where: TraceModel, ids: tuple[int, ...], model_spec):
+    """The prompt ``ids``' ``PrefillCapture`` on ``where``'s model, made once per process."""
+    from ..policies.press_hooks import PrefillCapture
+
+    key = (where, repr(model_spec), ids)
+    if key not in _CAPTURES:
+        model, tokenizer = where.load()
+        while len(_CAPTURES) >= 2:
+            _CAPTURES.pop(next(iter(_CAPTURES)))
+        _CAPTURES[key] = PrefillCapture(model, list(ids), model_spec=model_spec, tokenizer=tokenizer)
+    return _CAPTURES[key]
 
 
 def check_keys(setup, s: int, *, sample_index: int, keys: list, where: TraceModel) -> None:

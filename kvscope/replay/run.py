@@ -122,7 +122,8 @@ def replay(
         forced: Also the model's own output under each run's cache, teacher-forced on the trace's
             continuation ([forced replay](concepts.md#forced-replay), ``kvscope.replay.forced``):
             the trace's model is loaded once, on ``device``.
-        forced_chunk: Decode steps per forward of the forced decodes (their closed loop converges chunk by chunk).
+        forced_chunk: Decode steps per forward of the forced decodes (their closed loop converges chunk by chunk;
+            a press that acts while decoding runs step by step).
         max_rounds: Forwards of one chunk before a closed loop that still changes is labelled not converged.
         device: Where forced replay runs the model (default: the trace's device).
         layers_per_task: Layers of one sample per task (default: as many as 2 GiB hold).

@@ -87,25 +87,35 @@ class ForcedRun:
         """The policy through ``steps`` (append, then decide on the rows ``rows_at(t, state)``, a
         decoding press fed ``feeds_at(t)``); returns the tier maps the steps' queries see
         ``[step, layer, unit, P + S]``."""
-        st, sample = self.state, self.sample
-        maps = np.empty((len(steps), *st.tiers.shape), dtype=np.int8)
+        maps = np.empty((len(steps), *self.state.tiers.shape), dtype=np.int8)
         for i, t in enumerate(steps):
-            self.log.visible = t
-            self.driver.append(sample.P - 1 + t)
-            maps[i] = st.tiers
-            self.log.visible = t + 1
-            if self.decoding:  # the step's own q/k/v where its press reads them
-                keys, values, queries = st.recorded
-                k, v, q = feeds_at(t)
-                at = sample.P - 1 + t
-                keys[:, :, at], values[:, :, at], queries[at] = k[:, :, 0], v[:, :, 0], q[0]
-            self.driver.decide(rows_at(t, st) if self.policy.observes else None, self._future(t))
-            if self.decoding and st.rewrites:
-                raise KvscopeError(
-                    f"press {self.policy.press} rewrites what it keeps while decoding ({', '.join(sorted(st.rewrites))}"
-                    "): forced replay serves a press's rewrites of the prompt's cache, not those made while decoding"
-                )
+            maps[i] = self._append(t)
+            self._decide(t, rows_at, feeds_at)
         return maps
+
+    def _append(self, t: int) -> np.ndarray:
+        """Step ``t``'s position enters the cache; returns the tier map its query sees
+        ``[layer, unit, P + S]`` (decided by the steps before it alone)."""
+        self.log.visible = t
+        self.driver.append(self.sample.P - 1 + t)
+        self.log.visible = t + 1
+        return self.state.tiers
+
+    def _decide(self, t: int, rows_at, feeds_at) -> None:
+        """The policy's decision after step ``t``: on the rows ``rows_at(t, state)`` its query saw
+        (where it observes), a decoding press fed the step's own q/k/v ``feeds_at(t)``."""
+        st = self.state
+        if self.decoding:
+            keys, values, queries = st.recorded
+            k, v, q = feeds_at(t)
+            at = self.sample.P - 1 + t
+            keys[:, :, at], values[:, :, at], queries[at] = k[:, :, 0], v[:, :, 0], q[0]
+        self.driver.decide(rows_at(t, st) if self.policy.observes else None, self._future(t))
+        if self.decoding and st.rewrites:
+            raise KvscopeError(
+                f"press {self.policy.press} rewrites what it keeps while decoding ({', '.join(sorted(st.rewrites))}"
+                "): forced replay serves a press's rewrites of the prompt's cache, not those made while decoding"
+            )
 
     def _recorded_rows(self, t: int, st) -> np.ndarray:
         """Round 0's observation: the recorded full-KV row restricted to the cache, renormalized."""
@@ -145,8 +155,9 @@ class ForcedRun:
         if sample.context.feeds_needed and keep_logits:
             self.feeds = [None] * sample.S
         self._score(range(1), logits0[None], None, keep_logits=False)
-        for c0 in range(1, sample.S, sample.chunk):
-            steps = range(c0, min(sample.S, c0 + sample.chunk))
+        chunk = 1 if self.decoding else sample.chunk  # a decoding press: step by step (``_step``)
+        for c0 in range(1, sample.S, chunk):
+            steps = range(c0, min(sample.S, c0 + chunk))
             cache = self._chunk(steps, cache, reference, keep_logits)
         self.quantized = self._rows_buffer = None
         return self
@@ -172,6 +183,8 @@ class ForcedRun:
 
     def _chunk(self, steps: range, cache, reference, keep_logits: bool):
         """One chunk of steps, in rounds until its tier maps stop changing; returns the cache after it."""
+        if self.depends and len(steps) == 1:
+            return self._step(steps.start, cache, reference, keep_logits)
         saved = self._snapshot() if self.depends else None
         if self.quantized is not None:
             self.quantized.close_chunk(self.sample.P - 1 + steps.start, self.log)
@@ -200,6 +213,22 @@ class ForcedRun:
         if keep_logits and self.feeds is not None:
             self.feeds[steps.start : steps.stop] = seen.feeds
         return mark.cache
+
+    def _step(self, t: int, cache, reference, keep_logits: bool):
+        """Step ``t`` of a closed loop as live decoding takes it: its query's tier map is decided by
+        the steps before it alone, so one forward under it is exact and the policy decides on what
+        that forward computed (a chunk of one step, without its rounds). A press that acts while
+        decoding runs this way: in chunks, each round would make about one more of its steps exact."""
+        if self.quantized is not None:
+            self.quantized.close_chunk(self.sample.P - 1 + t, self.log)
+        steps = range(t, t + 1)
+        maps = self._append(t)[None].copy()  # [1, layer, unit, P + S]
+        seen = self._forward(steps, maps, _Checkpoint(cache, cache.get_seq_length(), again=False))
+        self._decide(t, *seen.observations(t))
+        self._score(steps, seen.log_probs, reference, keep_logits)
+        if keep_logits and self.feeds is not None:
+            self.feeds[t] = seen.feeds[0]
+        return cache
 
     def _forward(self, steps: range, maps: np.ndarray, mark: _Checkpoint, before=None, first: int = 0) -> ChunkSeen:
         """The chunk's forward under ``maps`` on ``mark``'s cache; returns its log-probabilities, the
