@@ -33,7 +33,10 @@ the chunk's start) on the rows the queries of round ``r`` really saw. When a rou
 quantized groups) equal the previous round's, that forward is the live closed-loop forced decode
 exactly — by causality a round makes one more step exact, so a chunk of ``c`` steps converges in at
 most ``c + 1`` rounds. A chunk still changing after ``max_rounds`` keeps its last round and the
-sample is marked not converged. Policies whose maps do not depend on the decode (prompt-time
+sample is marked not converged. A press that reads each decode forward's tensors runs step by step
+(``ForcedRun._step``): step ``t``'s map is decided by the steps before it, so one forward of ``t``
+is exact, and the press then decides on the q/k/v that forward computed — in chunks, each round
+would make only one or two more of its steps exact. Policies whose maps do not depend on the decode (prompt-time
 policies and presses, StreamingLLM, KIVI, LogQuant) need one round; the clairvoyant oracle's maps
 come from the recorded future (open loop) and are labelled so.
 
