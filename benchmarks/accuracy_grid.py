@@ -159,12 +159,7 @@ def main() -> None:
 
     import torch
 
-    from kvscope.cli import quiet_libraries
-    from kvscope.model.loading import load, resolve
-
-    quiet_libraries().__enter__()
-    source = resolve("smollm2-135m")
-    model, tokenizer = load(source, "cpu")
+    model, tokenizer, source = record.default_model()
     policies, budgets = args.policies.split(","), [float(b) for b in args.budgets.split(",")]
     sizes = []
     for context in (int(x) for x in args.context.split(",")):

@@ -117,6 +117,18 @@ def add_argument(parser) -> None:
     parser.add_argument("--no-record", action="store_true", help="do not append the run to benchmarks/results")
 
 
+def default_model(device: str = "cpu") -> tuple:
+    """``(model, tokenizer, source)``: kvscope's default model loaded once for a benchmark's grid,
+    the libraries' progress bars and warnings quiet for the rest of the run."""
+    from kvscope.cli import quiet_libraries
+    from kvscope.model.loading import DEFAULT_MODEL, load, resolve
+
+    quiet_libraries().__enter__()
+    source = resolve(DEFAULT_MODEL)
+    model, tokenizer = load(source, device)
+    return model, tokenizer, source
+
+
 def finish(name: str, args, figures, machine_info: dict) -> None:
     """Append the run unless ``--no-record``; say where on stderr."""
     if not getattr(args, "no_record", False):
