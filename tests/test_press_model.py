@@ -246,7 +246,8 @@ def test_the_post_press_cache_is_what_live_decoding_serves(setting):
 
 def test_one_prefill_per_sample_serves_every_budget(setting):
     """A press that needs the model decides at every budget from one prefill of the prompt: KVzip's
-    reconstruction runs once per configuration, its ratio only picks how many to mask."""
+    reconstruction runs once per configuration, its ratio only picks how many to mask. A fresh press
+    configured as one before (another question of the context) is handed that decision."""
     from kvscope.policies.press_hooks import PrefillCapture
 
     model, ids = setting["model"], setting["ids"]
@@ -254,14 +255,16 @@ def test_one_prefill_per_sample_serves_every_budget(setting):
     handle = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
         capture = PrefillCapture(model, ids)
-        kept = []
-        for ratio in (0.2, 0.5, 0.7):
+        decided = {}
+        for ratio in (0.2, 0.5, 0.7, 0.5):
             press = parse("press:KVzipPress").make_press()
             press.compression_ratio = ratio
-            kept.append(int(capture.decide(press).held().sum()))
+            decided.setdefault(ratio, []).append(capture.decide(press))
     finally:
         handle.remove()
+    kept = [int(decided[ratio][0].held().sum()) for ratio in (0.2, 0.5, 0.7)]
     assert kept[0] > kept[1] > kept[2]
+    assert decided[0.5][1] is decided[0.5][0]
     chunks = 1  # the prompt is shorter than KVzip's chunk: one reconstruction forward
     assert len(calls) == 1 + chunks
 

@@ -33,7 +33,8 @@ BUDGET = 0.5
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory, tiny_models):
     """The dataset traced with the default protocol and replayed with ``--forced``, the prefill
-    forwards counted."""
+    forwards and the prompt-time presses' decisions counted."""
+    from kvscope.policies.press_hooks import PrefillCapture
     from kvscope.replay.forced.prefill import ContextPrefill
 
     base = tmp_path_factory.mktemp("questions")
@@ -51,14 +52,22 @@ def questions(tmp_path_factory, tiny_models):
         prefills.append(self.prompt.tolist())
         return forward(self, recorder)
 
+    decisions = []
+    decide = PrefillCapture._decide
+
+    def counted_decision(self, hooks):
+        decisions.append(type(hooks.press).__name__)
+        return decide(self, hooks)
+
     out = base / "result.zarr"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ContextPrefill, "_forward", counted)
+        patch.setattr(PrefillCapture, "_decide", counted_decision)
         ran = run_main("replay", trace, "--forced", "--policies", ",".join(POLICIES), "--budgets", BUDGET,
                        "--out", out, "--quiet")  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     return SimpleNamespace(dataset=dataset, model=model, ds=kvscope.open_trace(trace), result=kvscope.open_result(out),
-                           out=out, prefills=prefills)  # fmt: skip
+                           out=out, prefills=prefills, decisions=decisions)  # fmt: skip
 
 
 def test_the_rows_of_a_context_are_its_questions(questions):
@@ -79,6 +88,12 @@ def test_forced_replay_prefills_each_context_once(questions):
     tokens = ds["tokens"].values
     assert questions.prefills == [tokens[s, : int(ds.kvscope.prompt_len[s])].tolist() for s in (0, 2)]
     assert np.isfinite(questions.result["answer_exact"].values).all()
+
+
+def test_a_prompt_time_press_decides_once_per_context(questions):
+    """SnapKV compresses each context once for both its questions (kvpress's protocol), at the
+    replay's one budget: two decisions for four samples."""
+    assert questions.decisions == ["SnapKVPress", "SnapKVPress"]
 
 
 def test_a_contexts_questions_share_one_budget_live_as_offline(questions):
