@@ -83,6 +83,38 @@ def test_the_rows_of_a_context_are_its_questions(questions):
     assert acc.final_len.tolist() == longest
 
 
+def test_the_trace_prefills_each_context_once_to_the_same_store(questions, tmp_path):
+    """``trace --dataset`` runs one prefill per context (its questions take a copy of its cache and
+    of what was recorded of it), and the store is the one a prefill per question makes."""
+    import zarr
+
+    from kvscope.tracing.decode import BatchDecode, PrefillMemo
+
+    prefills, forward = [], BatchDecode._model_forward
+
+    def counted(self, t, next_input):
+        if t == 0:
+            prefills.append(self.batch[0])
+        return forward(self, t, next_input)
+
+    stores = {}
+    for shared in (True, False):
+        stores[shared] = tmp_path / f"shared-{shared}.zarr"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BatchDecode, "_model_forward", counted)
+            if not shared:
+                patch.setattr(PrefillMemo, "take", lambda self, ids, recorder: None)
+            ran = run_main("trace", "--dataset", questions.dataset, "--model", questions.model, "--out", stores[shared],
+                           "--record", "qkv", "--dtype", "float32", "--quiet")  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+    assert prefills == [0, 2, 0, 1, 2, 3]  # shared: the first sample of each context; then every sample
+    one, per_question = (zarr.open_group(str(stores[shared]), mode="r") for shared in (True, False))
+    names = sorted(name for name, _ in one.arrays())
+    assert names == sorted(name for name, _ in per_question.arrays())
+    for name in names:
+        np.testing.assert_array_equal(one[name][...], per_question[name][...], err_msg=name)
+
+
 def test_forced_replay_prefills_each_context_once(questions):
     ds = questions.ds
     tokens = ds["tokens"].values

@@ -40,7 +40,7 @@ class BatchDecode:
 
     def __init__(
         self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None,
-        continuations=None, staging=None,
+        continuations=None, staging=None, prefills: PrefillMemo | None = None,
     ):  # fmt: skip
         self.model, self.batch, self.layout, self.settings, self.writer = model, batch, layout, settings, writer
         self.prompt_ids = [encoded[s] for s in batch]
@@ -77,6 +77,10 @@ class BatchDecode:
         self.prefill: Block | None = None  # the prompt's writes, until the first block of steps takes them
         self.buffers = BlockBuffers(layout, B, self.dtype, staging or HostStaging(settings.device))
         self.generator = torch.Generator(device="cpu").manual_seed(settings.seed + batch[0])
+        # a prompt alone in its batch, decoded from the start into the model's own cache: its prefill
+        # is the one of the last such prompt with the same tokens (a context's questions)
+        shared = prefills is not None and cache is None and B == 1 and self.committed == 0
+        self.prefills = prefills if shared else None
         self._inputs()
 
     def _stored_tokens(self):
@@ -128,6 +132,26 @@ class BatchDecode:
         """One forward; returns the sampled tokens ``[B]`` (checked against the store while resuming)."""
         self.recorder.enabled = t >= self.committed
         self.recorder.begin(ForwardContext(seq_len=seq_len, pad=self.pad))
+        kept = self.prefills.take(self.prompt_ids[0], self.recorder) if self.prefills is not None and t == 0 else None
+        if kept is not None:
+            self.cache, logits = kept
+        else:
+            self.cache, logits = self._model_forward(t, next_input)
+            if self.prefills is not None and t == 0:
+                self.prefills.keep(self.prompt_ids[0], self.recorder, cache=self.cache, logits=logits)
+        if self.records is not None:
+            self.cache.end_step()
+            self.records.add_step(t, self.cache)
+        token = self.sample(logits)
+        for i, forced in enumerate(self.forced):
+            if t < len(forced):
+                token[i] = forced[t]
+        if self.stored_tokens is not None and t < self.committed:
+            self._check_replayed(t, token)
+        return token
+
+    def _model_forward(self, t: int, next_input) -> tuple:
+        """The model's forward of step ``t``, recorded; returns ``(cache, logits [B, vocab])``."""
         weights = self.layout.from_weights and self.recorder.enabled  # the model's own probabilities
         out = self.model(
             input_ids=next_input,
@@ -142,17 +166,7 @@ class BatchDecode:
             for layer, probs in enumerate(out.attentions):
                 if probs is not None:
                     self.recorder.observe_weights(self.recorder.slot_of(layer), probs)
-        self.cache = returned_cache(out)
-        if self.records is not None:
-            self.cache.end_step()
-            self.records.add_step(t, self.cache)
-        token = self.sample(out.logits[:, -1])
-        for i, forced in enumerate(self.forced):
-            if t < len(forced):
-                token[i] = forced[t]
-        if self.stored_tokens is not None and t < self.committed:
-            self._check_replayed(t, token)
-        return token
+        return returned_cache(out), out.logits[:, -1]
 
     def _check_replayed(self, t: int, token: torch.Tensor) -> None:
         for i, s in enumerate(self.batch):
@@ -200,6 +214,32 @@ class BatchDecode:
         return int(live.sum())
 
 
+class PrefillMemo:
+    """The last prefill of a prompt decoded alone: its cache, its last logits and what the recorder
+    kept of it (the forward's rows, by reference: the next forward records into new ones), handed
+    to the next batch with the same prompt tokens instead of a forward of its own — a context's
+    questions (question-agnostic) are prefilled once. One prompt's is kept at a time."""
+
+    def __init__(self):
+        self.ids: list[int] | None = None
+        self.kept: tuple | None = None  # (cache, logits, recorder's layers, recorder's rows)
+
+    def keep(self, ids: list[int], recorder: AttentionRecorder, *, cache, logits) -> None:
+        import copy
+
+        self.ids, self.kept = list(ids), (copy.deepcopy(cache), logits.clone(), recorder.layers, recorder.rows)
+
+    def take(self, ids: list[int], recorder: AttentionRecorder) -> tuple | None:
+        """``(cache, logits)`` of the kept prefill where it is one of ``ids`` (its cache a copy), the
+        recorder given what it recorded; None otherwise."""
+        import copy
+
+        if self.kept is None or self.ids != list(ids):
+            return None
+        cache, logits, recorder.layers, recorder.rows = self.kept
+        return copy.deepcopy(cache), logits
+
+
 def decode_all(
     model, encoded, batches, layout: Layout, settings, writer, cache_factory, eos: set[int], progress, questions=None,
     continuations=None, staging: HostStaging | None = None,
@@ -208,8 +248,10 @@ def decode_all(
     ``kvscope.tracing.shard.batches``), in turn; ``progress(steps_done, steps_total, tokens,
     seconds)``; ``questions``: the tokens forced as each sample's first steps (--question-agnostic);
     ``continuations``: the tokens forced after them (given continuations; None: generated);
-    ``staging``: the host buffers the rows are copied into (one for the trace's device where None)."""
+    ``staging``: the host buffers the rows are copied into (one for the trace's device where None).
+    Consecutive prompts with the same tokens, each alone in its batch, share one prefill (``PrefillMemo``)."""
     staging = staging or HostStaging(settings.device)
+    prefills = PrefillMemo()
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
@@ -226,7 +268,7 @@ def decode_all(
         cache = cache_factory(model, layout, batch)
         decoder = BatchDecode(
             model, encoded, batch, layout=layout, settings=settings, writer=writer, cache=cache, eos=eos,
-            questions=questions, continuations=continuations, staging=staging,
+            questions=questions, continuations=continuations, staging=staging, prefills=prefills,
         )  # fmt: skip
         decoder.run(step_done)
     writer.flush()
