@@ -218,16 +218,20 @@ class PrefillMemo:
     """The last prefill of a prompt decoded alone: its cache, its last logits and what the recorder
     kept of it (the forward's rows, by reference: the next forward records into new ones), handed
     to the next batch with the same prompt tokens instead of a forward of its own — a context's
-    questions (question-agnostic) are prefilled once. One prompt's is kept at a time."""
+    questions (question-agnostic) are prefilled once. One prompt's is kept at a time, and only where
+    the next batch to decode (``wanted``: its prompt, alone in it) has the same tokens."""
 
     def __init__(self):
         self.ids: list[int] | None = None
         self.kept: tuple | None = None  # (cache, logits, recorder's layers, recorder's rows)
+        self.wanted: list[int] | None = None
 
     def keep(self, ids: list[int], recorder: AttentionRecorder, *, cache, logits) -> None:
         import copy
 
-        self.ids, self.kept = list(ids), (copy.deepcopy(cache), logits.clone(), recorder.layers, recorder.rows)
+        self.ids, self.kept = None, None
+        if self.wanted is not None and list(self.wanted) == list(ids):
+            self.ids, self.kept = list(ids), (copy.deepcopy(cache), logits.clone(), recorder.layers, recorder.rows)
 
     def take(self, ids: list[int], recorder: AttentionRecorder) -> tuple | None:
         """``(cache, logits)`` of the kept prefill where it is one of ``ids`` (its cache a copy), the
@@ -262,9 +266,9 @@ def decode_all(
         if progress is not None:
             progress(counter["done"], steps_total, counter["tokens"], time.perf_counter() - counter["t0"])
 
-    for batch in batches:
-        if all(writer.done[s] for s in batch):
-            continue
+    pending = [batch for batch in batches if not all(writer.done[s] for s in batch)]
+    for batch, following in zip(pending, [*pending[1:], None]):
+        prefills.wanted = encoded[following[0]] if following is not None and len(following) == 1 else None
         cache = cache_factory(model, layout, batch)
         decoder = BatchDecode(
             model, encoded, batch, layout=layout, settings=settings, writer=writer, cache=cache, eos=eos,
