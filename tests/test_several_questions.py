@@ -91,23 +91,30 @@ def test_the_trace_prefills_each_context_once_to_the_same_store(questions, tmp_p
     from kvscope.tracing.decode import BatchDecode, PrefillMemo
 
     prefills, forward = [], BatchDecode._model_forward
+    kept, keep = [], PrefillMemo.keep
 
     def counted(self, t, next_input):
         if t == 0:
             prefills.append(self.batch[0])
         return forward(self, t, next_input)
 
+    def counted_keep(self, ids, recorder, **kwargs):
+        keep(self, ids, recorder, **kwargs)
+        kept.append(self.kept is not None)
+
     stores = {}
     for shared in (True, False):
         stores[shared] = tmp_path / f"shared-{shared}.zarr"
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(BatchDecode, "_model_forward", counted)
+            patch.setattr(PrefillMemo, "keep", counted_keep)
             if not shared:
                 patch.setattr(PrefillMemo, "take", lambda self, ids, recorder: None)
             ran = run_main("trace", "--dataset", questions.dataset, "--model", questions.model, "--out", stores[shared],
                            "--record", "qkv", "--dtype", "float32", "--quiet")  # fmt: skip
         assert ran.returncode == 0, ran.stderr
     assert prefills == [0, 2, 0, 1, 2, 3]  # shared: the first sample of each context; then every sample
+    assert kept == [True, True, True, False, True, False]  # a prefill is kept only for a next batch that shares it
     one, per_question = (zarr.open_group(str(stores[shared]), mode="r") for shared in (True, False))
     names = sorted(name for name, _ in one.arrays())
     assert names == sorted(name for name, _ in per_question.arrays())
