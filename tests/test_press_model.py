@@ -269,6 +269,17 @@ def test_one_prefill_per_sample_serves_every_budget(setting):
     assert len(calls) == 1 + chunks
 
 
+def test_a_press_configuration_counts_the_fields_kvscope_sets_late():
+    """Two presses share a capture's decision only when every field agrees — those kvscope sets after
+    construction too (FinchPress's ``window_size``, outside its constructor)."""
+    from kvscope.policies.press_hooks import configuration
+
+    presses = [parse(f"press:FinchPress:window_size={n}").make_press() for n in (8, 8, 16)]
+    assert [p.window_size for p in presses] == [8, 8, 16]
+    assert configuration(presses[0]) == configuration(presses[1]) != configuration(presses[2])
+    assert configuration(presses[0], ignoring=("window_size",)) == configuration(presses[2], ignoring=("window_size",))
+
+
 def test_replay_names_the_presses_that_rewrite_what_they_keep(setting):
     """ThinK, KeyRerotation: the result says what FMM and churn mean for them; their attention
     errors are left out offline (the recording holds no rewritten cache)."""

@@ -273,14 +273,9 @@ class PrefillCapture:
 
     def _reconstructed(self, press):
         """A reconstructing press's scores of this prompt, its forwards run once per configuration."""
-        import dataclasses as dc
-
         import torch
 
-        key = (
-            type(press).__name__,
-            *((f.name, getattr(press, f.name)) for f in dc.fields(press) if f.name != "compression_ratio"),
-        )
+        key = configuration(press, ignoring=("compression_ratio",))
         if key not in self._scores:
             ratio = press.compression_ratio
             press.compression_ratio = 0.5  # the hook scores whatever the ratio; the masks come later
@@ -332,12 +327,13 @@ class PrefillCapture:
         return PressedCache(layers, self.prompt_keys, self.prompt_len, first)
 
 
-def configuration(press) -> tuple:
-    """``(class, (field, repr(value)) …)`` of a press's ``__init__`` fields, nested presses by their
-    own repr: two presses with equal configurations decide alike on one prefill."""
+def configuration(press, ignoring: tuple[str, ...] = ()) -> tuple:
+    """``(class, (field, repr(value)) …)`` of every field of a press but ``ignoring`` — those kvscope
+    sets after construction too (the budget's knobs, FinchPress's ``window_size``), nested presses by
+    their own repr: two presses with equal configurations decide alike on one prefill."""
     import dataclasses as dc
 
-    fields = tuple((f.name, repr(getattr(press, f.name))) for f in dc.fields(press) if f.init)
+    fields = tuple((f.name, repr(getattr(press, f.name))) for f in dc.fields(press) if f.name not in ignoring)
     return (f"{type(press).__module__}.{type(press).__qualname__}", fields)
 
 
