@@ -40,7 +40,7 @@ class BatchDecode:
 
     def __init__(
         self, model, encoded, batch, layout: Layout, settings, writer, cache, eos: set[int], questions=None,
-        continuations=None, staging=None, prefills: PrefillMemo | None = None,
+        continuations=None, staging=None, prefill_memo: PrefillMemo | None = None,
     ):  # fmt: skip
         self.model, self.batch, self.layout, self.settings, self.writer = model, batch, layout, settings, writer
         self.prompt_ids = [encoded[s] for s in batch]
@@ -79,8 +79,8 @@ class BatchDecode:
         self.generator = torch.Generator(device="cpu").manual_seed(settings.seed + batch[0])
         # a prompt alone in its batch, decoded from the start into the model's own cache: its prefill
         # is the one of the last such prompt with the same tokens (a context's questions)
-        shared = prefills is not None and cache is None and B == 1 and self.committed == 0
-        self.prefills = prefills if shared else None
+        shared = prefill_memo is not None and cache is None and B == 1 and self.committed == 0
+        self.prefill_memo = prefill_memo if shared else None
         self._inputs()
 
     def _stored_tokens(self):
@@ -132,13 +132,14 @@ class BatchDecode:
         """One forward; returns the sampled tokens ``[B]`` (checked against the store while resuming)."""
         self.recorder.enabled = t >= self.committed
         self.recorder.begin(ForwardContext(seq_len=seq_len, pad=self.pad))
-        kept = self.prefills.take(self.prompt_ids[0], self.recorder) if self.prefills is not None and t == 0 else None
+        memo = self.prefill_memo if t == 0 else None
+        kept = memo.take(self.prompt_ids[0], self.recorder) if memo is not None else None
         if kept is not None:
             self.cache, logits = kept
         else:
             self.cache, logits = self._model_forward(t, next_input)
-            if self.prefills is not None and t == 0:
-                self.prefills.keep(self.prompt_ids[0], self.recorder, cache=self.cache, logits=logits)
+            if memo is not None:
+                memo.keep(self.prompt_ids[0], self.recorder, cache=self.cache, logits=logits)
         if self.records is not None:
             self.cache.end_step()
             self.records.add_step(t, self.cache)
@@ -230,15 +231,15 @@ class PrefillMemo:
         import copy
 
         self.ids, self.kept = None, None
-        if self.wanted is not None and list(self.wanted) == list(ids):
-            self.ids, self.kept = list(ids), (copy.deepcopy(cache), logits.clone(), recorder.layers, recorder.rows)
+        if self.wanted == ids:
+            self.ids, self.kept = ids, (copy.deepcopy(cache), logits.clone(), recorder.layers, recorder.rows)
 
     def take(self, ids: list[int], recorder: AttentionRecorder) -> tuple | None:
-        """``(cache, logits)`` of the kept prefill where it is one of ``ids`` (its cache a copy), the
-        recorder given what it recorded; None otherwise."""
+        """``(cache, logits)`` of the kept prefill where it is the prefill of ``ids`` (its cache a copy),
+        the recorder given what it recorded; None otherwise."""
         import copy
 
-        if self.kept is None or self.ids != list(ids):
+        if self.kept is None or self.ids != ids:
             return None
         cache, logits, recorder.layers, recorder.rows = self.kept
         return copy.deepcopy(cache), logits
@@ -255,7 +256,7 @@ def decode_all(
     ``staging``: the host buffers the rows are copied into (one for the trace's device where None).
     Consecutive prompts with the same tokens, each alone in its batch, share one prefill (``PrefillMemo``)."""
     staging = staging or HostStaging(settings.device)
-    prefills = PrefillMemo()
+    prefill_memo = PrefillMemo()
     todo = [s for batch in batches for s in batch if not writer.done[s]]
     steps_total = sum(layout.n_steps - writer.committed[s] for s in todo)
     counter = {"done": 0, "tokens": 0, "t0": time.perf_counter()}
@@ -268,11 +269,11 @@ def decode_all(
 
     pending = [batch for batch in batches if not all(writer.done[s] for s in batch)]
     for batch, following in zip(pending, [*pending[1:], None]):
-        prefills.wanted = encoded[following[0]] if following is not None and len(following) == 1 else None
+        prefill_memo.wanted = encoded[following[0]] if following is not None and len(following) == 1 else None
         cache = cache_factory(model, layout, batch)
         decoder = BatchDecode(
             model, encoded, batch, layout=layout, settings=settings, writer=writer, cache=cache, eos=eos,
-            questions=questions, continuations=continuations, staging=staging, prefills=prefills,
+            questions=questions, continuations=continuations, staging=staging, prefill_memo=prefill_memo,
         )  # fmt: skip
         decoder.run(step_done)
     writer.flush()
